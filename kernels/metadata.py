@@ -1,0 +1,56 @@
+"""Attention metadata for one flattened, variable-length batch.
+
+One layout serves every step: prefill chunks, decodes, prefix hits and
+speculative tokens are all "query tokens appended to a context"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token, -1 = skip
+    block_table: torch.Tensor  # [B, max_blocks] int32: physical blocks of each sequence, in order
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence once this step's tokens are in
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths (flash-attn's cu_seqlens_q)
+    # Host copies, so that a reference path can plan its work without device syncs.
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens_host)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              slot_mapping: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+        width = max((len(b) for b in block_tables), default=0)
+        table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            if blocks:
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_table=table.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens_host=list(seq_lens),
+            query_lens_host=list(query_lens),
+        )

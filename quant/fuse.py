@@ -1,0 +1,63 @@
+"""Hugging Face names -> the model's fused layout (qkv_proj, gate_up_proj).
+
+Fusing turns seven matrix products per layer into four. FP8 weights fuse too:
+their scales are per output channel, so they concatenate along with the rows
+(a per-tensor scale is first broadcast to its rows)."""
+from __future__ import annotations
+
+import torch
+
+from ridge.config import ModelConfig
+
+from .errors import ModelLoadError
+
+FP8 = torch.float8_e4m3fn
+
+
+def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
+    s = sd.get(prefix + ".weight_scale")
+    if s is None:
+        return None
+    s = s.float().reshape(-1)
+    return s.expand(rows).clone() if s.numel() == 1 else s
+
+
+def _cat(sd, prefixes: list[str], out: dict, name: str, path) -> None:
+    try:
+        ws = [sd[p + ".weight"] for p in prefixes]
+    except KeyError as e:
+        raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
+    out[name + ".weight"] = torch.cat(ws, dim=0)
+    if ws[0].dtype == FP8:
+        out[name + ".weight_scale"] = torch.cat([_row_scale(sd, p, w.shape[0]) for p, w in zip(prefixes, ws)])
+    if prefixes[0] + ".bias" in sd:
+        out[name + ".bias"] = torch.cat([sd[p + ".bias"] for p in prefixes], dim=0)
+
+
+def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+
+    def take(src: str, dst: str):
+        if src not in sd:
+            raise ModelLoadError(path, f"missing tensor {src}")
+        out[dst] = sd[src]
+
+    take("model.embed_tokens.weight", "embed_tokens.weight")
+    take("model.norm.weight", "norm.weight")
+    if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
+        _cat(sd, ["lm_head"], out, "lm_head", path)
+    else:  # tied: the head is the embedding, quantized as a linear layer of its own
+        out["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        take(p + "input_layernorm.weight", q + "input_layernorm.weight")
+        take(p + "post_attention_layernorm.weight", q + "post_attention_layernorm.weight")
+        a, m = p + "self_attn.", p + "mlp."
+        _cat(sd, [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj", path)
+        _cat(sd, [a + "o_proj"], out, q + "o_proj", path)
+        _cat(sd, [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj", path)
+        _cat(sd, [m + "down_proj"], out, q + "down_proj", path)
+        if cfg.qk_norm:
+            take(a + "q_norm.weight", q + "q_norm.weight")
+            take(a + "k_norm.weight", q + "k_norm.weight")
+    return out

@@ -1,0 +1,135 @@
+"""GGUF files (llama, qwen2, qwen3) -> ModelConfig + a Hugging Face-named fp32 state dict.
+
+Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
+K rows of llama models for its interleaved RoPE; we undo it to get back the
+rotate-half layout the model uses. Qwen models are stored unpermuted."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ridge.config import SUPPORTED_ARCHS, ModelConfig
+
+from .errors import ModelLoadError
+from .progress import progress
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert permute: rows (head, i, pair) -> (head, pair, i)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert permute (HF rotate-half rows -> GGUF interleaved rows)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader, path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {arch!r}; ridge runs {', '.join(SUPPORTED_ARCHS)}")
+
+    def a(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = a("embedding_length"), a("attention.head_count")
+    if hidden is None or heads is None or a("block_count") is None:
+        raise ModelLoadError(path, f"missing {arch}.embedding_length/block_count/attention.head_count metadata")
+    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if a("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": a("rope.scaling.type"), "factor": a("rope.scaling.factor", 1.0),
+                   "original_max_position_embeddings": a("rope.scaling.original_context_length", 4096)}
+    return ModelConfig(
+        arch=arch, vocab_size=int(vocab), hidden_size=int(hidden),
+        intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
+        num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv", heads)),
+        head_dim=int(a("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position=int(a("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        name=str(_field(reader, "general.name", "") or ""),
+    )
+
+
+def _dequantize(t) -> torch.Tensor:
+    from gguf.quants import dequantize
+    arr = dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+
+
+def open_gguf(path):
+    import gguf
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except FileNotFoundError:
+        raise ModelLoadError(path, "no such file") from None
+    except Exception as e:  # the reader raises many kinds on a bad file
+        raise ModelLoadError(path, f"not a readable GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
+
+
+def load_gguf(path, show_progress: bool = True):
+    """-> (config, HF-named fp32 state dict, rope freq factors or None, reader)."""
+    reader = open_gguf(path)
+    cfg = read_config(reader, path)
+    sd: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for t in progress(reader.tensors, "dequantizing", enabled=show_progress):
+        try:
+            w = _dequantize(t)
+        except Exception as e:
+            raise ModelLoadError(path, f"tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}") from None
+        if t.name == "rope_freqs.weight":
+            freq_factors = w
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        sd[name] = w
+    return cfg, sd, freq_factors, reader

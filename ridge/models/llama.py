@@ -1,0 +1,114 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened batch.
+
+The forward pass takes every scheduled token of every request in one
+[num_tokens] row, with positions and attention metadata; attention reads and
+writes the paged KV cache. Linear layers are fused (qkv, gate_up) so each
+layer runs four matrix products."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.config import ModelConfig
+from ridge.kernels import ops
+from ridge.kernels.metadata import AttentionMetadata
+from ridge.quant.linear import FP8Linear
+
+from .rope import rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(dim))
+
+    def forward(self, x, residual=None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = FP8Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = FP8Linear(cfg.q_size, cfg.hidden_size)
+        self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = FP8Linear(cfg.intermediate_size, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def attention(self, h, positions, cos_sin, meta, kv):
+        cfg = self.cfg
+        T = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H, D]
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = ops.rope(q, k, positions, cos_sin)
+        ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.slot_mapping)
+        o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta, self.scale)
+        return self.o_proj(o.reshape(T, cfg.q_size))
+
+    def forward(self, h, residual, positions, cos_sin, meta, kv):
+        h, residual = self.input_layernorm(h, residual)
+        h = self.attention(h, positions, cos_sin, meta, kv)
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return h, residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_model_len: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = FP8Linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("cos_sin", rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta,
+                                                     cfg.rope_scaling), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden].
+        num_layers runs only the first L layers (the self-draft)."""
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
+            h, residual = layer(h, residual, positions, self.cos_sin, meta, kv)
+        return self.norm(h, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                     freq_factors: torch.Tensor | None = None) -> None:
+        """sd: the fused, possibly FP8 state dict (quant/). Norms stay fp32."""
+        for name, mod in self.named_modules():
+            if isinstance(mod, FP8Linear):
+                mod.load(sd[name + ".weight"], sd.get(name + ".weight_scale"), sd.get(name + ".bias"), device, dtype)
+            elif isinstance(mod, RMSNorm):
+                mod.weight = sd[name + ".weight"].float().to(device)
+        self.embed_tokens.weight = nn.Parameter(sd["embed_tokens.weight"].to(device=device, dtype=dtype),
+                                                requires_grad=False)
+        cfg = self.cfg
+        self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
+                                    freq_factors=freq_factors).to(device)
+
+    def weight_bytes(self) -> int:
+        tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n != "cos_sin" and b is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)

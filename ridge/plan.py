@@ -1,0 +1,310 @@
+"""`ridge plan`: KV-cache bytes per token and the hardware ridge point, as a tool.
+
+Pure Python on purpose: planning must work on a machine without torch or a GPU.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, replace
+
+GIB = 2**30
+FP8_SCALE_BYTES = 2  # our FP8 KV cache keeps one fp16 scale per token per KV head, for K and for V
+
+
+@dataclass
+class ModelShape:
+    name: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    n_params: int | None = None
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    # memory_gib is the vendor's nominal capacity (NVIDIA's "GB" is binary-sized DRAM);
+    # usable memory is a little less, so local_device_spec() substitutes the measured figure.
+    name: str
+    memory_gib: float
+    bandwidth_gbs: float
+    bf16_tflops: float
+    fp8_tflops: float | None
+    consumer: bool
+
+    def ridge_point(self, dtype: str = "bf16") -> float:
+        """Peak FLOP/s over bytes/s: below this many FLOPs per byte read, a kernel is bandwidth-bound."""
+        if dtype not in ("bf16", "fp16", "fp8"):
+            raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp8")
+        tflops = self.fp8_tflops if dtype == "fp8" else self.bf16_tflops
+        if tflops is None:
+            raise ValueError(f"{self.name} has no FP8 tensor cores")
+        return tflops * 1e12 / (self.bandwidth_gbs * 1e9)
+
+
+# Dense (no 2:4 sparsity) tensor throughput. GeForce cards run BF16/FP16 with FP32 accumulate
+# at half the FP16-accumulate rate, and real kernels accumulate in FP32, so that is the figure used.
+GPUS: dict[str, GPUSpec] = {
+    # GA102 whitepaper / RTX Blackwell whitepaper Table 3: BF16 FP32-acc 71.2/142.4; 936 GB/s.
+    "rtx-3090": GPUSpec("RTX 3090", 24, 936, 71.2, None, True),
+    # Ada whitepaper v2.02 App. A: BF16 FP32-acc 165.2/330.4, FP8 FP32-acc 330.3/660.6; 1008 GB/s.
+    "rtx-4090": GPUSpec("RTX 4090", 24, 1008, 165.2, 330.3, True),
+    # RTX Blackwell whitepaper Table 3: BF16 FP32-acc 209.5/419, FP8 FP32-acc 419/838; 1792 GB/s.
+    # (A 5060 Ti measurement suggests cuBLASLt FP8 reaches the 2x FP16-acc tier: treat as a floor.)
+    "rtx-5090": GPUSpec("RTX 5090", 32, 1792, 209.5, 419.0, True),
+    # RTX A6000 datasheet / GA102 whitepaper: BF16 154.8/309.7 (no FP32-acc halving); 768 GB/s.
+    "rtx-a6000": GPUSpec("RTX A6000", 48, 768, 154.8, None, False),
+    # RTX 6000 Ada datasheet: FP8 1457 sparse -> 728.5 dense; BF16 364.2/728.5; 960 GB/s.
+    "rtx-6000-ada": GPUSpec("RTX 6000 Ada", 48, 960, 364.2, 728.5, False),
+    # L4 datasheet: BF16 242 and FP8 485 are with sparsity -> 121 / 242.5 dense; 300 GB/s.
+    "l4": GPUSpec("L4", 24, 300, 121.0, 242.5, False),
+    # L40S datasheet: BF16 362.05/733, FP8 733/1466; 864 GB/s.
+    "l40s": GPUSpec("L40S", 48, 864, 362.05, 733.0, False),
+    # A100 datasheet: BF16 312/624; 80GB SXM 2039 GB/s. Ampere: no FP8.
+    "a100-80gb": GPUSpec("A100 80GB SXM", 80, 2039, 312.0, None, False),
+    # H100 whitepaper/datasheet: BF16 989.4/1979, FP8 1978.9/3958; SXM5 3.35 TB/s.
+    "h100-sxm": GPUSpec("H100 SXM", 80, 3350, 989.4, 1978.9, False),
+    # H200 datasheet: same GH100 compute as H100 SXM; 141 GB HBM3e at 4.8 TB/s.
+    "h200": GPUSpec("H200", 141, 4800, 989.4, 1978.9, False),
+}
+
+# A name matches a row when it has all `need` tokens and no `avoid` token. The avoids keep
+# look-alikes with different figures (H100 PCIe/NVL, A100 40GB/PCIe, 4090 D, laptops) unmatched.
+_DEVICE_RULES = {
+    "rtx-3090": ({"3090"}, {"ti", "laptop"}), "rtx-4090": ({"4090"}, {"d", "laptop"}),
+    "rtx-5090": ({"5090"}, {"d", "laptop"}), "rtx-a6000": ({"a6000"}, set()),
+    "rtx-6000-ada": ({"6000", "ada"}, set()), "l4": ({"l4"}, set()), "l40s": ({"l40s"}, set()),
+    "a100-80gb": ({"a100"}, {"pcie", "40gb"}), "h100-sxm": ({"h100"}, {"pcie", "nvl"}),
+    "h200": ({"h200"}, {"nvl"}),
+}
+
+
+def _squash(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """Look a card up by a forgiving name: "4090", "rtx-4090", "RTX 4090", "h100" all work."""
+    exact = [g for k, g in GPUS.items() if _squash(name) in (_squash(k), _squash(g.name))]
+    spec = exact[0] if exact else match_device_name(name)
+    if spec is None:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return spec
+
+
+def match_device_name(device_name: str) -> GPUSpec | None:
+    """The row a name such as torch's "NVIDIA H100 80GB HBM3" denotes, or None."""
+    tokens = set(re.findall(r"[a-z0-9]+", device_name.lower()))
+    for key, (need, avoid) in _DEVICE_RULES.items():
+        if need <= tokens and not avoid & tokens:
+            return GPUS[key]
+    return None
+
+
+def _local_cuda() -> tuple[str, float] | None:
+    try:
+        import torch  # lazy: the rest of the module must work without torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory / GIB
+
+
+def local_device_spec() -> GPUSpec | None:
+    """The table row for CUDA device 0, with its measured memory; None if absent or unknown."""
+    local = _local_cuda()
+    spec = match_device_name(local[0]) if local else None
+    return replace(spec, memory_gib=round(local[1], 2)) if spec else None
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,
+                       bytes_per_element: float, scale_bytes_per_head: int = 0) -> int:
+    """2 (K and V) x layers x KV heads x (head_dim x bytes + per-head scale bytes)."""
+    return int(2 * n_layers * n_kv_heads * (head_dim * bytes_per_element + scale_bytes_per_head))
+
+
+def kv_tokens_that_fit(memory_bytes: float, kv_bytes_per_token: int) -> int:
+    return max(0, int(memory_bytes // kv_bytes_per_token))
+
+
+def concurrent_requests(tokens: int, context_len: int) -> int:
+    return tokens // context_len
+
+
+def token_budget_knee(ridge_point: float, bytes_per_weight: float) -> float:
+    """T*: tokens per step at which the weight GEMMs stop being bandwidth-bound.
+
+    A step over T tokens does ~2*T*P FLOPs (a multiply-add per weight per token) while
+    reading the P*b bytes of weights once, so its intensity is 2T/b FLOP/byte; it reaches
+    the ridge point at T* = ridge * b / 2. Below T* extra tokens in a step are nearly free,
+    which is why batching and chunked-prefill budgets are sized against it. KV-cache reads
+    are per-sequence and not amortised, so long-context decode turns compute-bound later.
+    """
+    return ridge_point * bytes_per_weight / 2
+
+
+@dataclass
+class KVRow:
+    dtype: str
+    bytes_per_token: int
+    tokens: int | None
+    requests: int | None
+
+    @property
+    def kib_per_token(self) -> float:
+        return self.bytes_per_token / 1024
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    context_len: int
+    gpu: GPUSpec | None
+    memory_bytes: float | None
+    weight_bytes: float | None
+    kv_memory_bytes: float | None
+    rows: list[KVRow]
+    ridge: dict[str, float]  # math dtype -> FLOP/byte
+    knees: dict[str, float]  # "weights, math" -> T*
+    notes: list[str]
+
+
+def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float | None, list[str]]:
+    if memory is None:
+        return None, []
+    notes = [] if weight_bytes is not None else ["weight size unknown: not subtracted from memory"]
+    kv_memory = memory - (weight_bytes or 0)
+    if kv_memory <= 0:
+        notes.append("weights do not fit in memory")
+    return kv_memory, notes + ["upper bound: activations and runtime overhead not reserved"]
+
+
+def _kv_rows(m: ModelShape, kv_memory: float | None, context_len: int) -> list[KVRow]:
+    rows = []
+    for dtype, b, scale in (("fp16/bf16", 2, 0), ("fp8", 1, FP8_SCALE_BYTES)):
+        bpt = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.head_dim, b, scale)
+        tokens = kv_tokens_that_fit(kv_memory, bpt) if kv_memory is not None else None
+        reqs = concurrent_requests(tokens, context_len) if tokens is not None else None
+        rows.append(KVRow(dtype, bpt, tokens, reqs))
+    return rows
+
+
+def _ridge_and_knees(spec: GPUSpec) -> tuple[dict[str, float], dict[str, float]]:
+    ridge = {"bf16": spec.ridge_point("bf16")}
+    knees = {"bf16 weights, bf16 math": token_budget_knee(ridge["bf16"], 2)}
+    if spec.fp8_tflops is not None:
+        ridge["fp8"] = spec.ridge_point("fp8")
+        knees["fp8 weights, fp8 math"] = token_budget_knee(ridge["fp8"], 1)
+    else:  # weight-only FP8: half the bytes, but the math still runs at the bf16 rate
+        knees["fp8 weights, bf16 math"] = token_budget_knee(ridge["bf16"], 1)
+    return ridge, knees
+
+
+def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
+              gpu: GPUSpec | str | None = None, context_len: int = 4096,
+              weight_bytes: float | None = None) -> Plan:
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if memory_gib is None and spec is not None:
+        memory_gib = spec.memory_gib
+    memory = memory_gib * GIB if memory_gib is not None else None
+    if weight_bytes is None and model_shape.n_params is not None:
+        weight_bytes = float(model_shape.n_params)  # FP8 weights; per-channel scales are negligible
+    kv_memory, notes = _kv_budget(memory, weight_bytes)
+    ridge, knees = _ridge_and_knees(spec) if spec else ({}, {})
+    rows = _kv_rows(model_shape, kv_memory, context_len)
+    return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes)
+
+
+def format_plan(plan: Plan) -> str:
+    m = plan.model
+    params = f", {m.n_params / 1e9:.1f}B params" if m.n_params else ""
+    out = [f"model {m.name}: {m.n_layers} layers, {m.n_kv_heads} KV heads, head_dim {m.head_dim}{params}"]
+    if g := plan.gpu:
+        out.append(f"gpu   {g.name}: {g.memory_gib:g} GiB, {g.bandwidth_gbs:g} GB/s, "
+                   f"{g.bf16_tflops:g} TFLOPS bf16")
+    if plan.kv_memory_bytes is not None:
+        w = f"{plan.weight_bytes / GIB:.1f}" if plan.weight_bytes is not None else "?"
+        kv = max(plan.kv_memory_bytes, 0) / GIB
+        out.append(f"memory {plan.memory_bytes / GIB:.1f} GiB - weights {w} GiB = KV {kv:.1f} GiB")
+    out.append("")
+    reqs_at = f"reqs @{plan.context_len}"
+    out.append(f"{'KV dtype':<10} {'bytes/token':>12} {'KiB/token':>10} {'tokens fit':>12} {reqs_at:>11}")
+    for r in plan.rows:
+        tokens, reqs = (f"{x:,}" if x is not None else "-" for x in (r.tokens, r.requests))
+        out.append(f"{r.dtype:<10} {r.bytes_per_token:>12,} {r.kib_per_token:>10.1f} {tokens:>12} {reqs:>11}")
+    if plan.ridge:
+        out.append("")
+        out.append("ridge point: " + ", ".join(f"{k} {v:.0f} FLOP/byte" for k, v in plan.ridge.items()))
+        out.append("T* (tokens/step where weight GEMMs turn compute-bound):")
+        out.extend(f"  {k}: {v:.0f}" for k, v in plan.knees.items())
+    out.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(out)
+
+
+def format_gpu_table() -> str:
+    out = [f"{'key':<13} {'name':<14} {'GiB':>5} {'GB/s':>6} {'bf16 TF':>8} {'fp8 TF':>7} "
+           f"{'ridge bf16':>10} {'ridge fp8':>9}"]
+    for key, g in GPUS.items():
+        fp8 = f"{g.fp8_tflops:g}" if g.fp8_tflops else "-"
+        r8 = f"{g.ridge_point('fp8'):.0f}" if g.fp8_tflops else "-"
+        out.append(f"{key:<13} {g.name:<14} {g.memory_gib:>5g} {g.bandwidth_gbs:>6g} {g.bf16_tflops:>8g} "
+                   f"{fp8:>7} {g.ridge_point('bf16'):>10.0f} {r8:>9}")
+    return "\n".join(out)
+
+
+def _count(text: str) -> int:
+    """Parameter counts as people write them: 70e9, 70B, 7.6b, 8000000000."""
+    t = text.strip().lower()
+    scale = {"b": 1e9, "m": 1e6}.get(t[-1:], 1)
+    return int(float(t.rstrip("bm")) * scale)
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="KV-cache and ridge-point arithmetic for a model on a GPU")
+    p.add_argument("model_path", nargs="?", help="a .gguf file or a Hugging Face model directory")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--params", type=_count, help="parameter count, e.g. 70e9 or 70B")
+    p.add_argument("--gpu", help="a name from --list-gpus, or 'local' for CUDA device 0")
+    p.add_argument("--memory-gib", type=float)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--list-gpus", action="store_true")
+    p.set_defaults(func=run_plan)
+
+
+def _shape_from_args(args) -> ModelShape:
+    if args.model_path:
+        from ridge.quant.loader import read_model_shape  # lazy: written separately, may pull heavy deps
+        shape = read_model_shape(args.model_path)
+    elif None in (args.layers, args.kv_heads, args.head_dim):
+        raise ValueError("give a MODEL_PATH or all of --layers, --kv-heads, --head-dim")
+    else:
+        shape = ModelShape("custom", args.layers, args.kv_heads, args.head_dim)
+    overrides = {"n_layers": args.layers, "n_kv_heads": args.kv_heads,
+                 "head_dim": args.head_dim, "n_params": args.params}
+    return replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _gpu_from_args(args) -> GPUSpec | None:
+    if args.gpu != "local":
+        return get_gpu(args.gpu) if args.gpu else None
+    spec = local_device_spec()
+    if spec is None:
+        raise ValueError("--gpu local: no CUDA device, or one not in the table; use --memory-gib")
+    return spec
+
+
+def run_plan(args) -> int:
+    if args.list_gpus:
+        print(format_gpu_table())
+        return 0
+    try:
+        gpu, shape = _gpu_from_args(args), _shape_from_args(args)
+    except (ValueError, OSError) as e:  # bad flags, unknown GPU, unreadable model path
+        print(f"ridge plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context)))
+    return 0

@@ -1,0 +1,14 @@
+import os
+import sys
+from pathlib import Path
+
+# The Triton interpreter must be chosen before the first `import triton`
+# (machine-facts: set later, tl.sum fails outside a kernel scope).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never touch the user's cache of converted models.
+os.environ.setdefault("XDG_CACHE_HOME", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "xdg-cache"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,249 @@
+import argparse
+import sys
+import types
+
+import pytest
+
+from ridge import plan as P
+from ridge.plan import (GIB, GPUS, ModelShape, concurrent_requests, get_gpu, kv_bytes_per_token,
+                        kv_tokens_that_fit, make_plan, match_device_name, token_budget_knee)
+
+SEED = dict(n_layers=80, n_kv_heads=8, head_dim=128)  # the seed's 70B-class model
+SEED_BPT = 327_680
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser(prog="ridge")
+    P.add_plan_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+# --- the seed's worked example -------------------------------------------------------------
+
+def test_seed_fp16_kv_bytes_per_token():
+    bpt = kv_bytes_per_token(**SEED, bytes_per_element=2)
+    assert bpt == SEED_BPT
+    assert bpt / 1024 == 320  # KiB
+
+
+@pytest.mark.parametrize("ten_gb", [10e9, 10 * GIB])
+def test_seed_10gb_holds_about_32k_tokens(ten_gb):
+    tokens = kv_tokens_that_fit(ten_gb, SEED_BPT)
+    assert 30_500 <= tokens <= 32_800
+    # "Eight users at 4K context and you are full" (7 with decimal GB, 8 with GiB).
+    assert concurrent_requests(tokens, 4096) in (7, 8)
+
+
+def test_seed_8000_token_request_is_about_2_5_gib():
+    assert 8000 * SEED_BPT / GIB == pytest.approx(2.44, abs=0.01)
+
+
+def test_fp8_halves_the_cache_without_scale_overhead():
+    assert 2 * kv_bytes_per_token(**SEED, bytes_per_element=1) == SEED_BPT
+
+
+def test_fp8_scale_overhead_is_counted_and_still_nearly_doubles_capacity():
+    assert kv_bytes_per_token(**SEED, bytes_per_element=1, scale_bytes_per_head=2) == 2 * 80 * 8 * 130
+    fp16 = kv_bytes_per_token(32, 8, 64, 2)
+    fp8 = kv_bytes_per_token(32, 8, 64, 1, scale_bytes_per_head=P.FP8_SCALE_BYTES)
+    ratio = kv_tokens_that_fit(10 * GIB, fp8) / kv_tokens_that_fit(10 * GIB, fp16)
+    assert 1.9 <= ratio < 2.0
+
+
+def test_make_plan_reproduces_the_seed_80gb_fp8_weights_case():
+    shape = ModelShape("70b", **SEED, n_params=70_000_000_000)
+    plan = make_plan(shape, memory_gib=80e9 / GIB)  # 80 GB minus 70 GB of FP8 weights = 10 GB
+    fp16, fp8 = plan.rows
+    assert plan.kv_memory_bytes == pytest.approx(10e9)
+    assert (fp16.bytes_per_token, fp16.tokens, fp16.requests) == (SEED_BPT, 30_517, 7)
+    assert fp8.bytes_per_token == 166_400
+    assert fp8.tokens >= 1.9 * fp16.tokens and fp8.requests >= 14
+    assert plan.ridge == {} and plan.knees == {}
+
+
+# --- hardware table ------------------------------------------------------------------------
+
+def test_h100_ridge_point():
+    assert get_gpu("h100").ridge_point("bf16") == pytest.approx(989e12 / 3.35e12, rel=0.01)
+    assert get_gpu("h100").ridge_point("bf16") == pytest.approx(295, abs=1)
+
+
+def test_table_is_dense_and_ampere_has_no_fp8():
+    assert set(GPUS) == {"rtx-3090", "rtx-4090", "rtx-5090", "rtx-a6000", "rtx-6000-ada",
+                         "l4", "l40s", "a100-80gb", "h100-sxm", "h200"}
+    for key in ("rtx-3090", "rtx-a6000", "a100-80gb"):
+        assert GPUS[key].fp8_tflops is None
+        with pytest.raises(ValueError, match="FP8"):
+            GPUS[key].ridge_point("fp8")
+    for spec in GPUS.values():
+        assert 50 < spec.ridge_point("bf16") < 450  # a sparse figure would push H100 to ~590
+    assert GPUS["rtx-4090"].bf16_tflops == 165.2  # FP32-accumulate, not the 330 FP16-acc figure
+
+
+@pytest.mark.parametrize("name,key", [
+    ("4090", "rtx-4090"), ("rtx-4090", "rtx-4090"), ("RTX 4090", "rtx-4090"),
+    ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("h100", "h100-sxm"), ("H100 SXM", "h100-sxm"),
+    ("a100", "a100-80gb"), ("l4", "l4"), ("L40S", "l40s"), ("rtx 6000 ada", "rtx-6000-ada"),
+    ("A6000", "rtx-a6000"), ("H200", "h200"), ("5090", "rtx-5090"), ("3090", "rtx-3090"),
+])
+def test_forgiving_lookup(name, key):
+    assert get_gpu(name) is GPUS[key]
+
+
+def test_unknown_gpu_lists_known_ones():
+    with pytest.raises(ValueError) as e:
+        get_gpu("voodoo2")
+    assert "rtx-4090" in str(e.value) and "h100-sxm" in str(e.value)
+
+
+@pytest.mark.parametrize("device,key", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-SXM4-40GB", None),
+    ("NVIDIA A100 80GB PCIe", None), ("NVIDIA H200", "h200"), ("NVIDIA L4", "l4"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+    ("NVIDIA GeForce RTX 4090 D", None), ("NVIDIA GeForce RTX 3090 Ti", None),
+    ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"), ("NVIDIA RTX A6000", "rtx-a6000"),
+    ("NVIDIA GeForce RTX 5090", "rtx-5090"),
+])
+def test_local_device_names_match_only_the_right_row(device, key):
+    assert match_device_name(device) is (GPUS[key] if key else None)
+
+
+def test_local_device_spec_uses_measured_memory(monkeypatch):
+    monkeypatch.setattr(P, "_local_cuda", lambda: ("NVIDIA H100 80GB HBM3", 79.1))
+    spec = P.local_device_spec()
+    assert spec.name == "H100 SXM" and spec.memory_gib == 79.1
+    monkeypatch.setattr(P, "_local_cuda", lambda: None)
+    assert P.local_device_spec() is None
+
+
+def test_local_device_spec_on_this_machine_does_not_crash():
+    spec = P.local_device_spec()
+    assert spec is None or spec.name in {g.name for g in GPUS.values()}
+
+
+# --- the knee ------------------------------------------------------------------------------
+
+def test_token_budget_knee():
+    assert token_budget_knee(295.3, 2) == pytest.approx(295.3)
+    assert token_budget_knee(295.3, 1) == pytest.approx(147.65)
+    # At T* a step's intensity 2*T/b equals the ridge point.
+    t = token_budget_knee(200, 2)
+    assert 2 * t / 2 == pytest.approx(200)
+
+
+def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
+    shape = ModelShape("8b", 32, 8, 128, n_params=8_000_000_000)
+    plan = make_plan(shape, gpu="h100")
+    assert plan.memory_bytes == 80 * GIB
+    assert plan.ridge["bf16"] == pytest.approx(295.3, abs=0.1)
+    assert plan.ridge["fp8"] == pytest.approx(590.7, abs=0.1)
+    # FP8 halves the bytes and doubles the FLOP/s: the knee lands at the same T*.
+    knees = plan.knees
+    assert knees["fp8 weights, fp8 math"] == pytest.approx(knees["bf16 weights, bf16 math"], rel=1e-3)
+
+
+def test_ampere_knee_is_weight_only_fp8():
+    plan = make_plan(ModelShape("8b", **SEED), gpu="3090")
+    assert "fp8 weights, bf16 math" in plan.knees and "fp8" not in plan.ridge
+
+
+def test_weights_that_do_not_fit_give_zero_tokens():
+    plan = make_plan(ModelShape("70b", **SEED, n_params=70_000_000_000), gpu="4090")
+    assert all(r.tokens == 0 and r.requests == 0 for r in plan.rows)
+    assert any("do not fit" in n for n in plan.notes)
+
+
+def test_explicit_weight_bytes_override_params():
+    shape = ModelShape("x", **SEED, n_params=70_000_000_000)
+    plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2)  # e.g. 8-bit + overhead
+    assert plan.weight_bytes == 70e9
+    assert plan.kv_memory_bytes == pytest.approx(100 * GIB - 70e9)
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+def test_cli_explicit_numbers_print_the_seed_figure(capsys):
+    rc = _run(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "327,680" in out and "320.0" in out
+
+
+def test_cli_with_gpu_and_params(capsys):
+    rc = _run(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128",
+               "--params", "70B", "--gpu", "h100-sxm", "--context", "8192"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "H100 SXM" in out and "ridge point" in out and "reqs @8192" in out
+
+
+def test_cli_unknown_gpu_is_an_error(capsys):
+    rc = _run(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--gpu", "tpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown GPU" in err and "h100-sxm" in err
+
+
+def test_cli_missing_shape_is_an_error(capsys):
+    assert _run(["plan", "--layers", "80"]) == 2
+    assert "MODEL_PATH" in capsys.readouterr().err
+
+
+def test_cli_list_gpus(capsys):
+    assert _run(["plan", "--list-gpus"]) == 0
+    out = capsys.readouterr().out
+    assert all(g.name in out for g in GPUS.values())
+    assert " 295 " in out  # H100 bf16 ridge
+
+
+def test_cli_model_path_reads_shape_lazily(capsys, monkeypatch):
+    seen = []
+
+    def read_model_shape(path):
+        seen.append(path)
+        return ModelShape("llama-70b", **SEED, n_params=70_000_000_000)
+
+    fake = types.ModuleType("ridge.quant.loader")
+    fake.read_model_shape = read_model_shape
+    monkeypatch.setitem(sys.modules, "ridge.quant.loader", fake)
+    rc = _run(["plan", "/models/llama-70b", "--memory-gib", "80", "--head-dim", "128"])
+    out = capsys.readouterr().out
+    assert rc == 0 and seen == ["/models/llama-70b"]
+    assert "llama-70b" in out and "327,680" in out
+
+
+def test_cli_unreadable_model_path_is_an_error(capsys, monkeypatch):
+    def read_model_shape(path):
+        raise FileNotFoundError(f"no such model: {path}")
+
+    fake = types.ModuleType("ridge.quant.loader")
+    fake.read_model_shape = read_model_shape
+    monkeypatch.setitem(sys.modules, "ridge.quant.loader", fake)
+    assert _run(["plan", "/nope"]) == 2
+    assert "no such model: /nope" in capsys.readouterr().err
+
+
+def test_cli_local_without_a_known_cuda_device_is_an_error(capsys, monkeypatch):
+    for local in (None, ("NVIDIA Mystery 9000", 10.0)):
+        monkeypatch.setattr(P, "_local_cuda", lambda: local)
+        argv = ["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--gpu", "local"]
+        assert _run(argv) == 2
+        assert "--memory-gib" in capsys.readouterr().err
+
+
+def test_cli_local_known_device_uses_measured_memory(capsys, monkeypatch):
+    monkeypatch.setattr(P, "_local_cuda", lambda: ("NVIDIA GeForce RTX 4090", 23.5))
+    rc = _run(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--gpu", "local"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "RTX 4090: 23.5 GiB" in out
+    assert "77,004" in out  # 23.5 GiB / 320 KiB, no weights given
+
+
+def test_module_does_not_import_torch_at_import_time():
+    import subprocess
+    from pathlib import Path
+    code = "import sys, ridge.plan; print('torch' in sys.modules)"
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

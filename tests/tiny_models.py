@@ -1,0 +1,208 @@
+"""Tiny random models written as real files (GGUF with the gguf writer, HF
+directories with safetensors), so that tests load them through the real loaders."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ridge.config import ModelConfig
+from ridge.quant.gguf_loader import permute_qk
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a n"]
+
+
+def _byte_chars() -> list[str]:
+    # GPT-2's byte -> printable unicode table, which byte-level BPE vocabularies use.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    tokens = SPECIALS + _byte_chars() + ["".join(m.split()) for m in MERGES]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types, MERGES
+
+
+def tiny_config(arch: str = "llama", **kw) -> ModelConfig:
+    base = dict(arch=arch, vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position=256, tie_word_embeddings=arch != "qwen2",
+                attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", name=f"tiny-{arch}")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std=0.08):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, H, std=0.5), "model.norm.weight": norm(H)}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = r(cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(H)
+        sd[p + "post_attention_layernorm.weight"] = norm(H)
+        for name, rows in (("q_proj", cfg.q_size), ("k_proj", cfg.kv_size), ("v_proj", cfg.kv_size)):
+            sd[p + f"self_attn.{name}.weight"] = r(rows, H)
+            if cfg.attention_bias:
+                sd[p + f"self_attn.{name}.bias"] = r(rows, std=0.2)
+        sd[p + "self_attn.o_proj.weight"] = r(H, cfg.q_size)
+        if cfg.qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = norm(cfg.head_dim)
+            sd[p + "self_attn.k_norm.weight"] = norm(cfg.head_dim)
+        sd[p + "mlp.gate_proj.weight"] = r(I, H)
+        sd[p + "mlp.up_proj.weight"] = r(I, H)
+        sd[p + "mlp.down_proj.weight"] = r(H, I)
+    return sd
+
+
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, _, idx, rest = hf.split(".", 3)
+    return f"blk.{idx}.{_GGUF_NAMES[rest]}"
+
+
+def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
+               tokenizer: bool = True) -> Path:
+    """Matrices in `qtype` (norms and biases stay F32), llama's Q/K rows permuted
+    as llama.cpp's converter does."""
+    import gguf
+    from gguf.quants import quantize
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_name(cfg.name)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        tokens, types, merges = tiny_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
+    for name, t in sd.items():
+        t = t.float()
+        if cfg.arch == "llama" and name.endswith("q_proj.weight"):
+            t = permute_qk(t, cfg.num_heads)
+        elif cfg.arch == "llama" and name.endswith("k_proj.weight"):
+            t = permute_qk(t, cfg.num_kv_heads)
+        arr = t.numpy()
+        if arr.ndim == 2 and qtype != "F32":
+            w.add_tensor(_gguf_name(name), quantize(arr, qt), raw_shape=quantize(arr, qt).shape, raw_dtype=qt)
+        else:
+            w.add_tensor(_gguf_name(name), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    return {"model_type": cfg.arch, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                                        "qwen3": "Qwen3ForCausalLM"}[cfg.arch]],
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+            "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+
+
+def write_hf_dir(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype=torch.float32,
+                 fp8_scales: str | None = None) -> Path:
+    """fp8_scales: None (plain dtype), "tensor" or "channel": a vLLM-style FP8 checkpoint."""
+    from safetensors.torch import save_file
+
+    from ridge.quant.fp8 import quantize_fp8
+
+    path.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, t in sd.items():
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if fp8_scales and linear:
+            if fp8_scales == "channel":
+                q, s = quantize_fp8(t)
+                out[name], out[name + "_scale"] = q, s[:, None].contiguous()
+            else:
+                s = t.abs().max() / 448.0
+                out[name], out[name + "_scale"] = (t / s).to(torch.float8_e4m3fn), s.reshape(())
+        else:
+            out[name] = t.to(dtype).contiguous()
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
+    return path
+
+
+def write_tokenizer_files(path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json for the tiny vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, _, merges = tiny_vocab()
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split()) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}))
+
+
+def make_tiny(tmp: Path, arch: str = "llama", fmt: str = "gguf", seed: int = 0, qtype: str = "F32", **kw):
+    """-> (path, cfg, hf state dict)."""
+    cfg = tiny_config(arch, **kw)
+    sd = random_state_dict(cfg, seed)
+    if fmt == "gguf":
+        return write_gguf(tmp / f"tiny-{arch}-{qtype}.gguf", cfg, sd, qtype), cfg, sd
+    d = write_hf_dir(tmp / f"tiny-{arch}-hf", cfg, sd)
+    write_tokenizer_files(d)
+    return d, cfg, sd
