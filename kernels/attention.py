@@ -72,3 +72,244 @@ def contiguous_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------
+# Triton: one varlen launch over the whole mixed batch.
+#
+# Grid (q_block, kv_head, split). A program owns BLOCK_Q query tokens of one
+# sequence times all GROUP query heads that share one KV head, so K/V are read
+# once per group (GQA without repetition). Rows of the [BLOCK_M, D] Q tile are
+# (token, head) pairs: row m = token m // GROUP, head m % GROUP. K/V tiles are
+# gathered through the block table with int64 offsets and FP8 dequantized in
+# registers: the K scale multiplies the scores, the V scale the probabilities,
+# so the dots run on raw fp8 values cast to the dot dtype. With NUM_SPLITS > 1
+# each program covers a slice of the context (flash-decoding) and a second
+# kernel merges the partial softmaxes.
+
+from .triton_utils import cdiv, interpreting, jit, native_fp8, next_pow2, num_sms, pick_config, tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+
+@jit
+def _e4m3_bits_to_f32(bits):
+    # float8_e4m3fn from raw uint8 for GPUs without hardware e4m3 (pre-sm_89):
+    # normal: (1 + m/8) * 2^(e-7) is exactly fp32 bits sign | (e + 120) << 23 | m << 20;
+    # subnormal (e == 0): m * 2^-9. NaN (0x7f) is never written by the quantizer.
+    b = bits.to(tl.uint32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    sign = (b & 0x80) << 24
+    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+
+
+@jit
+def _load_f32(ptr, mask, FP8_MODE: tl.constexpr):
+    # FP8_MODE 0: any float dtype; 1: float8e4nv; 2: uint8 bits of e4m3fn.
+    # Masked lanes become 0 after the cast (a NaN there would survive p = 0 in the PV dot).
+    x = tl.load(ptr, mask=mask)
+    if FP8_MODE == 2:
+        y = _e4m3_bits_to_f32(x)
+    else:
+        y = x.to(tl.float32)
+    return tl.where(mask, y, 0.0)
+
+
+@jit
+def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i: a
+    # binary search over device data, so no host list decides correctness.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@jit
+def _paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_acc, part_m, part_l,
+        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, qk_scale,
+        stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len  # tokens before this chunk; query j sits at position context + j
+
+    m_rows = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + m_rows // GROUP
+    head = kv_head * GROUP + m_rows % GROUP
+    row_ok = (m_rows // GROUP < BLOCK_Q) & (tok < q_len)
+    q_pos = context + tok
+    d = tl.arange(0, DIM_P)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    dot_ty = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
+    q = q.to(dot_ty)
+
+    # Causal: this program's last query sees keys up to its own position.
+    kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_P], tl.float32)
+    table_row = block_table + seq.to(tl.int64) * stride_bt
+    for tile in range(t_lo, t_hi):
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        block = tl.load(table_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + n % BLOCK_SIZE  # [N] int64: no 32-bit overflow on big caches
+        kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = _load_f32(k_ptr + kv_off[:, None] + d[None, :], kv_mask, FP8_MODE)  # [N, D]
+        s = tl.dot(q, tl.trans(k.to(dot_ty)))  # [M, N] fp32
+        if FP8_MODE != 0:
+            s = s * tl.load(ks_ptr + slot * NUM_KV_HEADS + kv_head, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        s = s * qk_scale
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may see no key for a row
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_f32(v_ptr + kv_off[:, None] + d[None, :], kv_mask, FP8_MODE)
+        if FP8_MODE != 0:
+            p = p * tl.load(vs_ptr + slot * NUM_KV_HEADS + kv_head, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty))
+        m_i = m_new
+
+    row = (q_start + tok).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # (token, head) in [T, H]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = row * NUM_SPLITS + split
+        tl.store(part_acc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(part_m + part, m_i, mask=row_ok)
+        tl.store(part_l + part, l_i, mask=row_ok)
+
+
+@jit
+def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    # One (token, head) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS_P)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, DIM_P)
+    m = tl.load(part_m + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l + row * NUM_SPLITS + s, mask=s_ok, other=0.0)
+    big = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - big))
+    acc = tl.load(part_acc + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _attn_candidates(t: torch.Tensor, decode: bool, head_dim: int, group: int) -> list[dict]:
+    """Tile candidates. Decode: the fewest rows a dot allows (16), long K tiles.
+    Prefill: square-ish tiles, smaller at head_dim 256 to fit shared memory."""
+    rows = max(16, next_pow2(group))
+    if interpreting(t):  # few large tiles: each interpreted loop step costs milliseconds
+        return [dict(BLOCK_M=max(rows, 64 if not decode else rows), BLOCK_N=128, num_warps=4, num_stages=1)]
+    big = head_dim > 128
+    if decode:
+        ns = (32, 64) if big else (64, 128)
+        return [dict(BLOCK_M=rows, BLOCK_N=n, num_warps=w, num_stages=s) for n in ns for w in (4, 8) for s in (2, 3)]
+    ms = (64,) if big else (64, 128)
+    return [dict(BLOCK_M=max(rows, m), BLOCK_N=n, num_warps=w, num_stages=2)
+            for m in ms for n in ((32, 64) if big else (64,)) for w in (4, 8)]
+
+
+def _num_splits(q: torch.Tensor, programs: int, max_seq_len: int) -> int:
+    # Flash-decoding: split the context when the grid would leave SMs idle, keeping
+    # at least 512 keys per split so the merge stays cheap.
+    target = 2 * num_sms(q)
+    if interpreting(q) or programs >= target or max_seq_len < 1024:
+        return 1
+    return max(1, min(cdiv(target, programs), max_seq_len // 512, 32))
+
+
+def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(-1) == 1 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert k_cache.shape[-1] == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_cache.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.dtype == v_cache.dtype and block_size & (block_size - 1) == 0, "block_size: a power of 2"
+    if k_cache.dtype == torch.float8_e4m3fn:
+        assert k_scale is not None and v_scale is not None, "an FP8 cache needs its scales"
+        for s in (k_scale, v_scale):
+            assert s.shape == k_cache.shape[:3] and s.dtype == torch.float16 and s.is_contiguous()
+    assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    assert meta.block_table.dtype == torch.int32 and meta.block_table.stride(-1) == 1
+    assert meta.query_start_loc.shape == (meta.seq_lens.shape[0] + 1,)
+    for t in (k_cache, meta.block_table, meta.seq_lens, meta.query_start_loc):
+        assert t.device == q.device, "all attention inputs on one device"
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                           meta: AttentionMetadata, softmax_scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as paged_attention_ref. Host lists (max query/seq length) only size
+    the grid; lengths, offsets and blocks are read on the device. num_splits overrides
+    the flash-decoding heuristic (tests)."""
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs = meta.seq_lens.shape[0]
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8_mode = 0 if not fp8 else (1 if native_fp8(q) else 2)
+    kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8_mode == 2 else (k_cache, v_cache)
+    ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused pointers still need a tensor
+    decode = meta.max_query_len <= 1
+    cands = _attn_candidates(q, decode, head_dim, group)
+    splits = num_splits or _num_splits(q, (num_tokens // max(1, cands[0]["BLOCK_M"] // group) + num_seqs)
+                                       * num_kv_heads, meta.max_seq_len)
+    parts = [torch.empty(n, dtype=torch.float32, device=q.device)
+             for n in (num_tokens * num_heads * splits * head_dim, num_tokens * num_heads * splits,
+                       num_tokens * num_heads * splits)] if splits > 1 else [out, out, out]
+
+    def launch(cfg: dict) -> None:
+        block_q = cfg["BLOCK_M"] // group
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+        _paged_attn_kernel[grid](
+            q, kc, vc, ks, vs, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
+            num_seqs, num_tokens, softmax_scale * LOG2E, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+            num_kv_heads, group, head_dim, next_pow2(head_dim), cfg["BLOCK_M"], block_q, cfg["BLOCK_N"],
+            k_cache.shape[1], splits, fp8_mode, interpreting(q) or q.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1)
+    launch(pick_config("paged_attention", key, cands, q, launch))
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, head_dim, next_pow2(head_dim),
+                                                        splits, next_pow2(splits))
+    return out

@@ -50,8 +50,11 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         value, vs = quantize_kv(value)
         k_scale.view(-1, num_heads).index_copy_(0, slot_mapping, ks)
         v_scale.view(-1, num_heads).index_copy_(0, slot_mapping, vs)
-    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    if k_cache.dtype == FP8:  # index_copy_ has no fp8 kernel on CPU; the bytes are what matter
+        flat_k, flat_v, key, value = (t.view(torch.uint8) for t in (flat_k, flat_v, key, value))
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,3 +65,85 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Ten
     else:
         x = x.to(dtype)
     return x.flatten(-4, -3)
+
+
+# ---------------------------------------------------------------------------
+# Triton: one pass over the new K (or V) rows: amax, scale, quantize, scatter.
+# Unfused, the reference makes about six passes (abs, amax, divide, clamp,
+# cast, index_copy) plus a boolean compaction of the skipped rows.
+
+from .triton_utils import cdiv, interpreting, jit, native_fp8, next_pow2, tl  # noqa: E402
+
+_PLAIN, _FP8_NATIVE, _FP8_STAGED = 0, 1, 2
+
+
+@jit
+def _write_kv_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, staged_ptr, num_tokens, stride_xt, stride_xh,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_P: tl.constexpr, DIM_P: tl.constexpr,
+                     BLOCK_T: tl.constexpr, MODE: tl.constexpr):
+    # MODE 0: store in the cache dtype. 1: FP8, quantized here. 2: FP8 scale computed here,
+    # scaled fp32 values staged per token for torch to round (interpreter, pre-sm_89).
+    t1 = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    h1 = tl.arange(0, HEADS_P)  # [H]
+    slot1 = tl.load(slot_ptr + t1, mask=t1 < num_tokens, other=-1).to(tl.int64)
+    keep1 = (t1 < num_tokens) & (slot1 >= 0)
+    t, slot, keep = t1[:, None, None], slot1[:, None, None], keep1[:, None, None]  # [T, 1, 1]
+    h = h1[None, :, None]  # [1, H, 1]
+    d = tl.arange(0, DIM_P)[None, None, :]  # [1, 1, D]
+    mask = keep & (h < NUM_HEADS) & (d < HEAD_DIM)
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    dst = cache_ptr + slot * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+    if MODE == 0:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        # scale = max(amax / 448, 2^-14) rounded to fp16; values divide by the ROUNDED scale.
+        amax = tl.max(tl.abs(x), axis=2)  # [T, H]
+        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 2.0 ** -14)
+        scale = scale.to(tl.float16)
+        smask = keep1[:, None] & (h1[None, :] < NUM_HEADS)
+        tl.store(scale_ptr + slot1[:, None] * NUM_HEADS + h1[None, :], scale, mask=smask)
+        y = tl.math.div_rn(x, tl.broadcast_to(scale.to(tl.float32)[:, :, None], x.shape))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if MODE == 1:
+            tl.store(dst, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(staged_ptr + t.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d, y, mask=mask)
+
+
+def _write_one(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    fp8 = cache.dtype == FP8
+    mode = _PLAIN if not fp8 else (_FP8_NATIVE if native_fp8(x) and not interpreting(x) else _FP8_STAGED)
+    staged = torch.empty((num_tokens, num_heads, head_dim) if mode == _FP8_STAGED else (1,),
+                         dtype=torch.float32, device=x.device)
+    heads_p, dim_p = next_pow2(num_heads), next_pow2(head_dim)
+    # Interpreter: few, large programs (each loop step costs milliseconds). GPU: ~2K elements each.
+    per_prog = 16384 if interpreting(x) else 2048
+    block_t = max(1, min(next_pow2(num_tokens), per_prog // (heads_p * dim_p)))
+    _write_kv_kernel[(cdiv(num_tokens, block_t),)](
+        x, slot_mapping, cache, scale if fp8 else cache, staged, num_tokens, x.stride(0), x.stride(1),
+        num_heads, head_dim, heads_p, dim_p, block_t, mode)
+    if mode == _FP8_STAGED:
+        # torch's cast rounds to nearest even and the kernel already saturated at +-448.
+        keep = slot_mapping >= 0
+        flat = cache.view(torch.uint8).view(-1, num_heads, head_dim)  # index_copy_ has no fp8 kernel on CPU
+        flat.index_copy_(0, slot_mapping[keep], staged[keep].to(FP8).view(torch.uint8))
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    """Same contract as write_kv_ref. key/value may be strided views (rows of a fused qkv)."""
+    num_blocks, block_size, num_heads, head_dim = k_cache.shape
+    assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
+    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype == torch.int64
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    assert key.device == k_cache.device == slot_mapping.device
+    if k_cache.dtype == FP8:
+        assert k_scale is not None and v_scale is not None, "an FP8 cache needs its scales"
+        assert k_scale.dtype == SCALE_DTYPE and k_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
+        assert v_scale.dtype == SCALE_DTYPE and v_scale.shape == v_cache.shape[:3] and v_scale.is_contiguous()
+    if key.shape[0] == 0:
+        return
+    _write_one(key, k_cache, k_scale, slot_mapping)
+    _write_one(value, v_cache, v_scale, slot_mapping)

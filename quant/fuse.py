@@ -44,10 +44,8 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="mode
 
     take("model.embed_tokens.weight", "embed_tokens.weight")
     take("model.norm.weight", "norm.weight")
-    if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings:  # tied: the model reuses the embedding table
         _cat(sd, ["lm_head"], out, "lm_head", path)
-    else:  # tied: the head is the embedding, quantized as a linear layer of its own
-        out["lm_head.weight"] = sd["model.embed_tokens.weight"]
     for i in range(cfg.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         take(p + "input_layernorm.weight", q + "input_layernorm.weight")

@@ -32,7 +32,7 @@ PRE_SPLITS: dict[str, list[str]] = {
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen"], [_QWEN2]),
     **dict.fromkeys(["default", "gpt-2", "gpt2", "mpt", "olmo", "jais"], [_GPT2]),
 }
-_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3"}  # as llama.cpp
+_IGNORE_MERGES = {pre for pre, splits in PRE_SPLITS.items() if splits == [_LLAMA3]}  # as llama.cpp
 _CONTROL, _USER_DEFINED, _UNKNOWN, _NORMAL = 3, 4, 2, 1
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
            " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
@@ -137,6 +137,9 @@ def _sentencepiece_bpe(meta: dict) -> tokenizers.Tokenizer:
     return tok
 
 
+_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # jinja's own tojson HTML-escapes; chat templates expect plain JSON (as HF renders them).
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
@@ -167,23 +170,21 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, object], name: str = "") -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
-        if kind == "gpt2":
-            tok = _byte_level_bpe(meta)
-        elif kind == "llama":
-            tok = _sentencepiece_bpe(meta)
-        else:
+        if kind not in _BUILDERS:
             raise TokenizerError(f"{name or 'GGUF'}: unsupported tokenizer.ggml.model {kind!r}")
-        tokens = meta["tokenizer.ggml.tokens"]
+        needed = ["tokenizer.ggml.tokens"] + (["tokenizer.ggml.merges"] if kind == "gpt2" else [])
+        if missing := [k for k in needed if k not in meta]:
+            raise TokenizerError(f"{name or 'GGUF'}: metadata lacks {', '.join(missing)}")
+        tok = _BUILDERS[kind](meta)
         types = meta.get("tokenizer.ggml.token_type") or []
-        tok.add_special_tokens(_added_tokens(tokens, types))  # ids already exist: vocab keeps its size
-        g = lambda k: meta.get(f"tokenizer.ggml.{k}")  # noqa: E731
+        tok.add_special_tokens(_added_tokens(meta["tokenizer.ggml.tokens"], types))  # ids exist: no growth
+        ggml = {k[len("tokenizer.ggml."):]: v for k, v in meta.items() if k.startswith("tokenizer.ggml.")}
         # EOT/EOM end a turn just like EOS (Llama 3's <|eot_id|>), so generation must stop on them.
-        eos = [i for i in (g("eos_token_id"), g("eot_token_id"), g("eom_token_id")) if i is not None]
-        add_bos = g("add_bos_token")
-        return cls(tok, bos_token_id=g("bos_token_id"), eos_token_ids=eos,
-                   add_bos=(kind == "llama") if add_bos is None else add_bos,
+        eos = [ggml[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if ggml.get(k) is not None]
+        return cls(tok, bos_token_id=ggml.get("bos_token_id"), eos_token_ids=eos,
+                   add_bos=ggml.get("add_bos_token", kind == "llama"),
                    chat_template=meta.get("tokenizer.chat_template"), name=name,
-                   pad_token_id=g("padding_token_id"))
+                   pad_token_id=ggml.get("padding_token_id"))
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -192,19 +193,18 @@ class Tokenizer:
             raise TokenizerError(f"{d}: no tokenizer.json (only fast-tokenizer directories are supported)")
         tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
         cfg = _read_json(d / "tokenizer_config.json")
-        tid = lambda t: tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if t else None  # noqa: E731
-        eos = [i for i in [tid(cfg.get("eos_token"))] if i is not None]
+        bos, eos, pad = (_token_id(tok, cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
         gen_eos = _read_json(d / "generation_config.json").get("eos_token_id")
-        eos += gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+        eos_ids = [eos] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: prefer "default"
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default", next(iter(named.values()), None))
         if template is None and (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()
-        return cls(tok, bos_token_id=tid(cfg.get("bos_token")), eos_token_ids=eos,
+        return cls(tok, bos_token_id=bos, eos_token_ids=[i for i in eos_ids if i is not None],
                    add_bos=cfg.get("add_bos_token", False), chat_template=template, name=d.name,
-                   pad_token_id=tid(cfg.get("pad_token")))
+                   pad_token_id=pad)
 
     def to_dict(self) -> dict:
         return {"version": 1, "tokenizer_json": self._tok.to_str(), "bos_token_id": self.bos_token_id,
@@ -213,6 +213,8 @@ class Tokenizer:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Tokenizer":
+        if d.get("version") != 1:  # a stale cache: the caller rebuilds from the source
+            raise TokenizerError(f"unsupported tokenizer cache version {d.get('version')!r}")
         return cls(tokenizers.Tokenizer.from_str(d["tokenizer_json"]), bos_token_id=d["bos_token_id"],
                    eos_token_ids=d["eos_token_ids"], add_bos=d["add_bos"], chat_template=d["chat_template"],
                    name=d.get("name", ""), pad_token_id=d.get("pad_token_id"))
@@ -230,7 +232,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None and not self._backend_adds_bos:
+        wants_bos = self.add_bos and self.bos_token_id is not None and not self._backend_adds_bos
+        if add_special_tokens and wants_bos:
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -238,17 +241,18 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if self._template is None:
+        source = self.chat_template or _CHATML
+        if self._template is None or self._template[0] != source:  # compile once per template
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = _tojson
             env.globals.update(raise_exception=_raise_exception,
                                strftime_now=lambda fmt: datetime.now().strftime(fmt))
-            self._template = env.from_string(self.chat_template or _CHATML)
+            self._template = (source, env.from_string(source))
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.token_text(self.bos_token_id),
-                                     eos_token=self.token_text(eos), **kwargs)
+        return self._template[1].render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.token_text(self.bos_token_id),
+                                        eos_token=self.token_text(eos), **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         # Templates usually write BOS themselves (HF encodes without special tokens); add it only
@@ -261,6 +265,12 @@ class Tokenizer:
 
 def _read_json(p: Path) -> dict:
     return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+
+
+def _token_id(tok: tokenizers.Tokenizer, token) -> int | None:
+    # tokenizer_config.json spells special tokens as strings or as AddedToken dicts.
+    content = token.get("content") if isinstance(token, dict) else token
+    return tok.token_to_id(content) if content else None
 
 
 class IncrementalDetokenizer:
@@ -291,5 +301,5 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         prefix, full = self._pending()
-        self.prefix_offset = self.read_offset = len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]

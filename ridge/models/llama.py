@@ -99,16 +99,21 @@ class CausalLM(nn.Module):
                      freq_factors: torch.Tensor | None = None) -> None:
         """sd: the fused, possibly FP8 state dict (quant/). Norms stay fp32."""
         for name, mod in self.named_modules():
+            if name == "lm_head" and "lm_head.weight" not in sd:
+                continue
             if isinstance(mod, FP8Linear):
                 mod.load(sd[name + ".weight"], sd.get(name + ".weight_scale"), sd.get(name + ".bias"), device, dtype)
             elif isinstance(mod, RMSNorm):
                 mod.weight = sd[name + ".weight"].float().to(device)
         self.embed_tokens.weight = nn.Parameter(sd["embed_tokens.weight"].to(device=device, dtype=dtype),
                                                 requires_grad=False)
+        if "lm_head.weight" not in sd:  # tied embeddings: one table serves both ends
+            self.lm_head.weight = self.embed_tokens.weight.data
         cfg = self.cfg
         self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
                                     freq_factors=freq_factors).to(device)
 
     def weight_bytes(self) -> int:
         tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n != "cos_sin" and b is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
+        return sum(t.numel() * t.element_size() for t in unique.values())

@@ -1,0 +1,56 @@
+"""The default token budget of a step, from the seed's arithmetic.
+
+A step over T tokens does about 2*T*P FLOPs and reads P*b bytes of weights, so
+its arithmetic intensity is 2T/b and it turns compute-bound at
+T* = ridge_point * b / 2. Below T* extra tokens ride along almost free; above
+it each token costs full price. The budget is a small multiple of T*."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+BUDGET_MULTIPLE = 2  # the prefill chunk, in units of T*
+MIN_BUDGET, MAX_BUDGET = 64, 8192
+
+
+def measure_cpu_ridge_point() -> float:
+    """FLOP/s of a mid-size fp32 GEMM over bytes/s of a large GEMV, on this CPU."""
+    a = torch.randn(384, 1024)
+    b = torch.randn(1024, 1024)
+    w = torch.randn(4096, 2048)
+    x = torch.randn(2048)
+    torch.mm(a, b), torch.mv(w, x)  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(4):
+        torch.mm(a, b)
+    flops = 4 * 2 * 384 * 1024 * 1024 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        torch.mv(w, x)
+    bw = 4 * w.numel() * 4 / (time.perf_counter() - t0)
+    return flops / bw
+
+
+def ridge_point(device: torch.device, fp8: bool) -> tuple[float, str]:
+    """-> (FLOPs per byte, where the figure came from)."""
+    if device.type == "cuda":
+        from ridge.plan import local_device_spec
+        spec = local_device_spec()
+        if spec is not None:
+            kind = "fp8" if fp8 and spec.fp8_tflops else "bf16"
+            return spec.ridge_point(kind), f"{spec.name} ({kind}, plan table)"
+        return 300.0, "unknown GPU (assumed 300)"
+    return measure_cpu_ridge_point(), "measured on this CPU"
+
+
+def knee_tokens(ridge: float, bytes_per_weight: float) -> float:
+    return ridge * bytes_per_weight / 2
+
+
+def default_token_budget(device: torch.device, bytes_per_weight: float, fp8: bool) -> tuple[int, dict]:
+    ridge, source = ridge_point(device, fp8)
+    knee = knee_tokens(ridge, bytes_per_weight)
+    budget = int(min(max(BUDGET_MULTIPLE * knee, MIN_BUDGET), MAX_BUDGET))
+    budget = -(-budget // 16) * 16
+    return budget, {"ridge_point": ridge, "ridge_source": source, "knee_tokens": knee, "budget": budget}

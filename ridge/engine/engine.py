@@ -1,0 +1,256 @@
+"""The engine API the daemon calls: add requests, abort them, step, take outputs.
+
+step() = schedule -> run -> update, as in nano-vllm and vLLM V1."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ridge.cache.kv_cache import KVCache
+from ridge.cache.manager import KVCacheManager
+from ridge.quant.loader import LoadedModel, load_model
+
+from .budget import default_token_budget
+from .output import RequestOutput, TextState, make_output
+from .request import FinishReason, Request, RequestStatus
+from .runner import ModelRunner
+from .sampling import InvalidRequest, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .sizing import measure_activation_peak, plan_memory
+
+log = logging.getLogger("ridge.engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # path; None = the embedded default model
+    device: str | None = None  # None = cuda if available, else cpu
+    kv_dtype: str | None = None  # fp8 | bf16 | fp16 | fp32; None = fp8 on CUDA, the measured CPU default on CPU
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    prefill_chunk: int | None = None  # None = from the ridge point (engine/budget.py)
+    num_kv_blocks: int | None = None  # fixed pool size instead of sizing from memory
+    kv_memory_gib: float | None = None  # cap on the KV pool
+    gpu_reserve_gib: float = 1.0
+    cpu_kv_cap_gib: float = 4.0
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    quantize: bool = True
+
+    def resolved_kv_dtype(self, device: torch.device) -> str:
+        # CPU default, measured: reading an FP8 cache through torch costs a slow
+        # fp8 -> fp32 cast every step (docs/benchmarks.md), so CPU serves fp32 KV.
+        return self.kv_dtype or ("fp8" if device.type == "cuda" else "fp32")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, device=config.device, max_model_len=config.max_model_len,
+                                           quantize=config.quantize)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.device = self.loaded.device
+        self.max_model_len = self.model.max_model_len
+        self.kv_dtype = config.resolved_kv_dtype(self.device)
+        self._plan_budget()
+        act = measure_activation_peak(self._profile_forward, self.device)
+        self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
+                                  self.loaded.weight_bytes, act, gpu_reserve_gib=config.gpu_reserve_gib,
+                                  cpu_kv_cap_gib=config.cpu_kv_cap_gib, kv_memory_gib=config.kv_memory_gib,
+                                  num_blocks=config.num_kv_blocks, max_model_len=self.max_model_len)
+        self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
+        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.sched_config, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.requests: dict[str, Request] = {}  # internal id -> request
+        self.groups: dict[str, list[Request]] = {}  # client id -> its samples
+        self.texts: dict[str, TextState] = {}
+        self.pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._ids = itertools.count()
+        self.started = time.monotonic()
+        self.history: deque[tuple[float, int, int]] = deque(maxlen=4096)  # (time, prefill tok, decode tok)
+        self.totals = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "requests": 0, "errors": 0}
+
+    # -- set-up -----------------------------------------------------------------
+    def _plan_budget(self) -> None:
+        c = self.config
+        fp8 = self.device.type == "cuda" and c.quantize
+        b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
+        chunk, self.budget_info = default_token_budget(self.device, b, fp8)
+        chunk = c.prefill_chunk or chunk
+        self.sched_config = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_seqs + chunk,
+                                            long_prefill_token_threshold=chunk, block_size=c.block_size)
+        self.budget_info["prefill_chunk"] = chunk
+        log.info("step budget: ridge point %.1f FLOP/B (%s), T* = %.1f tokens, prefill chunk %d, %d tokens per step",
+                 self.budget_info["ridge_point"], self.budget_info["ridge_source"], self.budget_info["knee_tokens"],
+                 chunk, self.sched_config.max_num_batched_tokens)
+
+    def _profile_forward(self) -> None:
+        """One forward pass at the largest step, into a scratch cache."""
+        n = self.sched_config.max_num_batched_tokens
+        bs = self.config.block_size
+        scratch = KVCache(self.loaded.config, -(-n // bs), bs, self.kv_dtype, self.device)
+        from ridge.kernels.metadata import AttentionMetadata
+        meta = AttentionMetadata.build([n], [n], [list(range(-(-n // bs)))], list(range(n)), self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device) % self.max_model_len, meta, scratch.layers)
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        del scratch
+
+    # -- requests ---------------------------------------------------------------
+    def _validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if any(not isinstance(t, int) or t < 0 or t >= self.loaded.config.vocab_size for t in ids):
+            raise InvalidRequest(f"token ids must be integers in [0, {self.loaded.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}, "
+                                 "including at least one generated token")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens > room:
+            params = SamplingParams.from_dict({**asdict(params), "max_tokens": room})
+        need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
+        if need > self.kv.num_blocks:
+            raise InvalidRequest(f"the request needs {need} KV blocks and the pool has {self.kv.num_blocks}; "
+                                 "it can never fit (lower max_tokens)")
+        return params
+
+    def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None) -> str:
+        """prompt: token ids or raw text. Raises InvalidRequest at admission."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        params = self._validate(ids, params)
+        samples = []
+        for i in range(params.n):
+            iid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(iid, ids, params, tuple(self.tokenizer.eos_token_ids),
+                          group_id=request_id if params.n > 1 else None, client_id=request_id, index=i)
+            self.requests[iid] = req
+            self.texts[iid] = TextState(self.tokenizer, req)
+            self.scheduler.add_request(req)
+            samples.append(req)
+        self.groups[request_id] = samples
+        self.totals["requests"] += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        samples = self.groups.get(request_id)
+        if samples is None:
+            return False
+        for req in samples:
+            if not req.is_finished:
+                self.scheduler.finish_request(req, FinishReason.ABORT)
+                self.pending.append(self._emit(req, [], None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups) or bool(self.pending)
+
+    # -- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self.pending = self.pending, []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return outputs
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.timings.first_scheduled is None:
+                s.request.timings.first_scheduled = now
+        try:
+            tokens, samples = self.runner.execute(out)
+        except Exception as e:  # fail this step's requests; keep serving the rest
+            log.exception("step failed")
+            return outputs + self._fail(out, f"{type(e).__name__}: {e}")
+        self.scheduler.update(out, tokens)
+        self._account(out, tokens)
+        return outputs + self._postprocess(out, tokens, samples)
+
+    def _postprocess(self, out: SchedulerOutput, tokens, samples) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = s.request
+            new = tokens.get(req.request_id, [])
+            new = req.output_token_ids[len(req.output_token_ids) - len(new):] if new else []
+            if not new and not req.is_finished:
+                continue
+            if new and req.timings.first_token is None:
+                req.timings.first_token = now
+            req.timings.token_times.extend([now] * len(new))
+            res = samples.get(req.request_id)
+            outputs.append(self._emit(req, new, res.logprobs if res and req.params.logprobs else None))
+        return outputs
+
+    def _emit(self, req: Request, new: list[int], logprobs) -> RequestOutput:
+        text, hit = self.texts[req.request_id].add(new, req.is_finished)
+        if hit and not req.is_finished:
+            self.scheduler.finish_request(req, FinishReason.STOP)
+            text += self.texts[req.request_id].add([], True)[0]
+        o = make_output(req, req.index, req.client_id, new, text, logprobs)
+        if req.is_finished:
+            self._forget(req)
+        return o
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.texts.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+        group = self.groups.get(req.client_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.groups[req.client_id]
+
+    def _fail(self, out: SchedulerOutput, error: str) -> list[RequestOutput]:
+        self.totals["errors"] += 1
+        outs = []
+        for s in out.scheduled:
+            if not s.request.is_finished:
+                self.scheduler.finish_request(s.request, FinishReason.ERROR, error)
+                outs.append(self._emit(s.request, [], None))
+        return outs
+
+    def _account(self, out: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
+        prefill = sum(max(0, min(s.start + s.num_scheduled_tokens, s.request.num_prompt_tokens) - s.start)
+                      for s in out.scheduled)
+        decode = sum(len(t) for t in tokens.values())
+        self.history.append((time.monotonic(), prefill, decode))
+        self.totals["prefill_tokens"] += prefill
+        self.totals["decode_tokens"] += decode
+        self.totals["steps"] += 1
+
+    # -- convenience ------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; -> one merged final output per prompt (sample 0)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, plist)]
+        merged = {i: RequestOutput(i, 0, [], "") for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.index == 0 and o.request_id in merged:
+                    m = merged[o.request_id]
+                    m.new_token_ids += o.new_token_ids
+                    m.new_text += o.new_text
+                    m.finished, m.finish_reason, m.error = o.finished, o.finish_reason, o.error
+                    m.num_prompt_tokens, m.num_output_tokens, m.timings = o.num_prompt_tokens, o.num_output_tokens, o.timings
+                    m.num_cached_tokens = o.num_cached_tokens
+        return [merged[i] for i in ids]
+
+    def stats(self) -> dict:
+        from .stats import engine_stats
+        return engine_stats(self)
+
+    def kv_waste(self) -> tuple[int, int]:
+        """-> (reserved slots, filled slots) over running requests."""
+        reserved = sum(len(self.kv.block_ids(r.request_id)) for r in self.scheduler.running) * self.config.block_size
+        filled = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return reserved, filled

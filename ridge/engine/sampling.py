@@ -1,0 +1,58 @@
+"""Sampling parameters: what a request asks of the sampler, validated at admission."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class InvalidRequest(ValueError):
+    """A request the engine can never serve; rejected at admission."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-N logprobs per generated token
+    n: int = 1
+    speculative: bool = True  # let the engine speculate for this request when it is configured to
+
+    def __post_init__(self):
+        checks = [
+            (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1 << 20, "max_tokens must be an integer >= 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 1 << 63), "seed must be a non-negative integer"),
+            (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (isinstance(self.n, int) and 1 <= self.n <= 64, "n must be in [1, 64]"),
+            (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop must be up to 16 non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidRequest(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(sorted(map(str, unknown)))}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise InvalidRequest(str(e)) from None

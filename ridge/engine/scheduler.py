@@ -1,0 +1,199 @@
+"""The scheduler: plain data in, plain data out, never a tensor.
+
+One rule: each step, every running request's num_computed_tokens catches up
+toward its token count (prompt + output + drafts) under a per-step token
+budget. A long prompt therefore runs in chunks beside the decodes (chunked
+prefill); a finished request leaves at once and a waiting one takes its place
+in the same step (continuous batching). When blocks run out, the newest
+running request is preempted by recompute: its blocks are freed and it
+resumes later from its prompt and the output it already has."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ridge.cache.manager import KVCacheManager
+
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_scheduled_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    block_ids: list[int]  # the request's whole block table
+    num_spec_tokens: int = 0  # drafted tokens among the scheduled ones (the last ones)
+    start: int = -1  # num_computed_tokens when scheduled
+    samples: bool = False  # the step reaches the end of the known tokens, so the next one is sampled
+
+    def __post_init__(self):
+        r = self.request
+        self.start = r.num_computed_tokens
+        self.samples = self.start + self.num_scheduled_tokens >= r.num_tokens_with_spec
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    num_scheduled_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)  # preempted this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # the token budget of one step
+    long_prefill_token_threshold: int = 512  # the largest prefill chunk of one request per step
+    block_size: int = 16
+
+    def __post_init__(self):
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+        self.long_prefill_token_threshold = min(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        return sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED)
+
+    # -- schedule ---------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens_with_spec - req.num_computed_tokens
+        return min(remaining, budget, self.config.long_prefill_token_threshold if remaining > 1 else remaining)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.PREEMPTED:
+                break
+            blocks = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+            out.scheduled.append(ScheduledRequest(req, n, blocks, spec))
+            budget -= n
+            i += 1
+        return budget
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        # n > 1: wait until one sample has computed the shared prompt, then hit its blocks.
+        return req.group_id is not None and any(
+            r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if self._sibling_prefilling(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            hits, cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            req.num_computed_tokens = cached
+            n = self._chunk(req, budget)
+            if not self.kv.can_allocate(req.request_id, cached + n, hits):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            blocks = self.kv.allocate(req.request_id, cached + n, hits)
+            req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, blocks))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # admitting while evicting would thrash
+            budget = self._schedule_waiting(out, budget)
+        out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    # -- update -----------------------------------------------------------------
+    def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
+        """Advance num_computed_tokens, append accepted tokens, stop on token
+        rules. new_tokens: request id -> tokens accepted this step (empty for a
+        prefill chunk that did not reach the end). Returns requests finished now."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted or failed while the step ran
+                continue
+            accepted = new_tokens.get(req.request_id, [])
+            # Drafted tokens that were rejected were never really computed.
+            num_rejected = s.num_spec_tokens - max(0, len(accepted) - 1)
+            req.num_computed_tokens += s.num_scheduled_tokens - max(0, num_rejected)
+            req.spec_token_ids = []
+            for t in accepted:
+                req.output_token_ids.append(t)
+                if self._check_stop(req, t):
+                    break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
+                self.kv.truncate(req.request_id, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.is_finished:
+                finished.append(req)
+        for req in finished:
+            self._remove(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        p = req.params
+        if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+            req.finish(FinishReason.STOP)
+        elif len(req.output_token_ids) >= p.max_tokens:
+            req.finish(FinishReason.LENGTH)
+        return req.is_finished
+
+    def finish_request(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Abort, error or a stop string: the request leaves and its blocks return."""
+        if not req.is_finished:
+            req.finish(reason, error)
+        self._remove(req)
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)

@@ -1,0 +1,68 @@
+"""The engine's live figures, as plain data (the daemon's `stats` reply)."""
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+from .request import RequestStatus
+
+WINDOW_S = 10.0
+
+
+def _rates(history, now: float) -> tuple[float, float]:
+    recent = [(t, p, d) for t, p, d in history if now - t <= WINDOW_S]
+    if not recent:
+        return 0.0, 0.0
+    span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else WINDOW_S
+    return sum(p for _, p, _ in recent) / span, sum(d for _, _, d in recent) / span
+
+
+def memory_stats(engine) -> dict:
+    m = engine.memory
+    vm = psutil.virtual_memory()
+    out = {"device": m.device, "device_total": m.total_bytes, "weights": m.weight_bytes,
+           "kv_pool": m.kv_pool_bytes, "activations": m.activation_bytes, "reserve": m.reserve_bytes,
+           "host_total": vm.total, "host_available": vm.available, "host_rss": psutil.Process().memory_info().rss}
+    if engine.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(engine.device)
+        out["device_free"] = free
+    else:
+        out["device_free"] = vm.available
+    return out
+
+
+def engine_stats(engine) -> dict:
+    now = time.monotonic()
+    sched, kv = engine.scheduler, engine.kv
+    prefill_tps, decode_tps = _rates(engine.history, now)
+    reserved, filled = engine.kv_waste()
+    return {
+        "uptime": now - engine.started,
+        "running": len(sched.running),
+        "waiting": len(sched.waiting) - sched.num_preempted_waiting,
+        "preempted": sched.num_preempted_waiting,
+        "num_preemptions": sched.num_preemptions,
+        "kv_blocks_total": kv.num_blocks,
+        "kv_blocks_used": kv.num_used_blocks,
+        "kv_blocks_free": kv.num_free_blocks,
+        "kv_blocks_cached": kv.pool.num_cached_blocks,
+        "kv_block_size": engine.config.block_size,
+        "kv_dtype": engine.kv_dtype,
+        "kv_bytes_per_token": engine.memory.kv_bytes_per_token,
+        "kv_slots_reserved": reserved,
+        "kv_slots_filled": filled,
+        "prefix_hit_rate": kv.prefix_hit_rate,
+        "prefill_tps": prefill_tps,
+        "decode_tps": decode_tps,
+        "totals": dict(engine.totals),
+        "budget": dict(engine.budget_info),
+        "memory": memory_stats(engine),
+        "requests": [
+            {"id": r.client_id, "index": r.index, "state": RequestStatus(r.status).name.lower(),
+             "age": now - r.timings.arrival, "prompt_tokens": r.num_prompt_tokens,
+             "output_tokens": len(r.output_token_ids), "ttft": r.timings.ttft, "tps": r.timings.decode_tps}
+            for r in list(sched.running) + list(sched.waiting)[:64]
+        ],
+    }
