@@ -110,24 +110,29 @@ def _write_kv_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, staged_ptr, num_toke
             tl.store(staged_ptr + t.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d, y, mask=mask)
 
 
-def _write_one(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+def _launch_write(x, slot_mapping, cache, scale, staged, mode: int) -> None:
     num_tokens, num_heads, head_dim = x.shape
-    fp8 = cache.dtype == FP8
-    mode = _PLAIN if not fp8 else (_FP8_NATIVE if native_fp8(x) and not interpreting(x) else _FP8_STAGED)
-    staged = torch.empty((num_tokens, num_heads, head_dim) if mode == _FP8_STAGED else (1,),
-                         dtype=torch.float32, device=x.device)
     heads_p, dim_p = next_pow2(num_heads), next_pow2(head_dim)
     # Interpreter: few, large programs (each loop step costs milliseconds). GPU: ~2K elements each.
     per_prog = 16384 if interpreting(x) else 2048
     block_t = max(1, min(next_pow2(num_tokens), per_prog // (heads_p * dim_p)))
     _write_kv_kernel[(cdiv(num_tokens, block_t),)](
-        x, slot_mapping, cache, scale if fp8 else cache, staged, num_tokens, x.stride(0), x.stride(1),
+        x, slot_mapping, cache, scale, staged, num_tokens, x.stride(0), x.stride(1),
         num_heads, head_dim, heads_p, dim_p, block_t, mode)
-    if mode == _FP8_STAGED:
-        # torch's cast rounds to nearest even and the kernel already saturated at +-448.
-        keep = slot_mapping >= 0
-        flat = cache.view(torch.uint8).view(-1, num_heads, head_dim)  # index_copy_ has no fp8 kernel on CPU
-        flat.index_copy_(0, slot_mapping[keep], staged[keep].to(FP8).view(torch.uint8))
+
+
+def _write_one(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+    if cache.dtype != FP8:
+        _launch_write(x, slot_mapping, cache, cache, cache, _PLAIN)
+    elif native_fp8(x) and not interpreting(x):
+        _launch_write(x, slot_mapping, cache, scale, cache, _FP8_NATIVE)
+    else:
+        # Staged: the kernel scales and saturates, torch rounds to nearest even, and a
+        # plain byte scatter places the rows (no host sync, so CUDA graphs can capture it).
+        staged = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        _launch_write(x, slot_mapping, cache, scale, staged, _FP8_STAGED)
+        q8 = staged.to(FP8).view(torch.uint8)
+        _launch_write(q8, slot_mapping, cache.view(torch.uint8), cache, cache, _PLAIN)
 
 
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

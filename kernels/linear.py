@@ -13,3 +13,192 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     assert weight_scale.shape == (weight.shape[0],)
     w = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
     return F.linear(x, w, bias)
+
+
+# ---------------------------------------------------------------------------
+# Triton. Three paths, chosen once per device from its compute capability:
+#   sm_89+ (Ada, Hopper, Blackwell): W8A8. Activations get one fp32 scale per
+#     token (amax / 448) in a quantize kernel, then an fp8 x fp8 product with
+#     both scales applied in the epilogue: torch._scaled_mm or the Triton dot
+#     below, whichever the tuner measures faster for the shape.
+#   below sm_89 (Ampere): weight-only. The fp8 weight tile is decoded in
+#     registers and the dot runs in the activations' dtype.
+#   CPU (interpreter): the Triton W8A8 dot, which the interpreter computes right.
+
+from .attention import _load_f32  # noqa: E402  (fp8 decode shared with the KV cache)
+from .triton_utils import cdiv, capability, interpreting, jit, native_fp8, next_pow2, pick_config, tl  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_ACT_SCALE = 1e-12  # an all-zero row still divides safely
+
+
+@jit
+def _quant_rows_kernel(x_ptr, q_ptr, staged_ptr, scale_ptr, num_rows, K, stride_x,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGED: tl.constexpr):
+    # Per-token dynamic scale: pass 1 finds amax, pass 2 divides by the scale and saturates.
+    # STAGED: write scaled fp32 for torch to round (the interpreter's fp8 cast is wrong).
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < num_rows
+    row = x_ptr + r.to(tl.int64)[:, None] * stride_x
+    amax = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(row + c[None, :], mask=r_ok[:, None] & (c < K)[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-12)
+    tl.store(scale_ptr + r, scale, mask=r_ok)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        mask = r_ok[:, None] & (c < K)[None, :]
+        x = tl.load(row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        dst = r.to(tl.int64)[:, None] * K + c[None, :]
+        if STAGED:
+            tl.store(staged_ptr + dst, y, mask=mask)
+        else:
+            tl.store(q_ptr + dst, y.to(tl.float8e4nv), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (fp8 [M, K], fp32 scale [M, 1]) with x ~= fp8 * scale, per-token."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    staged = interpreting(x) or not native_fp8(x)
+    buf = torch.empty((M, K) if staged else (1,), dtype=torch.float32, device=x.device)
+    block_k = min(next_pow2(K), 16384 if interpreting(x) else 2048)
+    block_r = max(1, min(next_pow2(M), 16384 // block_k)) if interpreting(x) else 1
+    if M:
+        _quant_rows_kernel[(cdiv(M, block_r),)](x, q, buf, scale, M, K, x.stride(0), block_r, block_k, staged,
+                                                num_warps=4)
+    if staged:
+        q = buf.to(FP8)  # round to nearest even; the kernel already saturated
+    return q, scale
+
+
+@jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     A_FP8: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
+    # C[M, N] = (A[M, K] @ W[N, K]^T) * a_scale[M] * w_scale[N] + bias. W is K-major, as fp8 MMAs want.
+    # A_FP8: A is fp8 with per-row scales (W8A8); else A is bf16/fp16 and W is decoded to its dtype.
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)  # grouped order: consecutive programs share W tiles in L2
+    first_m = group * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % rows
+    pid_n = (pid % (GROUP_M * grid_n)) // rows
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + n.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        a_mask = (m < M)[:, None] & (k < K)[None, :]
+        b_mask = (k < K)[:, None] & (n < N)[None, :]
+        if A_FP8 and B_MODE == 1 and not DOT_F32:
+            a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
+            b = tl.load(b_cols + k[:, None], mask=b_mask, other=0.0)
+            acc = tl.dot(a, b, acc)
+        else:
+            a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            b = _load_f32(b_cols + k[:, None], b_mask, B_MODE)
+            if DOT_F32:
+                acc = tl.dot(a, b, acc)
+            else:
+                dt = c_ptr.dtype.element_ty
+                acc = tl.dot(a.to(dt), b.to(dt), acc)
+    out = acc * tl.load(b_scale_ptr + n, mask=n < N, other=0.0)[None, :]
+    if A_FP8:
+        out = out * tl.load(a_scale_ptr + m, mask=m < M, other=0.0)[:, None]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    c_mask = (m < M)[:, None] & (n < N)[None, :]
+    tl.store(c_ptr + m.to(tl.int64)[:, None] * N + n[None, :], out.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _gemm_candidates(t: torch.Tensor, M: int) -> list[dict]:
+    if interpreting(t):
+        return [dict(BLOCK_M=min(64, max(16, next_pow2(M))), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)]
+    if M <= 16:  # decode: stream the weight, many narrow N tiles
+        return [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
+                for n in (32, 64, 128) for k in (128, 256) for s in (3, 4)]
+    if M <= 128:
+        return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, num_warps=4, num_stages=s)
+                for m in (32, 64) for n in (64, 128) for s in (3, 4)]
+    return [dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=128, num_warps=w, num_stages=s)
+            for n in (128, 256) for w in (4, 8) for s in (3, 4)]
+
+
+def _launch_gemm(a, a_scale, weight, w_scale, bias, out, cfg, b_mode: int, dot_f32: bool) -> None:
+    M, K = a.shape
+    N = weight.shape[0]
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](
+        a, weight, a_scale if a_scale is not None else w_scale, w_scale, bias if bias is not None else w_scale, out,
+        M, N, K, a.stride(0), weight.stride(0), cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], 8,
+        a_scale is not None, b_mode, bias is not None, dot_f32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
+def fp8_w8a8_triton(x, weight, weight_scale, bias=None, cfg: dict | None = None) -> torch.Tensor:
+    """Per-token fp8 activations x per-channel fp8 weights, product in a Triton fp8 dot."""
+    a, a_scale = quantize_rows_triton(x)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_gemm(a, a_scale, weight, weight_scale, bias, out, cfg or _gemm_candidates(x, x.shape[0])[0], 1, False)
+    return out
+
+
+def fp8_scaled_mm(x, weight, weight_scale, bias=None) -> torch.Tensor:
+    """The same W8A8 product through torch._scaled_mm (cuBLASLt on sm_89+)."""
+    a, a_scale = quantize_rows_triton(x)
+    out = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_weight_only_triton(x, weight, weight_scale, bias=None, cfg: dict | None = None) -> torch.Tensor:
+    """Activations stay in their dtype; fp8 weights are decoded in the kernel (pre-sm_89 GPUs)."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    b_mode = 1 if native_fp8(x) else 2
+    w = weight if b_mode == 1 else weight.view(torch.uint8)
+    _launch_gemm(x, None, w, weight_scale, bias, out, cfg or _gemm_candidates(x, x.shape[0])[0], b_mode,
+                 interpreting(x) or x.dtype == torch.float32)
+    return out
+
+
+def _m_bucket(M: int) -> int:
+    return min(next_pow2(M), 4096)
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as fp8_linear_ref; the path follows the device (see above)."""
+    assert weight.dtype == FP8 and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[-1]
+    assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+    assert weight_scale.is_contiguous() and (bias is None or bias.shape == (weight.shape[0],))
+    assert x.device == weight.device == weight_scale.device
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if not interpreting(x) and capability(x) < (8, 9):
+        return fp8_weight_only_triton(x2, weight, weight_scale, bias).reshape(*lead, -1)
+    M, N, K = x2.shape[0], weight.shape[0], weight.shape[1]
+    cands = [dict(backend="triton", **c) for c in _gemm_candidates(x, _m_bucket(M))]
+    if not interpreting(x) and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
+        cands.insert(0, dict(backend="scaled_mm"))
+
+    def run(cfg: dict) -> torch.Tensor:
+        if cfg["backend"] == "scaled_mm":
+            return fp8_scaled_mm(x2, weight, weight_scale, bias)
+        return fp8_w8a8_triton(x2, weight, weight_scale, bias, cfg)
+
+    cfg = pick_config("fp8_linear", (N, K, _m_bucket(M), str(x.dtype)), cands, x, run)
+    return run(cfg).reshape(*lead, -1)

@@ -1,8 +1,12 @@
 """The one place that chooses an implementation per device.
 
 The model calls these functions; CUDA tensors go to the Triton kernels where
-one exists, everything else to the torch reference beside it."""
+one exists, everything else to the torch reference beside it. use_triton()
+overrides the choice (interpreter tests of a whole model step on CPU)."""
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -15,6 +19,9 @@ from .norm import rms_norm_ref
 from .rope import rope_ref
 
 _TRITON: dict[str, object] = {}
+_FORCE: bool | None = None  # None: by device; True: Triton for every tensor; False: references only
+_LOADED = False
+log = logging.getLogger("ridge.kernels")
 
 
 def register_triton(name: str, fn) -> None:
@@ -22,10 +29,36 @@ def register_triton(name: str, fn) -> None:
     _TRITON[name] = fn
 
 
+def load_triton() -> bool:
+    """Import (once) the Triton kernels; False where Triton is unusable."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        try:
+            from . import triton_ops  # noqa: F401  (registers on import)
+        except Exception as e:  # noqa: BLE001 - a broken Triton must not break the CPU path
+            log.warning("Triton kernels unavailable, using torch references: %s", e)
+    return bool(_TRITON)
+
+
+@contextmanager
+def use_triton(enabled: bool = True):
+    """Within the block, every op runs its Triton kernel (enabled=True; CPU tensors go
+    through the interpreter, so TRITON_INTERPRET=1 must be set before triton is first
+    imported) or its torch reference (enabled=False), whatever the device."""
+    global _FORCE
+    if enabled and not load_triton():
+        raise RuntimeError("use_triton(): Triton kernels are unavailable on this machine")
+    previous, _FORCE = _FORCE, enabled
+    try:
+        yield
+    finally:
+        _FORCE = previous
+
+
 def _pick(name: str, ref, x: torch.Tensor):
-    if x.is_cuda:
-        return _TRITON.get(name, ref)
-    return ref
+    use = x.is_cuda if _FORCE is None else _FORCE
+    return _TRITON.get(name, ref) if use else ref
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -50,3 +83,7 @@ def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):
     return _pick("paged_attention", paged_attention_ref, q)(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+
+
+if torch.cuda.is_available():
+    load_triton()

@@ -1,0 +1,29 @@
+"""Registers every Triton kernel with ops.py. Imported by ops.py on CUDA machines
+(and by ops.use_triton() for interpreter tests); raises ImportError when Triton
+itself is unusable, so that ops.py keeps the torch references."""
+from __future__ import annotations
+
+from . import ops
+from .triton_utils import HAS_TRITON
+
+if not HAS_TRITON:
+    raise ImportError("triton is not importable on this machine")
+
+from .activation import silu_and_mul_triton  # noqa: E402
+from .attention import paged_attention_triton  # noqa: E402
+from .kv_cache import write_kv_triton  # noqa: E402
+from .linear import fp8_linear_triton  # noqa: E402
+from .norm import rms_norm_triton  # noqa: E402
+from .rope import rope_triton  # noqa: E402
+
+KERNELS = {
+    "rms_norm": rms_norm_triton,
+    "rope": rope_triton,
+    "silu_and_mul": silu_and_mul_triton,
+    "fp8_linear": fp8_linear_triton,
+    "write_kv": write_kv_triton,
+    "paged_attention": paged_attention_triton,
+}
+
+for _name, _fn in KERNELS.items():
+    ops.register_triton(_name, _fn)

@@ -1,0 +1,88 @@
+"""Paged attention: the Triton kernel under the interpreter against paged_attention_ref."""
+import pytest
+import torch
+from kernel_utils import poison_empty, HUGE_NUM_BLOCKS, assert_close, make_paged_batch
+
+from ridge.kernels.attention import paged_attention_ref, paged_attention_triton
+from ridge.kernels.kv_cache import FP8
+
+pytestmark = pytest.mark.usefixtures(poison_empty.__name__)
+
+
+def check(batch, num_splits=None, atol=None):
+    scale = batch.q.shape[-1] ** -0.5
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, scale)
+    expected = paged_attention_ref(*args)
+    out = paged_attention_triton(*args, num_splits=num_splits)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    kw = {} if atol is None else dict(atol=atol, rtol=atol)
+    assert_close(out, expected, **kw)
+
+
+# Mixed steps: decodes (1), an odd prefill chunk (17) against earlier context, a
+# fresh prompt (129 > one tile), and a chunk whose context is not block-aligned.
+MIXED = dict(query_lens=[1, 17, 129, 1, 5], context_lens=[100, 40, 0, 255 - 1, 3])
+
+
+@pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
+def test_mixed_batch(kv_dtype):
+    check(make_paged_batch(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=kv_dtype))
+
+
+def test_fp32_model_exact():
+    # The CPU model runs fp32: the kernel's fp32 dot must match tightly.
+    check(make_paged_batch(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=torch.float32,
+                           q_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_head_dims(head_dim):
+    check(make_paged_batch([1, 9], [60, 30], num_heads=2, num_kv_heads=1, head_dim=head_dim, kv_dtype=FP8))
+
+
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa8"])
+def test_group_sizes(heads):
+    # A group of 3 does not divide the tile's rows: rows past BLOCK_Q * GROUP stay masked.
+    check(make_paged_batch([1, 13], [30, 20], num_heads=heads[0], num_kv_heads=heads[1], head_dim=64,
+                           kv_dtype=FP8, block_size=32))
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_decode(num_splits):
+    # Flash-decoding: more splits than some sequences have tiles, so empty splits must merge away.
+    check(make_paged_batch([1, 1, 1], [255, 70, 0], num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=FP8),
+          num_splits=num_splits)
+
+
+def test_split_k_with_prefill_chunk():
+    check(make_paged_batch([1, 40], [200, 100], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=torch.bfloat16),
+          num_splits=3)
+
+
+@pytest.mark.parametrize("kv_dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
+def test_block_ids_past_int32_offsets(kv_dtype):
+    # block_id * block stride exceeds 2**31 elements: 32-bit offset arithmetic would wrap.
+    check(make_paged_batch([1, 20], [50, 30], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=kv_dtype,
+                           num_blocks=HUGE_NUM_BLOCKS))
+
+
+def test_block_size_larger_than_tile():
+    check(make_paged_batch([1, 3], [300, 10], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=FP8,
+                           block_size=256))
+
+
+def test_strided_q_from_fused_qkv():
+    # The model passes q as a view into the fused qkv output (row stride > H * D).
+    b = make_paged_batch([1, 6], [10, 4], num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=FP8)
+    wide = torch.randn(b.q.shape[0], 8 * 64).to(b.q.dtype)
+    wide[:, : 4 * 64] = b.q.reshape(b.q.shape[0], -1)
+    b.q = wide[:, : 4 * 64].view(-1, 4, 64)
+    assert not b.q.is_contiguous()
+    check(b)
+
+
+def test_empty_batch():
+    b = make_paged_batch([1], [4], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=FP8)
+    out = paged_attention_triton(b.q[:0], b.k_cache, b.v_cache, b.k_scale, b.v_scale,
+                                 type(b.meta).build([], [], [], []), 0.125)
+    assert out.shape == (0, 2, 64)

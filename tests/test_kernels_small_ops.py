@@ -1,0 +1,70 @@
+"""RMSNorm (+ residual), RoPE and SiLU-and-mul: Triton under the interpreter against the references."""
+import pytest
+import torch
+from kernel_utils import poison_empty, assert_close
+
+from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from ridge.kernels.norm import rms_norm_ref, rms_norm_triton
+from ridge.kernels.rope import rope_ref, rope_triton
+from ridge.models.rope import rope_cos_sin
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDS = ["fp32", "bf16", "fp16"]
+
+pytestmark = pytest.mark.usefixtures(poison_empty.__name__)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (17, 123), (129, 576)])
+def test_rms_norm_residual(dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=g).to(dtype)
+    res = torch.randn(rows, cols, generator=g).to(dtype)
+    w = 1 + 0.1 * torch.randn(cols, generator=g)
+    out, new_res = rms_norm_triton(x, w, 1e-5, res)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    assert_close(new_res, ref_res)
+    assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rms_norm_no_residual_returns_input(dtype):
+    x = torch.randn(5, 96).to(dtype)
+    w = torch.rand(96)
+    out, res = rms_norm_triton(x, w, 1e-6)
+    assert res is x
+    assert_close(out, rms_norm_ref(x, w, 1e-6)[0])
+
+
+def test_rms_norm_per_head_on_strided_view():
+    # Qwen3's q/k norm: rows are heads of a view into the fused qkv output.
+    qkv = torch.randn(19, 7 * 32)
+    q = qkv[:, : 4 * 32].view(19, 4, 32)
+    w = torch.rand(32)
+    assert_close(rms_norm_triton(q, w, 1e-6)[0], rms_norm_ref(q, w, 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (9, 3, 64), (2, 1, 128), (3, 1, 18)])
+def test_rope_in_place(dtype, heads, kv_heads, dim):
+    num_tokens = 23
+    cos_sin = rope_cos_sin(dim, 512, 10000.0)
+    positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(dim))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q = qkv[:, : heads * dim].view(num_tokens, heads, dim)
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+    ref_q, ref_k = rope_ref(q, k, positions, cos_sin)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    out_q, out_k = rope_triton(q, k, positions, cos_sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert_close(out_q, ref_q)
+    assert_close(out_k, ref_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "V must be untouched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("rows,inter", [(1, 96), (17, 77), (129, 1536)])
+def test_silu_and_mul(dtype, rows, inter):
+    x = (2 * torch.randn(rows, 2 * inter)).to(dtype)
+    assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
