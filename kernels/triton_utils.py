@@ -129,15 +129,20 @@ def _bench_ms(launch: Callable[[], None]) -> float:
 def pick_config(kernel: str, key: tuple, candidates: list[dict], t: torch.Tensor,
                 launch: Callable[[dict], None]) -> dict:
     """The fastest candidate for this kernel and shape key, measured once per machine.
-    CPU (interpreter), a single candidate, or a CUDA graph being captured: the first one."""
-    if len(candidates) == 1 or interpreting(t) or torch.cuda.is_current_stream_capturing():
+    CPU (interpreter) or a single candidate: the first. While a CUDA graph is being
+    captured nothing can be timed: the recorded choice, else the first."""
+    if len(candidates) == 1 or interpreting(t):
         return candidates[0]
     props = torch.cuda.get_device_properties(t.device)
     full = f"{kernel}|{props.name}|sm{props.major}{props.minor}|triton{triton.__version__}|{key}"
     hit = CONFIGS.get(full)
     if hit is not None:
         return hit
+    if torch.cuda.is_current_stream_capturing():
+        return candidates[0]
     times = [_bench_ms(lambda c=c: launch(c)) for c in candidates]
+    if min(times) == float("inf"):
+        raise RuntimeError(f"{kernel}: no candidate config launches for {key}")
     best = candidates[min(range(len(times)), key=times.__getitem__)]
     log.info("tuned %s %s -> %s (%.3f ms)", kernel, key, best, min(times))
     CONFIGS.put(full, best)

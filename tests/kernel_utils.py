@@ -74,14 +74,13 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], *, num_head
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.empty(shape, dtype=kv_dtype), torch.empty(shape, dtype=kv_dtype)
     fp8 = kv_dtype == FP8
-    k_scale = torch.empty(shape[:3], dtype=torch.float16) if fp8 else None
-    v_scale = torch.empty(shape[:3], dtype=torch.float16) if fp8 else None
+    # The reference reads whole blocks: unowned slots must hold finite values.
+    k_scale = torch.ones(shape[:3], dtype=torch.float16) if fp8 else None
+    v_scale = torch.ones(shape[:3], dtype=torch.float16) if fp8 else None
     if num_blocks * block_size * num_kv_heads * head_dim < (1 << 24):
-        # Slots no sequence owns hold large finite values: a key read past seq_len shows.
+        # Large values in slots no sequence owns: a key read past seq_len shows.
         for t in (k_cache, v_cache):
             t.copy_(torch.full(shape, 100.0).to(kv_dtype))
-        for t in (k_scale, v_scale) if fp8 else ():
-            t.fill_(1.0)
     free = (num_blocks - 1 - torch.randperm(needed + 7, generator=g)).tolist()
     tables = []
     for L in seq_lens:

@@ -55,7 +55,7 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         return 1.0 + 0.1 * torch.randn(n, generator=g)
 
     H, I = cfg.hidden_size, cfg.intermediate_size
-    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, H, std=0.5), "model.norm.weight": norm(H)}
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, H, std=0.1), "model.norm.weight": norm(H)}
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = r(cfg.vocab_size, H)
     for i in range(cfg.num_layers):

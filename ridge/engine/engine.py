@@ -58,7 +58,7 @@ class LLMEngine:
                                            quantize=config.quantize)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.device = self.loaded.device
-        self.max_model_len = self.model.max_model_len
+        self.max_model_len = min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.kv_dtype = config.resolved_kv_dtype(self.device)
         self._plan_budget()
         act = measure_activation_peak(self._profile_forward, self.device)
@@ -134,7 +134,9 @@ class LLMEngine:
         samples = []
         for i in range(params.n):
             iid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(iid, ids, params, tuple(self.tokenizer.eos_token_ids),
+            sp = params if params.n == 1 or params.seed is None else \
+                SamplingParams.from_dict({**asdict(params), "seed": params.seed + i})  # distinct samples
+            req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
                           group_id=request_id if params.n > 1 else None, client_id=request_id, index=i)
             self.requests[iid] = req
             self.texts[iid] = TextState(self.tokenizer, req)

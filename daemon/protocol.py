@@ -1,0 +1,205 @@
+"""Wire format of docs/protocol.md: msgpack maps in single ZeroMQ frames.
+
+Everything here is plain data in, plain data out: decoding a frame into a
+checked message, and building the daemon's replies. No sockets, no engine."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgpack
+
+VERSION = 1
+SUPPORTED = (1,)
+PUB_TOPIC = b"stats"
+MAX_ID_BYTES = 128
+MAX_MESSAGES = 1024
+MAX_DEPTH = 32
+
+CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# error codes (docs/protocol.md §5)
+BAD_FRAME = "bad_frame"
+TOO_LARGE = "too_large"
+BAD_MSGPACK = "bad_msgpack"
+BAD_UTF8 = "bad_utf8"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_TYPE = "unknown_type"
+INVALID_REQUEST = "invalid_request"
+DUPLICATE_ID = "duplicate_id"
+TOO_MANY_REQUESTS = "too_many_requests"
+BUSY = "busy"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_FRAME, TOO_LARGE, BAD_MSGPACK, BAD_UTF8, MISSING_FIELD, INVALID_FIELD, UNSUPPORTED_VERSION,
+               UNKNOWN_TYPE, INVALID_REQUEST, DUPLICATE_ID, TOO_MANY_REQUESTS, BUSY, SHUTTING_DOWN, INTERNAL)
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None, **extra):
+        super().__init__(message)
+        self.code, self.message, self.request_id, self.extra = code, message, request_id, extra
+
+
+@dataclass(slots=True)
+class Limits:
+    max_frame_bytes: int = 1 << 20
+    max_prompt_tokens: int = 0  # 0 = the context length - 1
+    max_tokens: int = 0  # 0 = the context length
+    max_n: int = 64
+    max_requests_per_client: int = 256
+    max_queue: int = 1024
+    max_id_bytes: int = MAX_ID_BYTES
+    max_messages: int = MAX_MESSAGES
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+# -- encoding ------------------------------------------------------------------
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def message(type_: str, request_id: str | None = None, **fields) -> dict:
+    m = {"v": VERSION, "type": type_}
+    if request_id is not None:
+        m["id"] = request_id
+    m.update(fields)
+    return m
+
+
+def error(code: str, text: str, request_id: str | None = None, **extra) -> dict:
+    return {"v": VERSION, "type": "error", "id": request_id, "code": code, "message": text, **extra}
+
+
+# -- decoding ------------------------------------------------------------------
+def _no_ext(code, data):
+    raise ValueError("extension types are not part of the protocol")
+
+
+def unpack(frame: bytes, max_frame_bytes: int) -> dict:
+    """One client frame -> a map with string keys. Raises ProtocolError."""
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes; the limit is {max_frame_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext,
+                              max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
+                              max_array_len=max_frame_bytes, max_map_len=max_frame_bytes, max_ext_len=0)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(BAD_UTF8, f"a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
+        raise ProtocolError(BAD_MSGPACK, f"not msgpack: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_MSGPACK, f"the top level must be a map, got {_kind(obj)}")
+    _check_plain(obj, 0)
+    return obj
+
+
+_PLAIN = (type(None), bool, int, float, str, list, dict)
+
+
+def _check_plain(obj, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(BAD_MSGPACK, f"nesting deeper than {MAX_DEPTH}")
+    if isinstance(obj, (bytes, bytearray)):
+        raise ProtocolError(BAD_MSGPACK, "binary values are not part of the protocol; send strings as str")
+    if not isinstance(obj, _PLAIN):  # e.g. msgpack.Timestamp: extension types are not part of the protocol
+        raise ProtocolError(BAD_MSGPACK, f"{type(obj).__name__} values are not part of the protocol")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ProtocolError(BAD_MSGPACK, "map keys must be strings")
+            _check_plain(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_plain(v, depth + 1)
+
+
+def _kind(x) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "array", dict: "map",
+            type(None): "nil"}.get(type(x), type(x).__name__)
+
+
+def request_id_of(msg: dict) -> str | None:
+    """The message's id if it is a usable one (for error replies), else None."""
+    rid = msg.get("id")
+    if isinstance(rid, str) and 0 < len(rid.encode()) <= MAX_ID_BYTES:
+        return rid
+    return None
+
+
+# -- field checks ----------------------------------------------------------------
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x) -> bool:
+    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def fail(name: str, want: str, rid: str | None) -> ProtocolError:
+    return ProtocolError(INVALID_FIELD, f"{name} must be {want}", rid)
+
+
+def check_keys(msg: dict, allowed: set[str], rid: str | None, where: str = "") -> None:
+    unknown = set(msg) - allowed
+    if unknown:
+        names = ", ".join(sorted(f"{where}{k}" for k in unknown))
+        raise ProtocolError(INVALID_FIELD, f"unknown field(s) {names} for this message", rid)
+
+
+def token_list(x, name: str, vocab: int, rid: str | None, max_len: int) -> list[int]:
+    if not isinstance(x, list) or not all(is_int(t) and 0 <= t < vocab for t in x):
+        raise fail(name, f"an array of integer token ids in [0, {vocab})", rid)
+    if len(x) > max_len:
+        raise fail(name, f"at most {max_len} ids long", rid)
+    return x
+
+
+def chat_messages(x, rid: str | None, max_messages: int) -> list[dict]:
+    if not isinstance(x, list) or not x or len(x) > max_messages:
+        raise fail("messages", f"a non-empty array of at most {max_messages} maps", rid)
+    for i, m in enumerate(x):
+        if not isinstance(m, dict) or set(m) - {"role", "content"}:
+            raise fail(f"messages[{i}]", "a map with exactly the keys role and content", rid)
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise fail(f"messages[{i}].role", "a non-empty string", rid)
+        if not isinstance(m.get("content"), str):
+            raise fail(f"messages[{i}].content", "a string", rid)
+    return x
+
+
+@dataclass(slots=True)
+class Envelope:
+    type: str
+    id: str | None
+    body: dict = field(default_factory=dict)
+
+
+def envelope(msg: dict) -> Envelope:
+    """Checks v, type and id. Raises ProtocolError."""
+    rid = request_id_of(msg)
+    if "v" not in msg:
+        raise ProtocolError(MISSING_FIELD, "v (the protocol version) is required", rid)
+    if not is_int(msg["v"]):
+        raise fail("v", "an integer", rid)
+    if msg["v"] not in SUPPORTED:
+        raise ProtocolError(UNSUPPORTED_VERSION, f"protocol version {msg['v']} is not supported; "
+                            f"this daemon speaks {list(SUPPORTED)}", rid, supported=list(SUPPORTED))
+    if "type" not in msg:
+        raise ProtocolError(MISSING_FIELD, "type is required", rid)
+    t = msg["type"]
+    if not isinstance(t, str):
+        raise fail("type", "a string", rid)
+    if t not in CLIENT_TYPES:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {t[:64]!r}; known: {', '.join(CLIENT_TYPES)}", rid)
+    if "id" in msg and rid is None:
+        raise fail("id", f"a string of 1-{MAX_ID_BYTES} bytes", None)
+    if t in ("generate", "abort") and rid is None:
+        raise ProtocolError(MISSING_FIELD, f"id is required on {t}", None)
+    body = {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
+    return Envelope(t, rid, body)

@@ -1,0 +1,161 @@
+"""Client messages -> checked, tokenized requests, on the socket thread.
+
+Mirrors the engine's admission rules (engine._validate) so that a request the
+engine would refuse is refused here, with an error frame, before it is queued."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ridge.engine.sampling import InvalidRequest, SamplingParams
+
+from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
+                       Limits, ProtocolError, chat_messages, check_keys, fail, is_int, is_num, token_list)
+
+_NUM, _INT, _BOOL = "a finite number", "an integer", "a boolean"
+PARAMS = {  # key -> (check, what it must be)
+    "max_tokens": (is_int, _INT), "temperature": (is_num, _NUM), "top_k": (is_int, _INT),
+    "top_p": (is_num, _NUM), "min_p": (is_num, _NUM), "repetition_penalty": (is_num, _NUM),
+    "seed": (lambda x: x is None or is_int(x), "an integer or nil"),
+    "stop": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of strings"),
+    "stop_token_ids": (lambda x: isinstance(x, list) and all(is_int(t) for t in x), "an array of integers"),
+    "ignore_eos": (lambda x: isinstance(x, bool), _BOOL), "logprobs": (is_int, _INT), "n": (is_int, _INT),
+    "speculative": (lambda x: isinstance(x, bool), _BOOL),
+}
+_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+class Validator:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
+                 limits: Limits):
+        self.tokenizer, self.vocab, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
+
+    # -- generate ---------------------------------------------------------------
+    def generate(self, env: Envelope) -> GenerateRequest:
+        rid, body = env.id, env.body
+        check_keys(body, {*PROMPT_KEYS, "params", "stream"}, rid)
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool):
+            raise fail("stream", _BOOL, rid)
+        params = self.params(body.get("params", {}), rid)
+        ids = self.prompt(body, rid)
+        self.admissible(ids, params, rid)
+        return GenerateRequest(rid, ids, params, stream)
+
+    def params(self, raw, rid: str | None) -> SamplingParams:
+        if not isinstance(raw, dict):
+            raise fail("params", "a map", rid)
+        check_keys(raw, set(PARAMS), rid, "params.")
+        for k, v in raw.items():
+            ok, want = PARAMS[k]
+            if not ok(v):
+                raise fail(f"params.{k}", want, rid)
+        lim = self.limits
+        if "max_tokens" in raw and not 1 <= raw["max_tokens"] <= lim.max_tokens:
+            raise fail("params.max_tokens", f"an integer in [1, {lim.max_tokens}]", rid)
+        if "n" in raw and not 1 <= raw["n"] <= lim.max_n:
+            raise fail("params.n", f"an integer in [1, {lim.max_n}]", rid)
+        if len(raw.get("stop_token_ids", ())) > 64 or any(not 0 <= t < self.vocab for t in raw.get("stop_token_ids", ())):
+            raise fail("params.stop_token_ids", f"at most 64 token ids in [0, {self.vocab})", rid)
+        d = {k: float(v) if k in _FLOATS else v for k, v in raw.items()}
+        d.setdefault("max_tokens", min(SamplingParams.max_tokens, lim.max_tokens))
+        try:
+            return SamplingParams.from_dict(d)
+        except InvalidRequest as e:
+            raise ProtocolError(INVALID_FIELD, f"params: {e}", rid) from None
+
+    def prompt(self, body: dict, rid: str | None) -> list[int]:
+        given = [k for k in PROMPT_KEYS if k in body]
+        if not given:
+            raise ProtocolError(MISSING_FIELD, "one of prompt, messages or prompt_token_ids is required", rid)
+        if len(given) > 1:
+            raise ProtocolError(INVALID_FIELD, f"give exactly one of prompt, messages, prompt_token_ids "
+                                f"(got {', '.join(given)})", rid)
+        key = given[0]
+        if key == "prompt_token_ids":
+            return list(token_list(body[key], key, self.vocab, rid, self.limits.max_prompt_tokens))
+        if key == "prompt":
+            if not isinstance(body[key], str):
+                raise fail("prompt", "a string", rid)
+            return self.encode_text(body[key], True, rid)
+        return self.encode_chat(chat_messages(body[key], rid, self.limits.max_messages), rid)
+
+    def encode_text(self, text: str, special: bool, rid: str | None) -> list[int]:
+        if len(text) > 16 * self.limits.max_prompt_tokens + 64:  # cheap bound before tokenizing
+            raise ProtocolError(INVALID_REQUEST, "the prompt is far longer than the context", rid)
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def encode_chat(self, messages: list[dict], rid: str | None) -> list[int]:
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except Exception as e:  # a template's raise_exception(), or a template bug
+            raise ProtocolError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {e}"[:500],
+                                rid) from None
+
+    def admissible(self, ids: list[int], params: SamplingParams, rid: str | None) -> None:
+        n = len(ids)
+        if n == 0:
+            raise ProtocolError(INVALID_REQUEST, "the prompt is empty", rid)
+        if n > self.limits.max_prompt_tokens:
+            raise ProtocolError(INVALID_REQUEST, f"the prompt has {n} tokens; this daemon takes at most "
+                                f"{self.limits.max_prompt_tokens} (context {self.max_model_len}, including at "
+                                "least one generated token)", rid)
+        out = min(params.max_tokens, self.max_model_len - n)
+        need = -(-(n + out) // self.block_size)
+        if need > self.num_blocks:
+            raise ProtocolError(INVALID_REQUEST, f"the request needs {need} KV blocks and the pool has "
+                                f"{self.num_blocks}; it can never fit (lower max_tokens)", rid)
+
+    # -- the small operations ------------------------------------------------------
+    def tokenize(self, env: Envelope) -> list[int]:
+        rid, body = env.id, env.body
+        check_keys(body, {"text", "messages", "add_special_tokens"}, rid)
+        if ("text" in body) == ("messages" in body):
+            raise ProtocolError(MISSING_FIELD, "give exactly one of text or messages", rid)
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise fail("add_special_tokens", _BOOL, rid)
+        if "messages" in body:
+            return self.encode_chat(chat_messages(body["messages"], rid, self.limits.max_messages), rid)
+        if not isinstance(body["text"], str):
+            raise fail("text", "a string", rid)
+        return self.encode_text(body["text"], special, rid)
+
+    def detokenize(self, env: Envelope) -> str:
+        rid, body = env.id, env.body
+        check_keys(body, {"token_ids", "skip_special_tokens"}, rid)
+        if "token_ids" not in body:
+            raise ProtocolError(MISSING_FIELD, "token_ids is required", rid)
+        ids = token_list(body["token_ids"], "token_ids", self.vocab, rid, self.limits.max_frame_bytes)
+        skip = body.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise fail("skip_special_tokens", _BOOL, rid)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    @staticmethod
+    def hello(env: Envelope) -> int:
+        rid, body = env.id, env.body
+        check_keys(body, {"versions", "client"}, rid)
+        versions = body.get("versions", list(SUPPORTED))
+        if not isinstance(versions, list) or not all(is_int(v) for v in versions) or len(versions) > 64:
+            raise fail("versions", "an array of integers", rid)
+        if "client" in body and not (isinstance(body["client"], str) and len(body["client"].encode()) <= 128):
+            raise fail("client", "a string of at most 128 bytes", rid)
+        common = set(versions) & set(SUPPORTED)
+        if not common:
+            raise ProtocolError(UNSUPPORTED_VERSION, f"no common protocol version: the client speaks {versions}, "
+                                f"this daemon {list(SUPPORTED)}", rid, supported=list(SUPPORTED))
+        return max(common)
+
+    @staticmethod
+    def no_fields(env: Envelope) -> None:
+        check_keys(env.body, set(), env.id)

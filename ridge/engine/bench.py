@@ -1,0 +1,322 @@
+"""`ridge bench`: throughput and latency of the engine on named workloads.
+
+    ridge bench throughput --workload W1 [--in-flight 16] [--requests 64] [--json out.json]
+    ridge bench sweep      continuous vs static over output-length variance
+    ridge bench hf         ridge vs HF transformers generate (static batches, fp32)
+    ridge bench server     ridge vs an HTTP server (llama-server /completion or OpenAI /v1/completions)
+    ridge bench overhead   engine step time vs the same step's matrix products alone
+    ridge bench kv         decode step time per CPU KV dtype (fp32, bf16, fp8)
+    ridge bench all        the set, into one JSON
+
+Every command prints tables headed by the device, threads, KV dtype and the
+exact command, and writes the same figures as JSON with --json."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+from .bench_report import Report
+
+DEFAULT_LEVELS = "none,low,high,tail"
+
+
+def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
+    from ridge.cli import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON")
+    p.add_argument("--md", action="store_true", help="print tables as Markdown")
+    if workload:
+        p.add_argument("--workload", default="W1", help="named workload (W1)")
+        p.add_argument("--requests", type=int, default=None, help="number of requests (W1: 64)")
+        p.add_argument("--lengths", default=None,
+                       help="output lengths: fixed:N | uniform:LO-HI | lognormal:MEAN:LO-HI (W1: uniform:16-256)")
+        p.add_argument("--seed", type=int, default=None, help="seed of the output lengths (W1: 0)")
+        p.add_argument("--in-flight", type=int, default=16, help="concurrent requests (W1: 16)")
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark the engine (throughput, latency, overheads, baselines)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench_command", required=True)
+
+    t = sub.add_parser("throughput", help="continuous vs static batching on one workload")
+    _common(t)
+    t.add_argument("--no-static", action="store_true", help="skip the static-batching run")
+
+    s = sub.add_parser("sweep", help="continuous vs static over output-length variance (same mean, 136)")
+    _common(s)
+    s.add_argument("--levels", default=DEFAULT_LEVELS, help=f"comma list of levels ({DEFAULT_LEVELS})")
+
+    h = sub.add_parser("hf", help="ridge vs HF transformers generate (static batches, fp32)")
+    _common(h)
+    h.add_argument("--no-ridge", action="store_true", help="only the transformers run")
+
+    v = sub.add_parser("server", help="ridge vs an HTTP server speaking /completion or /v1/completions")
+    _common(v)
+    v.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
+    v.add_argument("--api", choices=["llama", "openai"], default="llama")
+    v.add_argument("--server-model", default=None, help="the OpenAI 'model' field")
+    v.add_argument("--label", default=None, help="what the server is, for the table (e.g. 'llama-server Q4_1 t2')")
+    v.add_argument("--timeout", type=float, default=600.0)
+    v.add_argument("--no-ridge", action="store_true", help="only the server run")
+
+    o = sub.add_parser("overhead", help="engine step vs the step's matrix products alone (pure decode)")
+    _common(o, workload=False)
+    o.add_argument("--batches", default="1,16,64", help="pure-decode batch sizes")
+    o.add_argument("--context", type=int, default=150, help="context tokens per sequence")
+    o.add_argument("--steps", type=int, default=12, help="timed steps per batch size")
+
+    k = sub.add_parser("kv", help="decode step time with each CPU KV dtype (W1-like: 16 x ~150 tokens)")
+    _common(k, workload=False)
+    k.add_argument("--dtypes", default="fp32,bf16,fp8")
+    k.add_argument("--batch", type=int, default=16)
+    k.add_argument("--context", type=int, default=150)
+    k.add_argument("--steps", type=int, default=10)
+
+    a = sub.add_parser("all", help="the set: throughput (16, 64, 1 in flight), sweep, overhead, kv, hf [, server]")
+    _common(a)
+    a.add_argument("--skip", default="", help="comma list of parts to skip: throughput,sweep,overhead,kv,hf")
+    a.add_argument("--batch1-requests", type=int, default=8, help="requests for the 1-in-flight run")
+    a.add_argument("--url", default=None, help="also measure this server (see `ridge bench server`)")
+    a.add_argument("--api", choices=["llama", "openai"], default="llama")
+    a.add_argument("--server-model", default=None)
+    a.add_argument("--label", default=None)
+    a.add_argument("--timeout", type=float, default=600.0)
+
+    for name, sp in sub.choices.items():
+        sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def command_line(args) -> str:
+    """The exact command, rebuilt from the parsed options that differ from their defaults."""
+    import shlex
+
+    parts = ["ridge", "bench", args.bench_name]
+    for act in args.bench_parser._actions:
+        if not act.option_strings or act.dest in ("help",):
+            continue
+        val = getattr(args, act.dest, None)
+        if val == act.default:
+            continue
+        opt = act.option_strings[-1]
+        parts += [opt] if isinstance(act, argparse._StoreTrueAction) else [opt, str(val)]
+    return shlex.join(parts)
+
+
+def make_engine(args, max_seqs: int):
+    from ridge.cli import engine_config
+    from .engine import LLMEngine
+
+    cfg = engine_config(args)
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max_seqs)
+    return LLMEngine(cfg)
+
+
+def workload_for(args, engine=None, requests=None, lengths=None):
+    from .workloads import make_workload
+
+    wl = make_workload(args.workload, requests or args.requests, lengths or args.lengths, args.seed)
+    if engine is not None:
+        wl.tokenize(engine.tokenizer, engine.max_model_len)
+    return wl
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# -- parts ----------------------------------------------------------------------------------
+
+def part_throughput(rep: Report, engine, args, in_flight: int, requests=None, static=True, key="throughput"):
+    from .bench_runs import compare
+
+    wl = workload_for(args, engine, requests=requests)
+    res = compare(engine, wl, in_flight, static=static, tag=f"t{in_flight}-")
+    rep.add(key, res)
+    rep.throughput_table(f"{wl.name} at {in_flight} in flight", [res])
+    if res["continuous"].get("kv_waste", {}).get("samples"):
+        rep.waste_table(res)
+    return res
+
+
+def part_sweep(rep: Report, engine, args):
+    from .bench_runs import compare
+    from .workloads import SWEEP_LEVELS
+
+    levels = dict(SWEEP_LEVELS)
+    rows = []
+    for name in args.levels.split(",") if hasattr(args, "levels") else levels:
+        if name not in levels:
+            raise ValueError(f"unknown sweep level {name!r}; known: {', '.join(levels)}")
+        wl = workload_for(args, engine, lengths=levels[name])
+        res = compare(engine, wl, args.in_flight, tag=f"sw{name}-")
+        res["level"] = name
+        rows.append(res)
+    c = [r["continuous"]["useful_tok_s"] for r in rows]
+    flat = {"continuous_min_tok_s": min(c), "continuous_max_tok_s": max(c),
+            "continuous_spread_pct": 100 * (max(c) - min(c)) / max(c)}
+    rep.add("sweep", {"levels": rows, "flatness": flat})
+    rep.throughput_table(f"sweep over output-length variance, {args.in_flight} in flight", rows, flat)
+
+
+def part_hf(rep: Report, args, engine=None):
+    from ridge.quant.loader import resolve_model_path
+    from .bench_external import load_hf_model, run_hf
+
+    res = {}
+    if engine is None and not getattr(args, "no_ridge", False):
+        engine = make_engine(args, args.in_flight)
+    if engine is not None:
+        from .bench_runs import run_continuous, warm_up
+        warm_up(engine)
+        wl = workload_for(args, engine)
+        res["ridge"] = run_continuous(engine, wl, args.in_flight, tag="hfr-")
+        tok = engine.tokenizer
+    else:
+        from ridge.quant.loader import convert
+        tok = convert(args.model, show_progress=False).tokenizer
+        wl = workload_for(args)
+        wl.tokenize(tok)
+    path = resolve_model_path(args.model)
+    model, load_s = load_hf_model(path)
+    pad = tok.eos_token_ids[0] if tok.eos_token_ids else 0
+    res["hf"] = run_hf(model, wl, args.in_flight, pad)
+    res["hf"]["load_s"] = load_s
+    del model
+    gc.collect()
+    res["workload"] = wl.describe()
+    if "ridge" in res:
+        res["ratio"] = res["ridge"]["useful_tok_s"] / res["hf"]["useful_tok_s"]
+    rep.add("hf", res)
+    rep.baseline_table(f"ridge vs HF transformers generate (fp32, static batches of {args.in_flight})", res,
+                       "hf", "transformers")
+
+
+def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
+    from .bench_external import run_server, server_info
+    from .bench_runs import run_continuous
+
+    in_flights = in_flights or [args.in_flight]
+    info = server_info(args.url, args.api)
+    out = []
+    for n in in_flights:
+        req = (requests_for or {}).get(n)
+        wl = workload_for(args, engine, requests=req)
+        if engine is None:
+            from ridge.quant.loader import convert
+            wl.tokenize(convert(args.model, show_progress=False).tokenizer)
+        tok = engine.tokenizer if engine is not None else None
+        texts = wl.prompt_texts(tok or convert(args.model, show_progress=False).tokenizer)
+        res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": args.label or args.url}
+        res["server"] = run_server(args.url, args.api, wl, texts, n, args.server_model, args.timeout)
+        if engine is not None:
+            res["ridge"] = run_continuous(engine, wl, n, tag=f"srv{n}-")
+            res["ratio"] = res["ridge"]["useful_tok_s"] / res["server"]["useful_tok_s"]
+        out.append(res)
+        rep.baseline_table(f"ridge vs {res['label']} at {n} in flight ({wl.num_requests} requests)", res,
+                           "server", args.label or f"server ({args.api})")
+    rep.add("server", out)
+
+
+def part_overhead(rep: Report, engine, args):
+    from .bench_runs import run_overhead
+
+    rows = [run_overhead(engine, b, args.context, args.steps) for b in _ints(args.batches)]
+    rep.add("overhead", rows)
+    rep.overhead_table(rows)
+
+
+def part_kv(rep: Report, args, loaded=None):
+    from dataclasses import replace
+
+    from ridge.cli import engine_config
+    from .bench_runs import run_kv_dtypes
+    from .engine import LLMEngine
+
+    base = engine_config(args)
+    blocks = args.batch * (-(-(args.context + args.steps + 64) // base.block_size)) + 16
+    engines = {}
+    for dt in args.dtypes.split(","):
+        cfg = replace(base, kv_dtype=dt, max_num_seqs=args.batch, num_kv_blocks=blocks)
+        engines[dt] = LLMEngine(cfg, loaded=loaded)
+        loaded = engines[dt].loaded
+    default = engines[next(iter(engines))].config.resolved_kv_dtype(loaded.device)
+    res = run_kv_dtypes(engines, args.batch, args.context, args.steps)
+    del engines
+    gc.collect()
+    best = min(res.values(), key=lambda r: r["step_ms"])["kv_dtype"]
+    rep.add("kv", {"by_dtype": res, "fastest": best, "engine_default": default})
+    rep.kv_table(res, best, default)
+    return loaded
+
+
+# -- entry --------------------------------------------------------------------------------
+
+def run_bench(args) -> int:
+    import torch
+
+    rep = Report(command_line(args), md=args.md)
+    name = args.bench_name
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = None
+    needs_engine = name in ("throughput", "sweep", "overhead", "all") or (
+        name in ("hf", "server") and not args.no_ridge)
+    if needs_engine:
+        need = max([getattr(args, "in_flight", 1)] + (_ints(args.batches) if name == "overhead" else [])
+                   + ([64] if name == "all" else []))
+        engine = make_engine(args, need)
+        rep.set_env(engine)
+        from .bench_runs import warm_up
+        warm_up(engine)
+    else:
+        rep.set_env(None, args)
+    skip = set(getattr(args, "skip", "").split(",")) - {""}
+    t0 = time.perf_counter()
+    if name == "throughput":
+        part_throughput(rep, engine, args, args.in_flight, static=not args.no_static)
+    elif name == "sweep":
+        part_sweep(rep, engine, args)
+    elif name == "hf":
+        part_hf(rep, args, engine)
+    elif name == "server":
+        part_server(rep, args, engine)
+    elif name == "overhead":
+        part_overhead(rep, engine, args)
+    elif name == "kv":
+        part_kv(rep, args)
+    elif name == "all":
+        if "throughput" not in skip:
+            part_throughput(rep, engine, args, args.in_flight)
+            part_throughput(rep, engine, args, 64, key="throughput_64")
+            part_throughput(rep, engine, args, 1, requests=args.batch1_requests, static=False, key="throughput_1")
+        if "sweep" not in skip:
+            args.levels = DEFAULT_LEVELS
+            part_sweep(rep, engine, args)
+        if "overhead" not in skip:
+            args.batches, args.context, args.steps = "1,16,64", 150, 12
+            part_overhead(rep, engine, args)
+        if args.url:
+            part_server(rep, args, engine, [args.in_flight, 64, 1], {1: args.batch1_requests})
+        if "hf" not in skip:
+            part_hf(rep, args, engine)
+        if "kv" not in skip:
+            args.dtypes, args.batch, args.context, args.steps = "fp32,bf16,fp8", 16, 150, 10
+            loaded = engine.loaded
+            del engine
+            gc.collect()
+            part_kv(rep, args, loaded)
+    rep.data["elapsed_s"] = time.perf_counter() - t0
+    rep.data["env"]["loadavg_end"] = list(os.getloadavg())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep.data, f, indent=1, default=str)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

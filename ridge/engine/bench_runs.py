@@ -1,0 +1,314 @@
+"""Engine-side runs of `ridge bench`: continuous against static batching on one
+engine (with KV waste sampled at steady state), and pure-decode fixtures for the
+overhead and KV-dtype measurements.
+
+Clients are closed-loop: `in_flight` clients each submit a request, wait for
+it to finish, then submit the next, so a request's TTFT starts at its own
+submission (no hidden queue). Continuous batching refills a slot the step
+after it frees; static batching submits `in_flight` requests at once, every
+one generating the batch's longest output (padding), and submits the next
+batch only when the whole batch is done. Only a request's own target length
+counts as useful output."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+from .workloads import QUESTIONS, Workload, continuous_steps, long_prompt, percentiles, static_bound, static_steps
+
+
+@dataclass
+class Rec:
+    index: int
+    target: int
+    submit: float
+    times: list[float] = field(default_factory=list)  # arrival time of each output token
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+
+class WasteSampler:
+    """KV slots reserved against filled, sampled after every step while at least
+    half the in-flight requests run (steady state, not the ramp or the drain)."""
+
+    def __init__(self, engine, in_flight: int):
+        self.engine, self.min_live = engine, max(1, in_flight / 2)
+        self.samples = self.reserved = self.filled = self.live = self.own_max = 0
+
+    def sample(self) -> None:
+        running = self.engine.scheduler.running
+        if len(running) < self.min_live:
+            return
+        reserved, filled = self.engine.kv_waste()
+        self.samples += 1
+        self.reserved += reserved
+        self.filled += filled
+        self.live += len(running)
+        self.own_max += sum(r.num_prompt_tokens + r.params.max_tokens for r in running)
+
+    def result(self) -> dict:
+        e = self.engine
+        bs, max_len = e.config.block_size, e.max_model_len
+        if not self.samples:
+            return {"samples": 0}
+        return {
+            "samples": self.samples, "block_size": bs, "max_model_len": max_len,
+            "mean_live": self.live / self.samples,
+            "mean_reserved_slots": self.reserved / self.samples, "mean_filled_slots": self.filled / self.samples,
+            # paged: the unfilled tail of each live sequence's last block
+            "paged_waste_pct": 100 * (self.reserved - self.filled) / self.reserved,
+            # theory: half a block per live sequence
+            "half_block_pct": 100 * self.live * bs / 2 / self.reserved,
+            # contiguous, each request reserving the model's whole context
+            "contiguous_max_len_waste_pct": 100 * (1 - self.filled / (self.live * max_len)),
+            # contiguous, each request reserving its own prompt + max_tokens (the best a
+            # contiguous allocator can do when it knows max_tokens)
+            "contiguous_own_max_waste_pct": 100 * (1 - self.filled / self.own_max),
+        }
+
+
+def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_flight: int) -> dict:
+    useful = sum(min(len(r.times), r.target) for r in recs)
+    generated = sum(len(r.times) for r in recs)
+    wall = t1 - t0
+    ttft = [r.times[0] - r.submit for r in recs if r.times]
+    itl = [b - a for r in recs for a, b in zip(r.times[: r.target], r.times[1: r.target])]
+    e2e = [r.times[r.target - 1] - r.submit for r in recs if len(r.times) >= r.target]
+    return {
+        "mode": mode, "in_flight": in_flight, "requests": len(recs), "steps": steps, "wall_s": wall,
+        "useful_tokens": useful, "generated_tokens": generated,
+        "useful_tok_s": useful / wall if wall > 0 else None,
+        "generated_tok_s": generated / wall if wall > 0 else None,
+        "short_requests": sum(1 for r in recs if len(r.times) < r.target),
+        "errors": [r.error for r in recs if r.error][:5],
+        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+    }
+
+
+def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict:
+    """Closed loop: a slot is refilled as soon as its request finishes."""
+    engine.scheduler.config.max_num_seqs = in_flight
+    n = wl.num_requests
+    recs: list[Rec | None] = [None] * n
+    live: dict[str, Rec] = {}
+    waste = WasteSampler(engine, in_flight)
+    nxt = steps = 0
+
+    def submit(now: float) -> None:
+        nonlocal nxt
+        rid = f"{tag}-{nxt}"
+        engine.add_request(rid, wl.prompt_ids[nxt], _params(wl.lengths[nxt]))
+        live[rid] = recs[nxt] = Rec(nxt, wl.lengths[nxt], now)
+        nxt += 1
+
+    t0 = time.perf_counter()
+    while nxt < min(in_flight, n):
+        submit(t0)
+    while live:
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            r = live.get(o.request_id)
+            if r is None:
+                continue
+            r.times.extend([now] * len(o.new_token_ids))
+            if o.finished:
+                r.finish_reason, r.error = o.finish_reason, o.error
+                del live[o.request_id]
+                if nxt < n:
+                    submit(now)
+        waste.sample()
+    out = _summary("continuous", recs, t0, time.perf_counter(), steps, in_flight)
+    out["kv_waste"] = waste.result()
+    return out
+
+
+def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
+    """Fixed batches, each request padded to the batch's longest output."""
+    engine.scheduler.config.max_num_seqs = in_flight
+    n = wl.num_requests
+    recs: list[Rec] = []
+    steps = 0
+    t0 = time.perf_counter()
+    for b in range(0, n, in_flight):
+        idx = range(b, min(b + in_flight, n))
+        longest = max(wl.lengths[i] for i in idx)
+        now = time.perf_counter()
+        live = {}
+        for i in idx:
+            rid = f"{tag}-{i}"
+            engine.add_request(rid, wl.prompt_ids[i], _params(longest))
+            live[rid] = Rec(i, wl.lengths[i], now)
+            recs.append(live[rid])
+        while live:
+            outs = engine.step()
+            now = time.perf_counter()
+            steps += 1
+            for o in outs:
+                r = live.get(o.request_id)
+                if r is None:
+                    continue
+                r.times.extend([now] * len(o.new_token_ids))
+                if o.finished:
+                    r.finish_reason, r.error = o.finish_reason, o.error
+                    del live[o.request_id]
+    return _summary("static", recs, t0, time.perf_counter(), steps, in_flight)
+
+
+def compare(engine, wl: Workload, in_flight: int, static: bool = True, tag: str = "") -> dict:
+    """Continuous and static on the same engine and trace, beside the bound."""
+    res = {"in_flight": in_flight, "workload": wl.describe(),
+           "bound": static_bound(wl.lengths, in_flight),
+           "bound_with_drain": static_steps(wl.lengths, in_flight) / continuous_steps(wl.lengths, in_flight),
+           "continuous": run_continuous(engine, wl, in_flight, tag=f"{tag}c")}
+    if static:
+        res["static"] = run_static(engine, wl, in_flight, tag=f"{tag}s")
+        c, s = res["continuous"]["useful_tok_s"], res["static"]["useful_tok_s"]
+        res["ratio"] = c / s if c and s else None
+        res["ratio_of_bound"] = res["ratio"] / res["bound"] if res["ratio"] else None
+        res["ratio_of_bound_with_drain"] = res["ratio"] / res["bound_with_drain"] if res["ratio"] else None
+    return res
+
+
+def warm_up(engine, n: int = 2, tokens: int = 8) -> None:
+    ids = [engine.add_request(None, engine.tokenizer.encode_chat([{"role": "user", "content": q}]), _params(tokens))
+           for q in QUESTIONS[:n]]
+    while engine.has_unfinished():
+        engine.step()
+    del ids
+
+
+# -- pure-decode fixtures ------------------------------------------------------------------
+
+class DecodeFixture:
+    """`batch` requests prefilled to about `context` tokens, then stepping in pure
+    decode (every step: one new token per request, nothing else)."""
+
+    def __init__(self, engine, batch: int, context: int, tag: str, max_tokens: int = 4096):
+        self.engine, self.batch, self.tag = engine, batch, tag
+        cfg = engine.scheduler.config
+        cfg.max_num_seqs = batch
+        saved = cfg.max_num_batched_tokens
+        cfg.max_num_batched_tokens = max(saved, 2048)  # a faster set-up; restored before timing
+        room = engine.max_model_len - context - 1
+        self.ids = []
+        for i in range(batch):
+            prompt = long_prompt(engine.tokenizer, QUESTIONS[i % len(QUESTIONS)] + f" ({i})", context)
+            self.ids.append(engine.add_request(f"{tag}-{i}", prompt, _params(max(1, min(max_tokens, room)))))
+        seen: set[str] = set()
+        try:
+            while len(seen) < batch:
+                for o in engine.step():
+                    if o.new_token_ids:
+                        seen.add(o.request_id)
+                    if o.finished:
+                        raise RuntimeError(f"fixture request {o.request_id} finished early ({o.finish_reason}: {o.error})")
+        finally:
+            cfg.max_num_batched_tokens = saved
+        self.context = statistics.mean(len(r.prompt_token_ids) for r in engine.scheduler.running)
+
+    def step(self) -> float:
+        t = time.perf_counter()
+        outs = self.engine.step()
+        dt = time.perf_counter() - t
+        if len(outs) != self.batch or any(len(o.new_token_ids) != 1 for o in outs):
+            raise RuntimeError("the fixture left pure decode (a request finished or was preempted)")
+        return dt
+
+    def close(self) -> None:
+        for rid in self.ids:
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def linear_modules(model) -> list:
+    from ridge.quant.linear import FP8Linear
+    return [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+def matmul_runner(model, tokens: int):
+    """-> fn() running every linear layer's product once over `tokens` rows: the
+    step's matrix products alone (qkv, o, gate_up, down per layer, and the logits)."""
+    mods = linear_modules(model)
+    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    xs = {m.in_features: torch.randn(tokens, m.in_features, device=dev, dtype=dt) for m in mods}
+
+    @torch.inference_mode()
+    def run() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        for m in mods:
+            m(xs[m.in_features])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t
+    return run
+
+
+def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4) -> dict:
+    """Engine step time against the same step's matrix products alone, interleaved
+    step by step in one run, at pure decode with `batch` sequences."""
+    from .bench_profile import step_breakdown
+
+    fx = DecodeFixture(engine, batch, context, tag=f"ovh{batch}")
+    try:
+        mm = matmul_runner(engine.model, batch)
+        for _ in range(2):
+            fx.step(), mm()
+        step_t, mm_t = [], []
+        for _ in range(steps):
+            step_t.append(fx.step())
+            mm_t.append(mm())
+        with step_breakdown(engine) as bd:
+            for _ in range(profile_steps):
+                bd.step(fx.step)
+        s, m = statistics.median(step_t), statistics.median(mm_t)
+        return {"batch": batch, "context": fx.context, "steps": steps,
+                "step_ms": 1e3 * s, "matmul_ms": 1e3 * m, "overhead_pct": 100 * (s / m - 1),
+                "step_ms_min": 1e3 * min(step_t), "matmul_ms_min": 1e3 * min(mm_t),
+                "tok_s": batch / s, "breakdown_ms": bd.per_step_ms()}
+    finally:
+        fx.close()
+
+
+def run_kv_dtypes(engines: dict, batch: int, context: int, steps: int, profile_steps: int = 3) -> dict:
+    """W1-like decode step time per KV dtype; engines: dtype -> engine (same weights).
+    Steps are interleaved across dtypes so that drifting machine load hits all alike."""
+    from .bench_profile import step_breakdown
+
+    fixtures = {dt: DecodeFixture(e, batch, context, tag=f"kv{dt}") for dt, e in engines.items()}
+    try:
+        for fx in fixtures.values():
+            fx.step()
+        times = {dt: [] for dt in fixtures}
+        for _ in range(steps):
+            for dt, fx in fixtures.items():
+                times[dt].append(fx.step())
+        out = {}
+        for dt, fx in fixtures.items():
+            with step_breakdown(fx.engine) as bd:
+                for _ in range(profile_steps):
+                    bd.step(fx.step)
+            s = statistics.median(times[dt])
+            e = fx.engine
+            out[dt] = {"kv_dtype": dt, "batch": batch, "context": fx.context, "step_ms": 1e3 * s,
+                       "step_ms_min": 1e3 * min(times[dt]), "tok_s": batch / s,
+                       "kv_bytes_per_token": e.memory.kv_bytes_per_token, "breakdown_ms": bd.per_step_ms()}
+        base = out.get("fp32")
+        for r in out.values():
+            r["vs_fp32"] = r["step_ms"] / base["step_ms"] if base else None
+        return out
+    finally:
+        for fx in fixtures.values():
+            fx.close()

@@ -1,0 +1,39 @@
+"""Helpers for engine tests: a tiny model loaded once, engines over it, and runs."""
+from __future__ import annotations
+
+from ridge.engine.engine import EngineConfig, LLMEngine
+from ridge.engine.sampling import SamplingParams
+
+
+def make_engine(loaded, **kw) -> LLMEngine:
+    cfg = dict(device="cpu", kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=16, prefill_chunk=64)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), loaded=loaded)
+
+
+def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    """Run to completion; -> request id -> output tokens (sample 0)."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+    toks = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.index == 0:
+                toks[o.request_id] += o.new_token_ids
+    return toks
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

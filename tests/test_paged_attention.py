@@ -1,0 +1,75 @@
+"""Paged attention (torch reference, the CPU path) against contiguous attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.kernels.attention import contiguous_attention_ref, paged_attention_ref
+from ridge.kernels.kv_cache import write_kv_ref
+from ridge.kernels.metadata import AttentionMetadata
+
+H, HKV, D, BS = 4, 2, 16, 16
+
+
+def paged_setup(lengths, query_lens, num_blocks=64, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
+    kc = torch.zeros(num_blocks, BS, HKV, D, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    ks = vs = None
+    if dtype == torch.float8_e4m3fn:
+        ks = torch.ones(num_blocks, BS, HKV, dtype=torch.float16)
+        vs = torch.ones_like(ks)
+    seqs, tables = [], []
+    for L in lengths:
+        nb = -(-L // BS)
+        table = [perm.pop() for _ in range(nb)]
+        q = torch.randn(L, H, D, generator=g)
+        k = torch.randn(L, HKV, D, generator=g)
+        v = torch.randn(L, HKV, D, generator=g)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(L)])
+        write_kv_ref(k, v, kc, vc, ks, vs, slots)
+        seqs.append((q, k, v))
+        tables.append(table)
+    q_all = torch.cat([q[L - n:] for (q, _, _), L, n in zip(seqs, lengths, query_lens)])
+    meta = AttentionMetadata.build(query_lens, lengths, tables, [0] * sum(query_lens))
+    return seqs, q_all, kc, vc, ks, vs, meta
+
+
+@pytest.mark.parametrize("lengths,query_lens", [
+    ([50], [50]),  # whole prefill
+    ([1, 17, 129, 33], [1, 1, 1, 1]),  # decodes
+    ([129, 40, 5, 64], [1, 18, 5, 1]),  # mixed: decode, chunk after context, prefill, decode
+])
+def test_paged_equals_contiguous(lengths, query_lens):
+    seqs, q_all, kc, vc, ks, vs, meta = paged_setup(lengths, query_lens)
+    out = paged_attention_ref(q_all, kc, vc, ks, vs, meta, D ** -0.5)
+    start = 0
+    for (q, k, v), L, n in zip(seqs, lengths, query_lens):
+        ref = contiguous_attention_ref(q, k, v, D ** -0.5)[L - n:]
+        torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_fp8_cache_is_close():
+    lengths, qlens = [129, 40, 7], [1, 18, 7]
+    seqs, q_all, kc, vc, ks, vs, meta = paged_setup(lengths, qlens, dtype=torch.float8_e4m3fn)
+    out = paged_attention_ref(q_all, kc, vc, ks, vs, meta, D ** -0.5)
+    start = 0
+    for (q, k, v), L, n in zip(seqs, lengths, qlens):
+        ref = contiguous_attention_ref(q, k, v, D ** -0.5)[L - n:]
+        torch.testing.assert_close(out[start:start + n], ref, atol=0.08, rtol=0.08)
+        start += n
+
+
+def test_write_kv_quantizes_per_token_head_and_skips_padding():
+    kc = torch.zeros(4, BS, HKV, D, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(4, BS, HKV, dtype=torch.float16)
+    vs = torch.zeros_like(ks)
+    k = torch.randn(3, HKV, D) * torch.tensor([0.01, 1.0, 300.0])[:, None, None]
+    write_kv_ref(k, k, kc, vc, ks, vs, torch.tensor([5, -1, 40]))
+    assert ks.view(-1, HKV)[[5, 40]].float().sub(k[[0, 2]].abs().amax(-1) / 448).abs().max() < 1e-2 * k[2].abs().max() / 448
+    deq = kc.view(-1, HKV, D)[40].float() * ks.view(-1, HKV)[40].float()[:, None]
+    torch.testing.assert_close(deq, k[2], atol=0, rtol=2 ** -4)
+    assert ks.view(-1, HKV)[6:40].abs().sum() == 0  # the padding token (-1) wrote nothing
