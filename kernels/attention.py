@@ -83,11 +83,12 @@ def contiguous_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # (token, head) pairs: row m = token m // GROUP, head m % GROUP. K/V tiles are
 # gathered through the block table with int64 offsets and FP8 dequantized in
 # registers: the K scale multiplies the scores, the V scale the probabilities,
-# so the dots run on raw fp8 values cast to the dot dtype. With NUM_SPLITS > 1
+# so the dots run on raw fp8 values cast to the dot dtype. With num_splits > 1
 # each program covers a slice of the context (flash-decoding) and a second
 # kernel merges the partial softmaxes.
 
-from .triton_utils import cdiv, interpreting, jit, native_fp8, next_pow2, num_sms, pick_config, tl  # noqa: E402
+from .triton_utils import (capability, cdiv, interpreting, jit, native_fp8, next_pow2, num_sms,  # noqa: E402
+                           pick_config, tl)
 
 LOG2E = 1.4426950408889634
 
@@ -136,11 +137,11 @@ def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @jit
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_acc, part_m, part_l,
-        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, qk_scale,
+        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, num_splits, qk_scale,
         stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr):
+        SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr):
     q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc + seq)
@@ -166,7 +167,7 @@ def _paged_attn_kernel(
     # Causal: this program's last query sees keys up to its own position.
     kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles, num_splits)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, num_tiles)
 
@@ -200,29 +201,29 @@ def _paged_attn_kernel(
 
     row = (q_start + tok).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # (token, head) in [T, H]
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = row * NUM_SPLITS + split
+        part = row * num_splits + split
         tl.store(part_acc + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
         tl.store(part_m + part, m_i, mask=row_ok)
         tl.store(part_l + part, l_i, mask=row_ok)
 
 
 @jit
-def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+                         DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
     # One (token, head) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS_P)
-    s_ok = s < NUM_SPLITS
+    s_ok = s < num_splits
     d = tl.arange(0, DIM_P)
-    m = tl.load(part_m + row * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_l + row * NUM_SPLITS + s, mask=s_ok, other=0.0)
+    m = tl.load(part_m + row * num_splits + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l + row * num_splits + s, mask=s_ok, other=0.0)
     big = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - big))
-    acc = tl.load(part_acc + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+    acc = tl.load(part_acc + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -230,17 +231,17 @@ def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, HEAD_DIM: tl.constex
 
 def _attn_candidates(t: torch.Tensor, decode: bool, head_dim: int, group: int) -> list[dict]:
     """Tile candidates. Decode: the fewest rows a dot allows (16), long K tiles.
-    Prefill: square-ish tiles, smaller at head_dim 256 to fit shared memory."""
+    Prefill: square-ish tiles; smaller at head_dim 256, and off Hopper (less shared memory)."""
     rows = max(16, next_pow2(group))
     if interpreting(t):  # few large tiles: each interpreted loop step costs milliseconds
         return [dict(BLOCK_M=max(rows, 64 if not decode else rows), BLOCK_N=128, num_warps=4, num_stages=1)]
-    big = head_dim > 128
+    small = head_dim > 128 or capability(t) < (9, 0)
     if decode:
-        ns = (32, 64) if big else (64, 128)
+        ns = (32, 64) if head_dim > 128 else (64, 128)
         return [dict(BLOCK_M=rows, BLOCK_N=n, num_warps=w, num_stages=s) for n in ns for w in (4, 8) for s in (2, 3)]
-    ms = (64,) if big else (64, 128)
+    ms = (64,) if small else (64, 128)
     return [dict(BLOCK_M=max(rows, m), BLOCK_N=n, num_warps=w, num_stages=2)
-            for m in ms for n in ((32, 64) if big else (64,)) for w in (4, 8)]
+            for m in ms for n in ((32, 64) if small else (64,)) for w in (4, 8)]
 
 
 def _num_splits(q: torch.Tensor, programs: int, max_seq_len: int) -> int:
@@ -272,7 +273,8 @@ def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                           meta: AttentionMetadata, softmax_scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                           meta: AttentionMetadata, softmax_scale: float, *,
+                           num_splits: int | None = None) -> torch.Tensor:
     """Same contract as paged_attention_ref. Host lists (max query/seq length) only size
     the grid; lengths, offsets and blocks are read on the device. num_splits overrides
     the flash-decoding heuristic (tests)."""
@@ -301,15 +303,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         _paged_attn_kernel[grid](
             q, kc, vc, ks, vs, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            num_seqs, num_tokens, softmax_scale * LOG2E, q.stride(0), q.stride(1),
+            num_seqs, num_tokens, splits, softmax_scale * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             num_kv_heads, group, head_dim, next_pow2(head_dim), cfg["BLOCK_M"], block_q, cfg["BLOCK_N"],
-            k_cache.shape[1], splits, fp8_mode, interpreting(q) or q.dtype == torch.float32,
+            k_cache.shape[1], splits > 1, fp8_mode, interpreting(q) or q.dtype == torch.float32,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1)
     launch(pick_config("paged_attention", key, cands, q, launch))
     if splits > 1:
-        _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, head_dim, next_pow2(head_dim),
-                                                        splits, next_pow2(splits))
+        _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, splits, head_dim, next_pow2(head_dim),
+                                                        max(2, next_pow2(splits)))
     return out

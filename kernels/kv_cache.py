@@ -68,9 +68,10 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Ten
 
 
 # ---------------------------------------------------------------------------
-# Triton: one pass over the new K (or V) rows: amax, scale, quantize, scatter.
-# Unfused, the reference makes about six passes (abs, amax, divide, clamp,
-# cast, index_copy) plus a boolean compaction of the skipped rows.
+# Triton: one pass over the new K (or V) rows: amax, scale, quantize, scatter:
+# read once, write once. The reference makes about 13 passes (abs 2, amax 1,
+# fp32 cast 2, divide 2, clamp 2, fp8 cast 2, index_copy 2) plus 2 for the
+# boolean compaction of skipped rows, and syncs the host to do it.
 
 from .triton_utils import cdiv, interpreting, jit, native_fp8, next_pow2, tl  # noqa: E402
 

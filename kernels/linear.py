@@ -16,7 +16,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 # ---------------------------------------------------------------------------
-# Triton. Three paths, chosen once per device from its compute capability:
+# Triton. Three paths, chosen from the device's compute capability:
 #   sm_89+ (Ada, Hopper, Blackwell): W8A8. Activations get one fp32 scale per
 #     token (amax / 448) in a quantize kernel, then an fp8 x fp8 product with
 #     both scales applied in the epilogue: torch._scaled_mm or the Triton dot
@@ -30,7 +30,6 @@ from .triton_utils import cdiv, capability, interpreting, jit, native_fp8, next_
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-MIN_ACT_SCALE = 1e-12  # an all-zero row still divides safely
 
 
 @jit
@@ -46,7 +45,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, staged_ptr, scale_ptr, num_rows, K, stride_
         c = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(row + c[None, :], mask=r_ok[:, None] & (c < K)[None, :], other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-12)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-12)  # zero rows divide
     tl.store(scale_ptr + r, scale, mask=r_ok)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
@@ -124,16 +123,21 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M,
 
 
 def _gemm_candidates(t: torch.Tensor, M: int) -> list[dict]:
+    """Tiles per M class and architecture. Hopper (sm_90, 228 KB shared memory) takes
+    the widest tiles and deepest pipelines; Ada and Ampere (~100-164 KB) shallower ones."""
     if interpreting(t):
         return [dict(BLOCK_M=min(64, max(16, next_pow2(M))), BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1)]
-    if M <= 16:  # decode: stream the weight, many narrow N tiles
+    hopper = capability(t) >= (9, 0)
+    stages = (3, 4) if hopper else (2, 3)
+    if M <= 16:  # decode: stream the weight through many narrow N tiles
         return [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
-                for n in (32, 64, 128) for k in (128, 256) for s in (3, 4)]
+                for n in (32, 64, 128) for k in (128, 256) for s in stages]
     if M <= 128:
         return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, num_warps=4, num_stages=s)
-                for m in (32, 64) for n in (64, 128) for s in (3, 4)]
-    return [dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=128, num_warps=w, num_stages=s)
-            for n in (128, 256) for w in (4, 8) for s in (3, 4)]
+                for m in (32, 64) for n in (64, 128) for s in stages]
+    wide = (128, 256) if hopper else (64, 128)
+    return [dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=128 if hopper else 64, num_warps=w, num_stages=s)
+            for n in wide for w in (4, 8) for s in stages]
 
 
 def _launch_gemm(a, a_scale, weight, w_scale, bias, out, cfg, b_mode: int, dot_f32: bool) -> None:
@@ -168,8 +172,15 @@ def fp8_weight_only_triton(x, weight, weight_scale, bias=None, cfg: dict | None 
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     b_mode = 1 if native_fp8(x) else 2
     w = weight if b_mode == 1 else weight.view(torch.uint8)
-    _launch_gemm(x, None, w, weight_scale, bias, out, cfg or _gemm_candidates(x, x.shape[0])[0], b_mode,
-                 interpreting(x) or x.dtype == torch.float32)
+    dot_f32 = interpreting(x) or x.dtype == torch.float32
+
+    def launch(c: dict) -> None:
+        _launch_gemm(x, None, w, weight_scale, bias, out, c, b_mode, dot_f32)
+
+    if cfg is None:
+        key = (weight.shape[0], weight.shape[1], _m_bucket(x.shape[0]), str(x.dtype))
+        cfg = pick_config("fp8_weight_only", key, _gemm_candidates(x, _m_bucket(x.shape[0])), x, launch)
+    launch(cfg)
     return out
 
 

@@ -6,6 +6,7 @@ overrides the choice (interpreter tests of a whole model step on CPU)."""
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 
 import torch
@@ -49,6 +50,8 @@ def use_triton(enabled: bool = True):
     global _FORCE
     if enabled and not load_triton():
         raise RuntimeError("use_triton(): Triton kernels are unavailable on this machine")
+    if enabled and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("use_triton() without a GPU needs TRITON_INTERPRET=1 set before triton is imported")
     previous, _FORCE = _FORCE, enabled
     try:
         yield

@@ -21,8 +21,9 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 # ---------------------------------------------------------------------------
 # Triton: rotate Q and K in place, one launch for both. In place it reads and
-# writes each element once (2 passes over Q/K); the reference makes about 10
-# (fp32 casts, four products, two sums, a concatenation, a downcast).
+# writes each element once (2 passes over Q/K); the reference makes about 13
+# (fp32 cast 2, four half-width products 4, two sums 3, concatenation 2,
+# downcast 2) and allocates new Q/K.
 
 from .triton_utils import cdiv, interpreting, jit, next_pow2, tl  # noqa: E402
 

@@ -99,6 +99,9 @@ class ConfigCache:
                 self._data = {}
         return self._data
 
+    def all(self) -> dict[str, dict]:
+        return dict(self._load())
+
     def get(self, key: str) -> dict | None:
         return self._load().get(key)
 

@@ -21,6 +21,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-reserve-gib", type=float, default=1.0, help="GPU memory left for the desktop and others")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--ridge-point", type=float, default=None,
+                   help="device FLOPs per byte (default: the plan table on GPU, measured on CPU)")
+    p.add_argument("--speculative", default="off", metavar="ngram|draft:PATH|self:L|auto|off",
+                   help="speculative decoding proposer (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="most drafts per request per step")
 
 
 def engine_config(args):
@@ -30,7 +35,9 @@ def engine_config(args):
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         prefill_chunk=args.prefill_chunk, num_kv_blocks=args.num_kv_blocks,
                         kv_memory_gib=args.kv_memory_gib, gpu_reserve_gib=args.gpu_reserve_gib,
-                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+                        ridge_point=args.ridge_point, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +90,16 @@ def _add_generate(sub) -> None:
     p.add_argument("--local", action="store_true", help="run the engine in this process")
     add_engine_args(p)
     add_sampling_args(p)
-    p.set_defaults(func=run_generate_local)
+    from ridge.daemon.commands import add_client_args
+    add_client_args(p)
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    if args.local:
+        return run_generate_local(args)
+    from ridge.daemon.commands import run_generate
+    return run_generate(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     add_plan_parser(sub)
+    from ridge.daemon.commands import add_daemon_parsers
+    add_daemon_parsers(sub)
+    from ridge.engine.bench import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

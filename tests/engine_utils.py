@@ -6,7 +6,7 @@ from ridge.engine.sampling import SamplingParams
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
-    cfg = dict(device="cpu", kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=16, prefill_chunk=64)
+    cfg = dict(device="cpu", kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=16, prefill_chunk=64, ridge_point=8.0)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg), loaded=loaded)
 

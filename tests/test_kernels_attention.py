@@ -86,3 +86,23 @@ def test_empty_batch():
     out = paged_attention_triton(b.q[:0], b.k_cache, b.v_cache, b.k_scale, b.v_scale,
                                  type(b.meta).build([], [], [], []), 0.125)
     assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_mixes(seed):
+    # Random step shapes: 1-6 sequences, decodes and chunks, fp16 or bf16 queries, any split count.
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 7, (1,), generator=g))
+    q_lens = [int(x) if x > 1 else 1 for x in torch.randint(-20, 60, (n,), generator=g)]
+    ctx = [int(x) for x in torch.randint(0, 200, (n,), generator=g)]
+    q_dtype = (torch.float16, torch.bfloat16)[seed % 2]
+    check(make_paged_batch(q_lens, ctx, num_heads=4, num_kv_heads=1, head_dim=64, kv_dtype=FP8, q_dtype=q_dtype,
+                           block_size=(16, 32, 64)[seed % 3], seed=seed), num_splits=seed)
+
+
+def test_software_fp8_decode_path(monkeypatch):
+    # Pre-sm_89 GPUs read the FP8 cache as raw bytes and decode in the kernel.
+    import ridge.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "native_fp8", lambda t: False)
+    check(make_paged_batch([1, 17], [40, 20], num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=FP8))

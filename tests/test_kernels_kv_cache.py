@@ -11,10 +11,12 @@ pytestmark = pytest.mark.usefixtures(poison_empty.__name__)
 
 
 def fresh_cache(shape, dtype, fp8, empty=False):
+    """[k, v, k_scale, v_scale]; scales NaN-poisoned unless `empty` (huge, left unallocated)."""
     make = torch.empty if empty else torch.zeros
     caches = [make(shape, dtype=dtype) for _ in range(2)]
-    scales = [make(shape[:3], dtype=torch.float16).fill_(float("nan")) if not empty else make(shape[:3], dtype=torch.float16)
-              for _ in range(2)] if fp8 else [None, None]
+    scales = [torch.empty(shape[:3], dtype=torch.float16) for _ in range(2)] if fp8 else [None, None]
+    for s in scales if fp8 and not empty else ():
+        s.fill_(float("nan"))
     return caches + scales
 
 

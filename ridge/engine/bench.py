@@ -180,8 +180,7 @@ def part_hf(rep: Report, args, engine=None):
         res["ridge"] = run_continuous(engine, wl, args.in_flight, tag="hfr-")
         tok = engine.tokenizer
     else:
-        from ridge.quant.loader import convert
-        tok = convert(args.model, show_progress=False).tokenizer
+        tok = _tokenizer(args)
         wl = workload_for(args)
         wl.tokenize(tok)
     path = resolve_model_path(args.model)
@@ -199,29 +198,31 @@ def part_hf(rep: Report, args, engine=None):
                        "hf", "transformers")
 
 
+def _tokenizer(args, engine=None):
+    if engine is not None:
+        return engine.tokenizer
+    from ridge.quant.loader import convert
+    return convert(args.model, show_progress=False).tokenizer
+
+
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
     from .bench_external import run_server, server_info
     from .bench_runs import run_continuous
 
-    in_flights = in_flights or [args.in_flight]
+    tok = _tokenizer(args, engine)
     info = server_info(args.url, args.api)
+    label = args.label or f"server ({args.api}, {args.url})"
     out = []
-    for n in in_flights:
-        req = (requests_for or {}).get(n)
-        wl = workload_for(args, engine, requests=req)
-        if engine is None:
-            from ridge.quant.loader import convert
-            wl.tokenize(convert(args.model, show_progress=False).tokenizer)
-        tok = engine.tokenizer if engine is not None else None
-        texts = wl.prompt_texts(tok or convert(args.model, show_progress=False).tokenizer)
-        res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": args.label or args.url}
-        res["server"] = run_server(args.url, args.api, wl, texts, n, args.server_model, args.timeout)
+    for n in in_flights or [args.in_flight]:
+        wl = workload_for(args, requests=(requests_for or {}).get(n))
+        wl.tokenize(tok, engine.max_model_len if engine is not None else None)
+        res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": label}
+        res["server"] = run_server(args.url, args.api, wl, wl.prompt_texts(tok), n, args.server_model, args.timeout)
         if engine is not None:
             res["ridge"] = run_continuous(engine, wl, n, tag=f"srv{n}-")
             res["ratio"] = res["ridge"]["useful_tok_s"] / res["server"]["useful_tok_s"]
         out.append(res)
-        rep.baseline_table(f"ridge vs {res['label']} at {n} in flight ({wl.num_requests} requests)", res,
-                           "server", args.label or f"server ({args.api})")
+        rep.baseline_table(f"ridge vs {label} at {n} in flight ({wl.num_requests} requests)", res, "server", label)
     rep.add("server", out)
 
 
@@ -247,7 +248,10 @@ def part_kv(rep: Report, args, loaded=None):
         cfg = replace(base, kv_dtype=dt, max_num_seqs=args.batch, num_kv_blocks=blocks)
         engines[dt] = LLMEngine(cfg, loaded=loaded)
         loaded = engines[dt].loaded
-    default = engines[next(iter(engines))].config.resolved_kv_dtype(loaded.device)
+    first = engines[next(iter(engines))]
+    default = replace(base, kv_dtype=None).resolved_kv_dtype(loaded.device)
+    rep.set_env(first)
+    rep.data["env"]["kv_dtype"] = "per row (" + args.dtypes + ")"
     res = run_kv_dtypes(engines, args.batch, args.context, args.steps)
     del engines
     gc.collect()

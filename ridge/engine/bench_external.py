@@ -66,7 +66,7 @@ def run_hf(model, wl: Workload, in_flight: int, pad_id: int) -> dict:
     generate([0], 4)  # warm-up
     recs: list[Rec] = []
     steps = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for b in range(0, wl.num_requests, in_flight):
         idx = list(range(b, min(b + in_flight, wl.num_requests)))
         longest = max(wl.lengths[i] for i in idx)
@@ -74,7 +74,7 @@ def run_hf(model, wl: Workload, in_flight: int, pad_id: int) -> dict:
         times = generate(idx, longest)
         steps += len(times)
         recs += [Rec(i, wl.lengths[i], submit, list(times)) for i in idx]
-    return _summary("hf-static", recs, t0, time.perf_counter(), steps, in_flight)
+    return _summary("hf-static", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
 
 
 # -- HTTP servers -----------------------------------------------------------------------------
@@ -130,39 +130,39 @@ def run_server(url: str, api: str, wl: Workload, texts: list[str], in_flight: in
     counter = iter(range(n))
     mismatches = []
 
-    def client() -> None:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    def one(i: int) -> None:
+        path, body = _payload(api, texts[i], wl.lengths[i], model_name)
+        rec = recs[i] = Rec(i, wl.lengths[i], time.perf_counter())
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)  # one per request: no keep-alive races
         try:
-            while True:
-                with lock:
-                    i = next(counter, None)
-                if i is None:
-                    return
-                path, body = _payload(api, texts[i], wl.lengths[i], model_name)
-                rec = recs[i] = Rec(i, wl.lengths[i], time.perf_counter())
-                try:
-                    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-                    resp = conn.getresponse()
-                    if resp.status != 200:
-                        rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-                        continue
-                    reported = _read_stream(resp, api, rec)
-                except (OSError, http.client.HTTPException, ValueError) as e:
-                    rec.error = f"{type(e).__name__}: {e}"
-                    conn.close()
-                    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-                    continue
-                if reported is not None and reported != len(rec.times):
-                    # Events are not always one per token (held-back text); trust the server's count.
-                    if len(rec.times) > reported:
-                        del rec.times[reported:]
-                    else:
-                        rec.times += [rec.times[-1] if rec.times else time.perf_counter()] * (reported - len(rec.times))
-                if len(rec.times) != rec.target:
-                    with lock:
-                        mismatches.append((i, rec.target, len(rec.times)))
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+                return
+            reported = _read_stream(resp, api, rec)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+            return
         finally:
             conn.close()
+        if reported is not None and reported != len(rec.times):
+            # Events are not always one per token (held-back text); trust the server's count.
+            if len(rec.times) > reported:
+                del rec.times[reported:]
+            else:
+                rec.times += [rec.times[-1] if rec.times else time.perf_counter()] * (reported - len(rec.times))
+        if len(rec.times) != rec.target:
+            with lock:
+                mismatches.append((i, rec.target, len(rec.times)))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            one(i)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(min(in_flight, n))]
     t0 = time.perf_counter()

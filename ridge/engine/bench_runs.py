@@ -11,6 +11,7 @@ batch only when the whole batch is done. Only a request's own target length
 counts as useful output."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class WasteSampler:
         }
 
 
-def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_flight: int) -> dict:
+def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_flight: int,
+             cpu0: float | None = None) -> dict:
     useful = sum(min(len(r.times), r.target) for r in recs)
     generated = sum(len(r.times) for r in recs)
     wall = t1 - t0
@@ -90,6 +92,10 @@ def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_fl
         "short_requests": sum(1 for r in recs if len(r.times) < r.target),
         "errors": [r.error for r in recs if r.error][:5],
         "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+        # CPU seconds this process used per wall second: ~threads when the machine is ours,
+        # lower when other processes take the cores (then the figures are not clean).
+        "cpu_util": (time.process_time() - cpu0) / wall if cpu0 is not None and wall > 0 else None,
+        "loadavg_end": list(os.getloadavg()),
     }
 
 
@@ -109,7 +115,7 @@ def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict
         live[rid] = recs[nxt] = Rec(nxt, wl.lengths[nxt], now)
         nxt += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while nxt < min(in_flight, n):
         submit(t0)
     while live:
@@ -127,7 +133,7 @@ def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict
                 if nxt < n:
                     submit(now)
         waste.sample()
-    out = _summary("continuous", recs, t0, time.perf_counter(), steps, in_flight)
+    out = _summary("continuous", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
     out["kv_waste"] = waste.result()
     return out
 
@@ -138,7 +144,7 @@ def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
     n = wl.num_requests
     recs: list[Rec] = []
     steps = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for b in range(0, n, in_flight):
         idx = range(b, min(b + in_flight, n))
         longest = max(wl.lengths[i] for i in idx)
@@ -161,7 +167,7 @@ def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
                 if o.finished:
                     r.finish_reason, r.error = o.finish_reason, o.error
                     del live[o.request_id]
-    return _summary("static", recs, t0, time.perf_counter(), steps, in_flight)
+    return _summary("static", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
 
 
 def compare(engine, wl: Workload, in_flight: int, static: bool = True, tag: str = "") -> dict:

@@ -48,8 +48,9 @@ def knee_tokens(ridge: float, bytes_per_weight: float) -> float:
     return ridge * bytes_per_weight / 2
 
 
-def default_token_budget(device: torch.device, bytes_per_weight: float, fp8: bool) -> tuple[int, dict]:
-    ridge, source = ridge_point(device, fp8)
+def default_token_budget(device: torch.device, bytes_per_weight: float, fp8: bool,
+                         given_ridge: float | None = None) -> tuple[int, dict]:
+    ridge, source = (given_ridge, "configured") if given_ridge else ridge_point(device, fp8)
     knee = knee_tokens(ridge, bytes_per_weight)
     budget = int(min(max(BUDGET_MULTIPLE * knee, MIN_BUDGET), MAX_BUDGET))
     budget = -(-budget // 16) * 16

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ridge.cache.kv_cache import KVCache
+from ridge.cache.kv_cache import KVCache, kv_bytes_per_token
 from ridge.cache.manager import KVCacheManager
 from ridge.quant.loader import LoadedModel, load_model
 
@@ -22,6 +22,7 @@ from .runner import ModelRunner
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
+from .spec.factory import DraftModelProposer, build_speculation
 
 log = logging.getLogger("ridge.engine")
 
@@ -42,6 +43,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     quantize: bool = True
+    ridge_point: float | None = None  # FLOPs per byte; None = plan table (GPU) or measured (CPU)
+    speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
+    num_speculative_tokens: int = 8  # the most drafts per request per step
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
         # CPU default, measured: reading an FP8 cache through torch costs a slow
@@ -61,15 +65,24 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.kv_dtype = config.resolved_kv_dtype(self.device)
         self._plan_budget()
+        proposer, self.spec_policy, draft = build_speculation(config.speculative, self, self.budget_info["knee_tokens"],
+                                                              config.num_speculative_tokens)
         act = measure_activation_peak(self._profile_forward, self.device)
+        # A draft model's KV lives in the same blocks as the target's: one pool accounts for both.
+        extra = kv_bytes_per_token(draft.config, self.kv_dtype) if draft else 0
         self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
-                                  self.loaded.weight_bytes, act, gpu_reserve_gib=config.gpu_reserve_gib,
-                                  cpu_kv_cap_gib=config.cpu_kv_cap_gib, kv_memory_gib=config.kv_memory_gib,
-                                  num_blocks=config.num_kv_blocks, max_model_len=self.max_model_len)
+                                  self.loaded.weight_bytes + (draft.weight_bytes if draft else 0), act,
+                                  gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
+                                  kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
+                                  max_model_len=self.max_model_len, extra_bytes_per_token=extra)
         self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
+        if draft is not None:
+            draft_cache = KVCache(draft.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
+            proposer = DraftModelProposer(draft, draft_cache)
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.sched_config, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.scheduler = Scheduler(self.sched_config, self.kv, self.spec_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache, proposer)
+        self.proposer_name = proposer.name if proposer is not None else "off"
         self.requests: dict[str, Request] = {}  # internal id -> request
         self.groups: dict[str, list[Request]] = {}  # client id -> its samples
         self.texts: dict[str, TextState] = {}
@@ -84,10 +97,11 @@ class LLMEngine:
         c = self.config
         fp8 = self.device.type == "cuda" and c.quantize
         b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
-        chunk, self.budget_info = default_token_budget(self.device, b, fp8)
+        chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point)
         chunk = c.prefill_chunk or chunk
         self.sched_config = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_seqs + chunk,
-                                            long_prefill_token_threshold=chunk, block_size=c.block_size)
+                                            long_prefill_token_threshold=chunk, block_size=c.block_size,
+                                            max_model_len=self.max_model_len)
         self.budget_info["prefill_chunk"] = chunk
         log.info("step budget: ridge point %.1f FLOP/B (%s), T* = %.1f tokens, prefill chunk %d, %d tokens per step",
                  self.budget_info["ridge_point"], self.budget_info["ridge_source"], self.budget_info["knee_tokens"],

@@ -64,6 +64,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafted, not yet verified
+    draft_source: str = ""  # the proposer of the current drafts
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at (last) admission
     num_preemptions: int = 0

@@ -3,6 +3,7 @@
 It turns the plan into tensors (token ids, positions, block table, slot
 mapping, sequence lengths), runs the model once over every scheduled token of
 every request, and samples from the rows that end a request's known tokens.
+Drafted tokens are simply more scheduled tokens; their rows are verified.
 Per-step Python work is O(requests); nothing here loops over tokens."""
 from __future__ import annotations
 
@@ -13,26 +14,28 @@ from ridge.kernels.metadata import AttentionMetadata
 
 from .sampler import Sampler, SampleResult
 from .scheduler import SchedulerOutput
+from .spec.verify import verify
 
 
 class StepBatch:
-    """The tensors of one step, on the model's device."""
+    """The tensors of one step, on the model's device. include_spec=False
+    leaves out drafted tokens (what a draft model must see)."""
 
-    def __init__(self, out: SchedulerOutput, block_size: int, device: torch.device):
-        qlens, slens, tables, ids = [], [], [], []
+    def __init__(self, out: SchedulerOutput, block_size: int, device: torch.device, include_spec: bool = True):
+        qlens, slens, tables, ids, starts = [], [], [], [], []
         for s in out.scheduled:
             r = s.request
-            known = r.all_token_ids + r.spec_token_ids
-            ids.extend(known[s.start: s.start + s.num_scheduled_tokens])
-            qlens.append(s.num_scheduled_tokens)
-            slens.append(s.start + s.num_scheduled_tokens)
+            n = s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens)
+            known = r.all_token_ids + r.spec_token_ids if include_spec and s.num_spec_tokens else r.all_token_ids
+            ids.extend(known[s.start: s.start + n])
+            qlens.append(n)
+            slens.append(s.start + n)
             tables.append(s.block_ids)
-        self.query_lens, self.seq_lens = qlens, slens
+            starts.append(s.start)
         q = torch.tensor(qlens)
-        starts = torch.tensor([s.start for s in out.scheduled])
         seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), q)
         cu = torch.cumsum(q, 0)
-        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu - q, q) + starts[seq_idx]
+        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu - q, q) + torch.tensor(starts)[seq_idx]
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         slots = table[seq_idx, positions // block_size].long() * block_size + positions % block_size
@@ -43,8 +46,9 @@ class StepBatch:
             seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
             query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), cu]).to(torch.int32).to(device),
             seq_lens_host=slens, query_lens_host=qlens)
-        # Rows whose logits are needed: the last 1 + num_spec tokens of each sampling request.
         ends = cu.tolist()
+        self.last_row = {id(s): end - 1 for s, end in zip(out.scheduled, ends)}
+        # Rows whose logits are needed: the last 1 + num_spec tokens of each sampling request.
         self.sample_rows: list[int] = []
         self.sample_spans: list[tuple[int, int]] = []  # (first row in logits, count) per scheduled request
         for s, end in zip(out.scheduled, ends):
@@ -54,12 +58,13 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache):
+    def __init__(self, model, kv_cache: KVCache, proposer=None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = model.cos_sin.device
         self.sampler = Sampler()
+        self.proposer = proposer
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
@@ -72,12 +77,29 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
         """-> (request id -> new tokens, request id -> sample result) for requests that sampled."""
+        if self.proposer is not None:
+            self.proposer.propose(self, out)
         batch, logits = self.forward_logits(out)
-        sampling = [s for s, (_, k) in zip(out.scheduled, batch.sample_spans) if k]
-        if not sampling:
-            return {}, {}
-        result = self.sampler.sample(logits, [s.request for s in sampling])
-        tokens = {s.request.request_id: [t] for s, t in zip(sampling, result.token_ids)}
-        per_req = {s.request.request_id: SampleResult([t], [lp]) for s, t, lp
-                   in zip(sampling, result.token_ids, result.logprobs)}
-        return tokens, per_req
+        plain, spec = [], []
+        for s, (first, k) in zip(out.scheduled, batch.sample_spans):
+            if k == 1:
+                plain.append((s, first))
+            elif k > 1:
+                spec.append((s, first, k))
+        tokens, results = {}, {}
+        if plain:
+            rows = torch.tensor([f for _, f in plain], device=self.device)
+            res = self.sampler.sample(logits[rows], [s.request for s, _ in plain])
+            for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs):
+                tokens[s.request.request_id] = [t]
+                results[s.request.request_id] = SampleResult([t], [lp])
+        for s, first, k in spec:
+            tokens[s.request.request_id] = self._verify(s, logits[first:first + k])
+        return tokens, results
+
+    def _verify(self, s, logits: torch.Tensor) -> list[int]:
+        req = s.request
+        if req.params.greedy:
+            return verify(logits, req.spec_token_ids, None, True)
+        probs = self.sampler.probs(logits, [req] * logits.shape[0])
+        return verify(probs, req.spec_token_ids, s.draft_probs, False, self.sampler.generator(req, self.device))

@@ -53,13 +53,20 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def _noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def generator(self, req: Request, device) -> torch.Generator | None:
+        """The request's own generator if it is seeded, else None (the global one)."""
+        if req.params.seed is None:
+            return None
+        g = self.generators.get(req.request_id)
+        if g is None:
+            g = self.generators[req.request_id] = torch.Generator(device).manual_seed(req.params.seed)
+        return g
+
+    def noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         e = torch.empty_like(probs).exponential_()
         for i, r in enumerate(reqs):
-            if r.params.seed is not None:
-                g = self.generators.get(r.request_id)
-                if g is None:
-                    g = self.generators[r.request_id] = torch.Generator(probs.device).manual_seed(r.params.seed)
+            g = self.generator(r, probs.device)
+            if g is not None:
                 e[i].exponential_(generator=g)
         return e
 
@@ -68,10 +75,12 @@ class Sampler:
         dev = logits.device
         temp = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=dev)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
-        return filter_probs(probs,
-                            torch.tensor([r.params.top_k for r in reqs], device=dev),
-                            torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=probs.dtype),
-                            torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=probs.dtype))
+        probs = filter_probs(probs,
+                             torch.tensor([r.params.top_k for r in reqs], device=dev),
+                             torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=probs.dtype),
+                             torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=probs.dtype))
+        # Normalised, so that ratios between two distributions (speculation) mean what they say.
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         """logits: [n, V] float32, one row per request in reqs."""
@@ -83,7 +92,7 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             sub = [reqs[i] for i in sampled]
             p = self.probs(logits[rows], sub)
-            tokens[rows] = (p / self._noise(p, sub)).argmax(dim=-1)
+            tokens[rows] = (p / self.noise(p, sub)).argmax(dim=-1)
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw, reqs, token_list))
 

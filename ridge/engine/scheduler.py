@@ -23,6 +23,7 @@ class ScheduledRequest:
     num_scheduled_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     block_ids: list[int]  # the request's whole block table
     num_spec_tokens: int = 0  # drafted tokens among the scheduled ones (the last ones)
+    draft_probs: object = None  # [num_spec, V] draft distribution, for model drafters that sample
     start: int = -1  # num_computed_tokens when scheduled
     samples: bool = False  # the step reaches the end of the known tokens, so the next one is sampled
 
@@ -49,6 +50,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # the token budget of one step
     long_prefill_token_threshold: int = 512  # the largest prefill chunk of one request per step
     block_size: int = 16
+    max_model_len: int = 1 << 30
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -56,9 +58,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec_policy=None):
         self.config = config
         self.kv = kv
+        self.spec_policy = spec_policy  # None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -90,14 +93,29 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
+    def _num_drafts(self, req: Request, budget: int, spec_so_far: int) -> int:
+        """Drafts to reserve for a request about to decode one token; 0 = plain decode."""
+        p = req.params
+        if (self.spec_policy is None or not p.speculative or p.repetition_penalty != 1.0 or p.logprobs
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return 0
+        room = min(p.max_tokens - len(req.output_token_ids) - 1,
+                   self.config.max_model_len - req.num_tokens - 1, budget - 1)
+        if room <= 0:
+            return 0
+        return min(room, self.spec_policy.choose_k(req.request_id, len(self.running) + spec_so_far))
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        i, spec_so_far = 0, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
+            k = self._num_drafts(req, budget, spec_so_far) if n == 1 else 0
+            n += k
+            spec_so_far += k
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -106,8 +124,7 @@ class Scheduler:
             if req.status == RequestStatus.PREEMPTED:
                 break
             blocks = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
-            spec = max(0, req.num_computed_tokens + n - req.num_tokens)
-            out.scheduled.append(ScheduledRequest(req, n, blocks, spec))
+            out.scheduled.append(ScheduledRequest(req, n, blocks, k))
             budget -= n
             i += 1
         return budget
@@ -161,6 +178,8 @@ class Scheduler:
             accepted = new_tokens.get(req.request_id, [])
             # Drafted tokens that were rejected were never really computed.
             num_rejected = s.num_spec_tokens - max(0, len(accepted) - 1)
+            if s.num_spec_tokens and self.spec_policy is not None:
+                self.spec_policy.record(req.request_id, s.num_spec_tokens, len(accepted) - 1, req.draft_source)
             req.num_computed_tokens += s.num_scheduled_tokens - max(0, num_rejected)
             req.spec_token_ids = []
             for t in accepted:
@@ -197,3 +216,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(req.request_id)

@@ -58,6 +58,8 @@ def engine_stats(engine) -> dict:
         "decode_tps": decode_tps,
         "totals": dict(engine.totals),
         "budget": dict(engine.budget_info),
+        "speculative": {"proposer": engine.proposer_name,
+                        **(engine.spec_policy.stats() if engine.spec_policy is not None else {})},
         "memory": memory_stats(engine),
         "requests": [
             {"id": r.client_id, "index": r.index, "state": RequestStatus(r.status).name.lower(),

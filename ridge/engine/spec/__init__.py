@@ -1,0 +1,2 @@
+"""Speculative decoding: drafts are tokens not yet computed, verified in the
+same step as everything else."""

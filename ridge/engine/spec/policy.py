@@ -1,0 +1,88 @@
+"""How many tokens to draft, per request per step, from the seed's arithmetic.
+
+A step over T tokens costs about max(T, T*) token-units: below the knee T*
+(ridge point x bytes per weight / 2) the weights are read once whatever T is,
+so drafted tokens ride along nearly free; above it each token costs full
+price. With acceptance rate a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
+tokens per verification. The policy picks the k that maximises the step's
+tokens per unit of cost, so speculation fades out as the batch pushes the step
+past the knee, and stops for requests whose drafts are rarely accepted."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPT = 0.6  # before a request has history
+PRIOR_WEIGHT = 4.0  # drafted tokens' worth of confidence in the prior
+MIN_ACCEPT = 0.2  # below this, a request stops drafting...
+PROBE_EVERY = 16  # ...except for a one-token probe every this many steps
+
+
+@dataclass
+class Acceptance:
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+    emitted: int = 0  # accepted + the target's own token, per verification
+    idle_steps: int = 0
+
+    def rate(self, prior: float = PRIOR_ACCEPT) -> float:
+        return (self.accepted + prior * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifications += 1
+        self.emitted += accepted + 1
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_verification": self.emitted / self.verifications if self.verifications else 0.0}
+
+
+def expected_tokens(a: float, k: int) -> float:
+    if a >= 1.0:
+        return k + 1.0
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass
+class SpecPolicy:
+    knee_tokens: float  # T*
+    max_k: int = 8
+    draft_cost: float = 0.0  # one drafted token's cost, as a fraction of a target step
+    per_request: dict[str, Acceptance] = field(default_factory=dict)
+    by_source: dict[str, dict[str, Acceptance]] = field(default_factory=dict)  # request -> proposer -> figures
+    per_proposer: dict[str, Acceptance] = field(default_factory=dict)
+    totals: Acceptance = field(default_factory=Acceptance)
+
+    def choose_k(self, request_id: str, batch_tokens: int) -> int:
+        """batch_tokens: tokens already in this step (T). -> drafts to propose."""
+        acc = self.per_request.setdefault(request_id, Acceptance())
+        a = acc.rate(self.totals.rate())
+        if a < MIN_ACCEPT and acc.drafted >= PRIOR_WEIGHT:
+            acc.idle_steps += 1
+            return 1 if acc.idle_steps % PROBE_EVERY == 0 else 0
+        # Tokens per unit of step cost, without drafts and with k drafts for this
+        # request: a step of T tokens costs max(T, T*); each draft pass costs
+        # draft_cost of a step (T* units), shared by the requests drafting in it.
+        T, knee = max(batch_tokens, 1), self.knee_tokens
+        best_k, best = 0, T / max(T, knee)
+        for k in range(1, self.max_k + 1):
+            value = (T - 1 + expected_tokens(a, k)) / (max(T + k, knee) + k * self.draft_cost * knee / T)
+            if value > best * 1.02:  # a margin against noise in the estimate
+                best_k, best = k, value
+        return best_k
+
+    def record(self, request_id: str, drafted: int, accepted: int, source: str = "") -> None:
+        self.per_request.setdefault(request_id, Acceptance()).record(drafted, accepted)
+        self.by_source.setdefault(request_id, {}).setdefault(source, Acceptance()).record(drafted, accepted)
+        self.per_proposer.setdefault(source, Acceptance()).record(drafted, accepted)
+        self.totals.record(drafted, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.per_request.pop(request_id, None)
+        self.by_source.pop(request_id, None)
+
+    def stats(self) -> dict:
+        return {"total": self.totals.as_dict(), **{k: v.as_dict() for k, v in self.per_proposer.items()}}

@@ -1,0 +1,145 @@
+"""Every Triton kernel compiles to a cubin for sm_80, sm_89 and sm_90, without a GPU.
+
+The interpreter runs kernels as numpy and never sees what only the compiler
+rejects (dot shapes, fp8 on the wrong architecture, register and shared-memory
+limits) nor whether loads get pipelined. Triton ships ptxas, so this test
+compiles ahead of time, in a subprocess where TRITON_INTERPRET is unset, with
+the specializations a real launch gets (16-aligned pointers and strides).
+Run by hand: `python tests/test_kernels_compile.py [name filter]`."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HINTED = ("N", "K", "n_cols", "inter")  # dims that are multiples of 16 in every LLM shape
+
+
+def _compile(fn, sig: dict, consts: dict, cc: int, warps: int = 4, stages: int = 2):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts and
+             (sig[n].startswith("*") or n.startswith("stride") or n in HINTED)}
+    src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def _attn(cc, kv="*fp8e4nv", q="*bf16", mode=1, hd=128, group=4, bm=16, bn=64, splits=1, ones=()):
+    # ones: integer arguments equal to 1, which a launch specializes into constants.
+    from ridge.kernels.attention import _paged_attn_kernel
+
+    ptrs = dict(q_ptr=q, k_ptr=kv, v_ptr=kv, ks_ptr="*fp16", vs_ptr="*fp16", out_ptr=q, part_acc="*fp32",
+                part_m="*fp32", part_l="*fp32", block_table="*i32", seq_lens="*i32", query_start_loc="*i32")
+    ints = dict.fromkeys(["num_seqs", "num_tokens", "num_splits", "stride_qt", "stride_qh", "stride_cb", "stride_ct", "stride_ch",
+                          "stride_bt"], "i32")
+    consts = dict(NUM_KV_HEADS=8, GROUP=group, HEAD_DIM=hd, DIM_P=hd, BLOCK_M=bm, BLOCK_Q=bm // group,
+                  BLOCK_N=bn, BLOCK_SIZE=16, SPLIT=splits > 1, FP8_MODE=mode, DOT_F32=False, **dict.fromkeys(ones, 1))
+    return _compile(_paged_attn_kernel, {**ptrs, **ints, "qk_scale": "fp32"}, consts, cc)
+
+
+def _gemm(cc, bm, bn, bk, a="*fp8e4nv", b="*fp8e4nv", a_fp8=True, b_mode=1, warps=4, stages=3):
+    from ridge.kernels.linear import _fp8_gemm_kernel
+
+    sig = dict(a_ptr=a, b_ptr=b, a_scale_ptr="*fp32", b_scale_ptr="*fp32", bias_ptr="*bf16", c_ptr="*bf16",
+               M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32")
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, A_FP8=a_fp8, B_MODE=b_mode, HAS_BIAS=True,
+                  DOT_F32=False)
+    return _compile(_fp8_gemm_kernel, sig, consts, cc, warps, stages)
+
+
+def _write_kv(cc, x="*bf16", cache="*fp8e4nv", staged="*fp32", mode=1):
+    from ridge.kernels.kv_cache import _write_kv_kernel
+
+    sig = dict(x_ptr=x, slot_ptr="*i64", cache_ptr=cache, scale_ptr="*fp16", staged_ptr=staged, num_tokens="i32",
+               stride_xt="i32", stride_xh="i32")
+    return _compile(_write_kv_kernel, sig, dict(NUM_HEADS=8, HEAD_DIM=128, HEADS_P=8, DIM_P=128, BLOCK_T=2,
+                                                MODE=mode), cc)
+
+
+def _small_ops():
+    from ridge.kernels import activation, attention, linear, norm, rope
+
+    bf = "*bf16"
+    return {
+        "merge splits": lambda: _compile(attention._merge_splits_kernel, dict(
+            part_acc="*fp32", part_m="*fp32", part_l="*fp32", out_ptr=bf, num_splits="i32"),
+            dict(HEAD_DIM=128, DIM_P=128, SPLITS_P=8), 90),
+        "rms_norm": lambda: _compile(norm._rms_norm_kernel, dict(
+            x_ptr=bf, res_ptr=bf, w_ptr="*fp32", out_ptr=bf, new_res_ptr=bf, num_rows="i32", n_cols="i32",
+            inner="i32", stride_outer="i32", stride_inner="i32", eps="fp32"),
+            dict(BLOCK_R=1, BLOCK_N=4096, HAS_RES=True), 90, warps=8),
+        "rope": lambda: _compile(rope._rope_kernel, dict(
+            q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32", num_tokens="i32", stride_qt="i32", stride_qh="i32",
+            stride_kt="i32", stride_kh="i32", stride_cs="i32"),
+            dict(NUM_Q=32, NUM_K=8, Q_P=32, K_P=8, HALF=64, HALF_P=64, BLOCK_T=1), 90),
+        "silu_and_mul": lambda: _compile(activation._silu_and_mul_kernel, dict(
+            x_ptr=bf, out_ptr=bf, num_rows="i32", inter="i32", stride_x="i32"), dict(BLOCK_R=1, BLOCK_I=1024), 90),
+        "quantize rows": lambda: _compile(linear._quant_rows_kernel, dict(
+            x_ptr=bf, q_ptr="*fp8e4nv", staged_ptr="*fp32", scale_ptr="*fp32", num_rows="i32", K="i32",
+            stride_x="i32"), dict(BLOCK_R=1, BLOCK_K=2048, STAGED=False), 90),
+    }
+
+
+def jobs() -> dict:
+    """name -> (compile thunk, strings the PTX must contain)."""
+    j = {
+        "attn fp8 sm90 decode": (lambda: _attn(90), ["cp.async", "e4m3"]),
+        "attn fp8 sm90 split-K": (lambda: _attn(90, splits=4), []),
+        "attn fp8 sm90 one sequence": (lambda: _attn(90, ones=("num_seqs", "num_tokens", "num_splits")), []),
+        "attn fp8 sm90 prefill hd256": (lambda: _attn(90, hd=256, bm=64, bn=32), []),
+        "attn bf16 sm90 hd64": (lambda: _attn(90, kv="*bf16", mode=0, hd=64, bm=64), []),
+        "attn fp8-bits sm80": (lambda: _attn(80, kv="*u8", mode=2), []),
+        "attn fp8 sm89 fp16 q": (lambda: _attn(89, q="*fp16"), []),
+        "write_kv fp8 sm90": (lambda: _write_kv(90), ["e4m3"]),
+        "write_kv staged sm80": (lambda: _write_kv(80, cache="*u8", mode=2), []),
+        "write_kv bytes sm80": (lambda: _write_kv(80, x="*u8", cache="*u8", staged="*u8", mode=0), []),
+        "gemm w8a8 sm90 128x256x128": (lambda: _gemm(90, 128, 256, 128, warps=8), ["wgmma", "cp.async"]),
+        "gemm w8a8 sm90 16x64x256": (lambda: _gemm(90, 16, 64, 256), ["cp.async"]),
+        "gemm w8a8 sm89 64x128x128": (lambda: _gemm(89, 64, 128, 128), []),
+        "gemm weight-only sm80 bits": (lambda: _gemm(80, 16, 64, 128, a="*bf16", b="*u8", a_fp8=False, b_mode=2),
+                                       ["mma.sync"]),
+    }
+    j.update({name: (fn, []) for name, fn in _small_ops().items()})
+    return j
+
+
+def main(filters: list[str]) -> int:
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        print("SKIP no NVIDIA backend:", e)
+        return 0
+    failed = 0
+    for name, (thunk, needles) in jobs().items():
+        if filters and not any(f in name for f in filters):
+            continue
+        try:
+            k = thunk()
+            missing = [n for n in needles if n not in k.asm["ptx"]]
+            status = "ok  " if not missing else f"MISS {missing}"
+            print(f"{status} {name:30s} shared={k.metadata.shared}")
+            failed += bool(missing)
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            print(f"FAIL {name:30s} {type(e).__name__}: {str(e)[:400]}")
+            failed += 1
+    return 1 if failed else 0
+
+
+def test_kernels_compile_for_gpus(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

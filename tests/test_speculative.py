@@ -1,0 +1,162 @@
+"""Speculative decoding inside continuous batching, on tiny models (fp32 KV:
+greedy output must be exactly plain decoding's)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
+from ridge.engine.sampling import SamplingParams
+from ridge.engine.spec.policy import SpecPolicy, expected_tokens
+from ridge.engine.spec.proposers import NgramProposer
+from ridge.quant.loader import load_model
+from tiny_models import make_tiny, random_state_dict, tiny_config, write_gguf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec")
+    path, cfg, _ = make_tiny(tmp, "llama", max_position=512, num_layers=4)
+    dcfg = tiny_config("llama", max_position=512, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
+    draft = write_gguf(tmp / "draft.gguf", dcfg, random_state_dict(dcfg, seed=3))
+    return load_model(path, device="cpu", use_cache=False), str(draft)
+
+
+@pytest.fixture(scope="module")
+def workload(models):
+    loaded, _ = models
+    ps = prompts(loaded.config.vocab_size, [5, 17, 40, 129, 3, 64, 23, 90])
+    ps = [p + p[:12] + p for p in ps]  # repetition, so that prompt lookup finds matches
+    return ps, run(make_engine(loaded), ps, greedy(30))
+
+
+SPECS = ["ngram", "self:2", "auto", "draft"]
+
+
+def spec_of(name, models):
+    return f"draft:{models[1]}" if name == "draft" else name
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_greedy_equals_plain_decoding_in_a_batch(models, workload, spec):
+    ps, ref = workload
+    eng = make_engine(models[0], speculative=spec_of(spec, models))
+    assert run(eng, ps, greedy(30)) == ref
+    st = eng.stats()["speculative"]["total"]
+    assert st["drafted"] > 0 and st["verifications"] > 0
+    assert_no_leak(eng)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_greedy_equals_plain_decoding_alone(models, workload, spec):
+    ps, ref = workload
+    eng = make_engine(models[0], speculative=spec_of(spec, models))
+    assert run(eng, [ps[3]], greedy(30))["r0"] == ref["r3"]
+    assert_no_leak(eng)
+
+
+def test_speculation_with_prefill_chunks_in_the_same_step(models, workload):
+    ps, ref = workload
+    eng = make_engine(models[0], speculative="self:2", prefill_chunk=8)
+    eng.add_request("r3", ps[3], greedy(30))
+    for _ in range(40):
+        eng.step()
+    eng.add_request("r7", ps[7], greedy(30))  # a long prompt arriving mid-stream
+    toks = {"r3": [], "r7": []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+    assert toks["r7"] == ref["r7"]
+    assert_no_leak(eng)
+
+
+def test_no_leak_after_rejections_aborts_and_preemption(models, workload):
+    ps, ref = workload
+    eng = make_engine(models[0], speculative="self:1", num_kv_blocks=22)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, greedy(30))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 6:
+            eng.abort_request("r2")
+            eng.abort_request("r5")
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.stats()["speculative"]["total"]["drafted"] > eng.stats()["speculative"]["total"]["accepted"]
+    assert_no_leak(eng)
+
+
+def test_per_request_switch_off(models, workload):
+    ps, _ = workload
+    eng = make_engine(models[0], speculative="ngram")
+    run(eng, [ps[0]], SamplingParams(max_tokens=20, ignore_eos=True, speculative=False))
+    assert eng.stats()["speculative"]["total"]["drafted"] == 0
+
+
+def _chi2_quantile(df: int, p: float = 0.999) -> float:
+    z = 3.09  # the standard normal's 0.999 quantile; Wilson-Hilferty approximation
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("spec", ["draft", "ngram"])
+def test_sampled_distribution_matches_target(models, spec):
+    """Chi-squared two-sample test on the joint law of the first three sampled
+    tokens, with and without speculation (top-k 3 keeps the support small)."""
+    loaded, _ = models
+    import random
+    prompt = list(range(3, loaded.config.vocab_size))
+    random.Random(21).shuffle(prompt)  # every token occurs: prompt lookup always proposes
+
+    def samples(speculative: str, seed0: int) -> Counter:
+        eng = make_engine(loaded, speculative=speculative, max_num_seqs=4)
+        c = Counter()
+        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
+                  for i in range(1000)]
+        out = run(eng, [prompt] * len(params), params)
+        for toks in out.values():
+            c[tuple(toks)] += 1
+        if speculative != "off":
+            st = eng.stats()["speculative"]["total"]
+            assert st["drafted"] > 150 and 0 < st["accepted"] < st["drafted"]
+        assert_no_leak(eng)
+        return c
+
+    a = samples("off", 0)
+    b = samples(spec_of(spec, models), 10_000)
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    na, nb = sum(a[k] for k in keys), sum(b[k] for k in keys)
+    # The homogeneity statistic: sum over cells of (a/na - b/nb)^2 / ((a+b)/(na*nb)).
+    chi2 = sum((a[k] / na - b[k] / nb) ** 2 / ((a[k] + b[k]) / (na * nb)) for k in keys)
+    assert len(keys) >= 5
+    assert chi2 < _chi2_quantile(len(keys) - 1), (chi2, len(keys))
+
+
+def test_policy_fades_out_past_the_knee():
+    pol = SpecPolicy(knee_tokens=16, max_k=8)
+    for _ in range(10):
+        pol.record("good", 4, 4)
+    assert pol.choose_k("good", batch_tokens=1) >= 4  # nearly free below the knee
+    assert pol.choose_k("good", batch_tokens=64) <= 1  # full price past it
+    for _ in range(10):
+        pol.record("bad", 4, 0)
+    assert pol.choose_k("bad", batch_tokens=1) == 0  # poor acceptance switches off
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+
+
+def test_ngram_lookup():
+    ng = NgramProposer()
+    assert ng.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 3) == [4, 5, 9]
+    assert ng.lookup([1, 2, 3, 4], 3) == []
+    assert ng.lookup([5, 1, 2, 3, 1], 2) == [2, 3]  # a single token is the shortest match
+    assert ng.lookup([7, 8, 1, 7, 8, 2, 7, 8], 2) == [2, 7]  # the latest occurrence wins
+
+
+def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
+    other = tiny_config("llama", vocab_size=300)
+    sd = random_state_dict(other)
+    path = write_gguf(tmp_path / "other.gguf", other, sd, tokenizer=False)
+    with pytest.raises(Exception):
+        make_engine(models[0], speculative=f"draft:{path}")
