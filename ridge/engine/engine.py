@@ -46,6 +46,7 @@ class EngineConfig:
     ridge_point: float | None = None  # FLOPs per byte; None = plan table (GPU) or measured (CPU)
     speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
     num_speculative_tokens: int = 8  # the most drafts per request per step
+    cuda_graph: bool | None = None  # replay pure-decode steps as CUDA graphs; None = on CUDA
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
         # CPU default, measured: reading an FP8 cache through torch costs a slow
@@ -81,7 +82,8 @@ class LLMEngine:
             proposer = DraftModelProposer(draft, draft_cache)
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv, self.spec_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache, proposer)
+        self.runner = ModelRunner(self.model, self.kv_cache, proposer, config.max_num_seqs, self.max_model_len,
+                                  config.cuda_graph)
         self.proposer_name = proposer.name if proposer is not None else "off"
         self.requests: dict[str, Request] = {}  # internal id -> request
         self.groups: dict[str, list[Request]] = {}  # client id -> its samples

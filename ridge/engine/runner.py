@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ridge.cache.kv_cache import KVCache
+from ridge.kernels.cuda_graph import DecodeGraphRunner
 from ridge.kernels.metadata import AttentionMetadata
 
 from .sampler import Sampler, SampleResult
@@ -58,19 +59,30 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, proposer=None):
+    def __init__(self, model, kv_cache: KVCache, proposer=None, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, cuda_graph: bool | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = model.cos_sin.device
         self.sampler = Sampler()
         self.proposer = proposer
+        self.graphs = None
+        if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
+            # Pure-decode steps replay captured graphs; on CPU (tests) the same padded buffers run eagerly.
+            max_len = max_model_len or model.max_model_len
+            self.graphs = DecodeGraphRunner(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
+                                            max_batch=max_num_seqs, max_blocks_per_seq=-(-max_len // self.block_size),
+                                            max_seq_len=max_len, device=self.device, enabled=True)
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
         """Run the model over the step; -> (batch, logits [num sample rows, V])."""
         batch = StepBatch(out, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
         rows = torch.tensor(batch.sample_rows, device=self.device, dtype=torch.long)
         return batch, self.model.compute_logits(hidden[rows])
 
