@@ -3,7 +3,15 @@
 On CUDA the weight stays FP8 in memory and runs through the FP8 kernels. On CPU
 torch's fp8 -> fp32 cast is far too slow to run every step, so the weight is
 upcast once at load; fp8 * scale is exact in fp32, so both devices compute
-with the same quantized numbers."""
+with the same quantized numbers.
+
+CPU small-batch format: a step of few tokens is bandwidth-bound, and a bf16
+GEMV reads half the bytes of an fp32 one, while bf16 GEMMs are slower than
+fp32 at large batch on AVX2. So the engine may enable a bf16 copy used for
+steps of at most `lowp_max_tokens` tokens, with the crossover measured at
+start-up (engine/cpu_format.py). The copy holds the exact e4m3 values (they
+fit bf16) and applies the per-channel scale to the output; activations and
+outputs are rounded to bf16, as on a GPU."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +30,9 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(0))
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
+        self.cpu_scale: torch.Tensor | None = None  # per-channel scale of an upcast FP8 weight
+        self.lowp: torch.Tensor | None = None  # bf16 copy for small CPU steps
+        self.lowp_max_tokens = 0
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
@@ -32,6 +43,7 @@ class FP8Linear(nn.Module):
             self.weight_scale = scale.float().to(device)
         elif weight.dtype == FP8:
             self.weight = (weight.float() * scale.float()[:, None]).to(dtype).to(device)
+            self.cpu_scale = scale.float().to(device)
         else:
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -40,7 +52,23 @@ class FP8Linear(nn.Module):
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
 
+    def enable_lowp(self, max_tokens: int) -> None:
+        """Keep a bf16 copy for CPU steps of at most max_tokens tokens (0 drops it)."""
+        if max_tokens <= 0 or self.is_fp8:
+            self.lowp, self.lowp_max_tokens = None, 0
+            return
+        if self.cpu_scale is not None:  # recover the exact e4m3 values
+            self.lowp = (self.weight / self.cpu_scale[:, None]).to(FP8).to(torch.bfloat16)
+        else:
+            self.lowp = self.weight.to(torch.bfloat16)
+        self.lowp_max_tokens = max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
             return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.lowp is not None and x.shape[0] <= self.lowp_max_tokens:
+            y = F.linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
+            if self.cpu_scale is not None:
+                y = y * self.cpu_scale
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

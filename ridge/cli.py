@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_daemon_parsers(sub)
     from ridge.engine.bench import add_bench_parser
     add_bench_parser(sub)
+    from ridge.tui.command import add_top_parser  # textual is imported only when `ridge top` runs
+    add_top_parser(sub)
+    from ridge.daemon.service import add_service_parser
+    add_service_parser(sub)
     return parser
 
 

@@ -88,6 +88,9 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--label", default=None)
     a.add_argument("--timeout", type=float, default=600.0)
 
+    from .bench_spec import add_spec_parser
+    add_spec_parser(sub, _common)
+
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
 
@@ -271,6 +274,10 @@ def run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = None
+    if name == "spec":
+        from .bench_spec import run_spec
+        run_spec(args, rep)
+        return 0
     needs_engine = name in ("throughput", "sweep", "overhead", "all") or (
         name in ("hf", "server") and not args.no_ridge)
     if needs_engine:

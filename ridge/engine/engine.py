@@ -16,6 +16,7 @@ from ridge.cache.manager import KVCacheManager
 from ridge.quant.loader import LoadedModel, load_model
 
 from .budget import default_token_budget
+from .cpu_format import choose_cpu_format
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
@@ -47,6 +48,7 @@ class EngineConfig:
     speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
     num_speculative_tokens: int = 8  # the most drafts per request per step
     cuda_graph: bool | None = None  # replay pure-decode steps as CUDA graphs; None = on CUDA
+    cpu_weight_format: str = "auto"  # auto (measured) | fp32 | bf16:N (bf16 for steps of <= N tokens)
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
         # CPU default, measured: reading an FP8 cache through torch costs a slow
@@ -65,6 +67,7 @@ class LLMEngine:
         self.device = self.loaded.device
         self.max_model_len = min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.kv_dtype = config.resolved_kv_dtype(self.device)
+        self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format)
         self._plan_budget()
         proposer, self.spec_policy, draft = build_speculation(config.speculative, self, self.budget_info["knee_tokens"],
                                                               config.num_speculative_tokens)

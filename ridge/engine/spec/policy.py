@@ -1,9 +1,11 @@
 """How many tokens to draft, per request per step, from the seed's arithmetic.
 
-A step over T tokens costs about max(T, T*) token-units: below the knee T*
-(ridge point x bytes per weight / 2) the weights are read once whatever T is,
-so drafted tokens ride along nearly free; above it each token costs full
-price. With acceptance rate a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
+A step over T tokens reads the weights once (T* token-units of time, where the
+knee T* = ridge point x bytes per weight / 2) and computes T tokens (T units);
+the policy charges T* + T, the roofline's max(T*, T) with no overlap between
+the two, which is what a CPU shows (SmolLM2: 16 tokens cost 2.4x one token,
+docs/benchmarks.md). Below the knee a drafted token is nearly free; above it
+each costs full price. With acceptance rate a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
 tokens per verification. The policy picks the k that maximises the step's
 tokens per unit of cost, so speculation fades out as the batch pushes the step
 past the knee, and stops for requests whose drafts are rarely accepted."""
@@ -64,12 +66,12 @@ class SpecPolicy:
             acc.idle_steps += 1
             return 1 if acc.idle_steps % PROBE_EVERY == 0 else 0
         # Tokens per unit of step cost, without drafts and with k drafts for this
-        # request: a step of T tokens costs max(T, T*); each draft pass costs
+        # request: a step of T tokens costs T* + T; each draft pass costs
         # draft_cost of a step (T* units), shared by the requests drafting in it.
         T, knee = max(batch_tokens, 1), self.knee_tokens
-        best_k, best = 0, T / max(T, knee)
+        best_k, best = 0, T / (knee + T)
         for k in range(1, self.max_k + 1):
-            value = (T - 1 + expected_tokens(a, k)) / (max(T + k, knee) + k * self.draft_cost * knee / T)
+            value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * self.draft_cost * knee / T)
             if value > best * 1.02:  # a margin against noise in the estimate
                 best_k, best = k, value
         return best_k

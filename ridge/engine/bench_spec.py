@@ -1,0 +1,126 @@
+"""`ridge bench spec`: speculative decoding per proposer, at batch 1 and 16,
+on a repetitive set (repeat, edit or quote the prompt) and an open-ended set
+(stories). Greedy, so each proposer's output is checked against plain decoding."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+REPETITIVE = [
+    "Repeat the following text exactly, word for word:\n\nThe quick brown fox jumps over the lazy dog. A journey "
+    "of a thousand miles begins with a single step. All that glitters is not gold. The early bird catches the worm.",
+    "Here is a Python function:\n\ndef area(width, height):\n    result = width * height\n    return result\n\n"
+    "Rewrite it with the name rectangle_area instead of area, and print the whole function.",
+    "Copy this list exactly, one item per line:\napples\nbananas\ncherries\ndates\nelderberries\nfigs\ngrapes",
+    "Quote the first sentence of this paragraph exactly: \"Water boils at one hundred degrees Celsius at sea "
+    "level. At higher altitudes it boils at lower temperatures because the air pressure is lower.\"",
+    "Repeat after me: I will always check my work before I submit it. I will always check my work before I "
+    "submit it.",
+    "Here is JSON: {\"name\": \"Ada\", \"age\": 36, \"city\": \"London\"}. Write it out again with the age changed to 37.",
+]
+OPEN_ENDED = [
+    "Write a short story about a lighthouse keeper.",
+    "Tell me a story about a dragon who is afraid of heights.",
+    "Write a story about two friends lost in a forest.",
+    "Write a short fairy tale about a clever fox.",
+    "Tell a bedtime story about the moon and the sea.",
+    "Write a story about a robot learning to paint.",
+]
+SETS = {"repetitive": REPETITIVE, "open": OPEN_ENDED}
+
+
+def add_spec_parser(sub, common) -> None:
+    sp = sub.add_parser("spec", help="speculative decoding per proposer: repetitive and open-ended sets, batch 1 and 16")
+    common(sp, workload=False)
+    sp.add_argument("--proposers", default="ngram,self:8,auto", help="comma list, compared against off")
+    sp.add_argument("--batches", default="1,16", help="requests in flight")
+    sp.add_argument("--sets", default="repetitive,open")
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--repeats", type=int, default=1, help="rounds of the set at batch 1")
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
+    from .sampling import SamplingParams
+
+    outs = {}
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids = [engine.add_request(f"s{i + j}", p, SamplingParams(max_tokens=max_tokens))
+               for j, p in enumerate(prompts[i:i + batch])]
+        toks = {r: [] for r in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                toks[o.request_id] += o.new_token_ids
+        outs.update(toks)
+    return outs, time.perf_counter() - t0
+
+
+def _prompts(engine, name: str, batch: int, repeats: int) -> list[list[int]]:
+    texts = SETS[name]
+    n = max(batch, len(texts) * repeats) if batch > 1 else len(texts) * repeats
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
+
+
+def _same_prefix(a: list[int], b: list[int]) -> float:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), 1)
+
+
+def part_spec(rep, args, loaded) -> None:
+    from .engine import LLMEngine
+    from ridge.cli import engine_config
+
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for name in args.sets.split(","):
+            base = None
+            for spec in ["off"] + args.proposers.split(","):
+                cfg = engine_config(args)
+                cfg.speculative, cfg.max_num_seqs = spec, max(batch, 1)
+                engine = LLMEngine(cfg, loaded=loaded)
+                prompts = _prompts(engine, name, batch, args.repeats)
+                _run(engine, prompts[:1], 8, 1)  # warm-up
+                outs, dt = _run(engine, prompts, args.max_tokens, batch)
+                ntok = sum(len(v) for v in outs.values())
+                st = engine.stats()["speculative"].get("total", {})
+                row = {"batch": batch, "set": name, "proposer": spec, "tokens": ntok, "seconds": dt,
+                       "tok_s": ntok / dt, "acceptance_rate": st.get("acceptance_rate"),
+                       "tokens_per_verification": st.get("tokens_per_verification"), "drafted": st.get("drafted")}
+                if base is None:
+                    base = (outs, row["tok_s"])
+                row["speedup"] = row["tok_s"] / base[1]
+                row["greedy_match"] = sum(_same_prefix(base[0][k], outs[k]) for k in outs) / len(outs)
+                rows.append(row)
+                print(f"batch {batch:>2} {name:<10} {spec:<8} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
+                      f"accept {row['acceptance_rate'] or 0:.2f}  tokens/verify {row['tokens_per_verification'] or 0:.2f}  "
+                      f"match {row['greedy_match']:.2f}", file=sys.stderr)
+    rep.add("speculative", rows)
+    _print(rows, rep)
+
+
+def _print(rows, rep) -> None:
+    out = rep.out
+    env = rep.data["env"]
+    print(f"\n# speculative decoding — {env.get('device')} threads {env.get('threads')} KV {env.get('kv_dtype')}", file=out)
+    print(f"# command: {rep.data['command']}", file=out)
+    print("| batch | set | proposer | tok/s | speedup | acceptance | tokens/verification | greedy match |", file=out)
+    print("|---|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        acc = "-" if r["proposer"] == "off" else f"{r['acceptance_rate'] or 0:.2f}"
+        tpv = "-" if r["proposer"] == "off" else f"{r['tokens_per_verification'] or 0:.2f}"
+        print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {acc} | "
+              f"{tpv} | {r['greedy_match']:.2f} |", file=out)
+
+
+def run_spec(args, rep) -> None:
+    from ridge.quant.loader import load_model
+
+    loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
+    from .engine import LLMEngine
+    from ridge.cli import engine_config
+    rep.set_env(LLMEngine(engine_config(args), loaded=loaded))
+    part_spec(rep, args, loaded)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep.data, f, indent=1, default=str)
