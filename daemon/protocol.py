@@ -82,7 +82,7 @@ def _no_ext(code, data):
 
 
 def unpack(frame: bytes, max_frame_bytes: int) -> dict:
-    """One client frame -> a map with string keys. Raises ProtocolError."""
+    """One client frame -> a map (check_plain then vets its contents). Raises ProtocolError."""
     if len(frame) > max_frame_bytes:
         raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes; the limit is {max_frame_bytes}")
     try:
@@ -95,8 +95,16 @@ def unpack(frame: bytes, max_frame_bytes: int) -> dict:
         raise ProtocolError(BAD_MSGPACK, f"not msgpack: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MSGPACK, f"the top level must be a map, got {_kind(obj)}")
-    _check_plain(obj, 0)
     return obj
+
+
+def check_plain(msg: dict, rid: str | None = None) -> None:
+    """Only nil, bool, int, float, str, arrays and maps with string keys, nested at most MAX_DEPTH."""
+    try:
+        _check_plain(msg, 0)
+    except ProtocolError as e:
+        e.request_id = rid
+        raise
 
 
 _PLAIN = (type(None), bool, int, float, str, list, dict)

@@ -23,6 +23,7 @@ PARAMS = {  # key -> (check, what it must be)
 }
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 
 
 @dataclass(slots=True)
@@ -67,7 +68,7 @@ class Validator:
         if len(raw.get("stop_token_ids", ())) > 64 or any(not 0 <= t < self.vocab for t in raw.get("stop_token_ids", ())):
             raise fail("params.stop_token_ids", f"at most 64 token ids in [0, {self.vocab})", rid)
         d = {k: float(v) if k in _FLOATS else v for k, v in raw.items()}
-        d.setdefault("max_tokens", min(SamplingParams.max_tokens, lim.max_tokens))
+        d.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, lim.max_tokens))
         try:
             return SamplingParams.from_dict(d)
         except InvalidRequest as e:
@@ -82,7 +83,7 @@ class Validator:
                                 f"(got {', '.join(given)})", rid)
         key = given[0]
         if key == "prompt_token_ids":
-            return list(token_list(body[key], key, self.vocab, rid, self.limits.max_prompt_tokens))
+            return list(token_list(body[key], key, self.vocab, rid, self.limits.max_frame_bytes))
         if key == "prompt":
             if not isinstance(body[key], str):
                 raise fail("prompt", "a string", rid)
@@ -90,7 +91,7 @@ class Validator:
         return self.encode_chat(chat_messages(body[key], rid, self.limits.max_messages), rid)
 
     def encode_text(self, text: str, special: bool, rid: str | None) -> list[int]:
-        if len(text) > 16 * self.limits.max_prompt_tokens + 64:  # cheap bound before tokenizing
+        if len(text) > 64 * self.limits.max_prompt_tokens + 64:  # cheap bound before tokenizing
             raise ProtocolError(INVALID_REQUEST, "the prompt is far longer than the context", rid)
         return self.tokenizer.encode(text, add_special_tokens=special)
 
@@ -119,8 +120,10 @@ class Validator:
     def tokenize(self, env: Envelope) -> list[int]:
         rid, body = env.id, env.body
         check_keys(body, {"text", "messages", "add_special_tokens"}, rid)
-        if ("text" in body) == ("messages" in body):
-            raise ProtocolError(MISSING_FIELD, "give exactly one of text or messages", rid)
+        if "text" not in body and "messages" not in body:
+            raise ProtocolError(MISSING_FIELD, "one of text or messages is required", rid)
+        if "text" in body and "messages" in body:
+            raise ProtocolError(INVALID_FIELD, "give exactly one of text or messages", rid)
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise fail("add_special_tokens", _BOOL, rid)

@@ -1,0 +1,165 @@
+"""`ridge bench-daemon`: the daemon against the engine in-process on the same
+workload, and the idle round trip of `health`.
+
+The daemon side is closed-loop like ridge/engine/bench_runs.run_continuous:
+`in_flight` asyncio clients each send a W1 request (chat messages, tokenized
+by the daemon; ignore_eos; the W1 output length), stream it to its final
+frame, then send the next. The in-process side is run_continuous itself, on an
+engine built from the same flags, after the daemon has stopped."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def add_bench_daemon_parser(sub) -> None:
+    from ridge.cli import add_engine_args
+
+    p = sub.add_parser("bench-daemon", help="daemon vs in-process throughput (W1), and health round trips")
+    p.add_argument("--endpoint", default=None, help="measure this running daemon instead of starting one")
+    p.add_argument("--in-flight", type=int, default=32)
+    p.add_argument("--requests", type=int, default=None, help="W1 requests (default 64)")
+    p.add_argument("--lengths", default=None, help="W1 output lengths (default uniform:16-256)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--health", type=int, default=2000, help="idle health round trips to time")
+    p.add_argument("--no-local", action="store_true", help="skip the in-process run")
+    p.add_argument("--json", default=None, metavar="PATH")
+    add_engine_args(p)
+    p.set_defaults(func=run_bench_daemon)
+
+
+async def _daemon_run(endpoint: str, wl, in_flight: int) -> dict:
+    from .aio_client import AsyncClient
+
+    async with AsyncClient(endpoint, timeout=600) as c:
+        await c.hello()
+        for q in wl.questions[:2]:  # warm-up
+            await c.generate(messages=[{"role": "user", "content": q}], max_tokens=8, ignore_eos=True)
+        nxt, tokens, ttft, reasons = 0, 0, [], {}
+
+        async def worker():
+            nonlocal nxt, tokens
+            while nxt < wl.num_requests:
+                i, nxt = nxt, nxt + 1
+                t0, first = time.perf_counter(), None
+                s = c.stream(messages=wl.messages(i), max_tokens=wl.lengths[i], ignore_eos=True, temperature=0.0)
+                async for d in s:
+                    first = first or time.perf_counter()
+                    tokens += len(d.token_ids)
+                ttft.append(first - t0 if first else None)
+                reasons[s.final.finish_reason] = reasons.get(s.final.finish_reason, 0) + 1
+
+        busy_health: list[float] = []
+
+        async def pinger():  # health while the engine is busy: the socket thread must not wait for it
+            while True:
+                await asyncio.sleep(0.1)
+                t = time.perf_counter()
+                await c.health()
+                busy_health.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        ping = asyncio.create_task(pinger())
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        wall = time.perf_counter() - t0
+        ping.cancel()
+    from ridge.engine.workloads import percentiles
+    return {"mode": "daemon", "wall_s": wall, "generated_tokens": tokens, "generated_tok_s": tokens / wall,
+            "useful_tokens": wl.useful_tokens, "finish_reasons": reasons, "ttft_s": percentiles(ttft),
+            "health_under_load_s": percentiles(busy_health)}
+
+
+def health_latency(endpoint: str, n: int) -> dict:
+    from .client import Client
+
+    with Client(endpoint) as c:
+        for _ in range(50):
+            c.health()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.health()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"n": n, "p50_us": 1e6 * times[n // 2], "p99_us": 1e6 * times[int(n * 0.99)],
+            "mean_us": 1e6 * sum(times) / n, "min_us": 1e6 * times[0]}
+
+
+def _spawn(args, in_flight: int):
+    tmp = tempfile.mkdtemp(prefix="ridge-bench-")
+    endpoint = f"ipc://{tmp}/ridge.sock"
+    from .config import engine_options
+
+    cmd = [sys.executable, "-m", "ridge.cli", "serve", "--endpoint", endpoint,
+           "--max-num-seqs", str(max(args.max_num_seqs, in_flight))]
+    for o in engine_options():  # the same engine flags as the in-process run
+        value = getattr(args, o.name)
+        if o.name == "max_num_seqs" or value is None or value == o.default:
+            continue
+        cmd += [o.flag] if o.kind is bool else [o.flag, str(value)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    from .endpoint import ipc_path, socket_alive
+    deadline = time.monotonic() + 600
+    while not socket_alive(ipc_path(endpoint)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the daemon did not start:\n{proc.stderr.read()}")
+        time.sleep(0.2)
+    return proc, endpoint
+
+
+def run_bench_daemon(args) -> int:
+    from ridge.engine.workloads import make_workload
+
+    wl = make_workload("W1", args.requests, args.lengths, args.seed)
+    res = {"command": shlex.join(["ridge"] + sys.argv[1:]) if sys.argv[0].endswith("ridge") else None,
+           "workload": {"name": wl.name, "requests": wl.num_requests, "lengths": wl.spec, "seed": wl.seed,
+                        "useful_tokens": wl.useful_tokens}, "in_flight": args.in_flight, "cpu_count": os.cpu_count()}
+    proc = None
+    endpoint = args.endpoint
+    if endpoint is None:
+        proc, endpoint = _spawn(args, args.in_flight)
+    try:
+        res["daemon"] = asyncio.run(_daemon_run(endpoint, wl, args.in_flight))
+        d = res["daemon"]
+        print(f"daemon:     {d['generated_tok_s']:.1f} tok/s ({d['generated_tokens']} tokens in {d['wall_s']:.1f} s, "
+              f"{args.in_flight} in flight); health while busy: p50 {1e3 * d['health_under_load_s']['p50']:.1f} ms, "
+              f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms", flush=True)
+        if args.health:
+            res["health"] = health_latency(endpoint, args.health)
+            h = res["health"]
+            print(f"health:     p50 {h['p50_us']:.0f} us, p99 {h['p99_us']:.0f} us, mean {h['mean_us']:.0f} us "
+                  f"over {h['n']} idle round trips", flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    if not args.no_local:
+        res["local"] = _local_run(args, wl)
+        print(f"in-process: {res['local']['generated_tok_s']:.1f} tok/s ({res['local']['generated_tokens']} tokens "
+              f"in {res['local']['wall_s']:.1f} s)")
+        res["ratio"] = res["daemon"]["generated_tok_s"] / res["local"]["generated_tok_s"]
+        print(f"daemon / in-process: {res['ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def _local_run(args, wl) -> dict:
+    from ridge.cli import engine_config
+    from ridge.engine.bench_runs import run_continuous, warm_up
+    from ridge.engine.engine import LLMEngine
+
+    cfg = engine_config(args)
+    cfg.max_num_seqs = max(cfg.max_num_seqs, args.in_flight)
+    engine = LLMEngine(cfg)
+    wl.tokenize(engine.tokenizer, engine.max_model_len)
+    warm_up(engine)
+    return run_continuous(engine, wl, args.in_flight, tag="local")

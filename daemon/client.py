@@ -1,0 +1,265 @@
+"""A Python client for the ridge daemon (docs/protocol.md): synchronous here,
+asyncio in daemon/aio_client.py. No torch: it imports only zmq and msgpack.
+
+    from ridge.daemon.client import Client
+    with Client() as c:
+        for delta in c.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=64):
+            print(delta.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+from .endpoint import find_daemon, ipc_path, probe
+
+VERSION = 1
+
+
+class RidgeError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None, reply: dict | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.request_id, self.reply = code, message, request_id, reply or {}
+
+
+class DaemonUnavailable(RidgeError):
+    def __init__(self, message: str):
+        super().__init__("unavailable", message)
+
+
+@dataclass
+class Delta:
+    id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None
+
+
+@dataclass
+class Completion:
+    """A request's `final` frame, with the streamed pieces joined when the client streamed."""
+    id: str
+    finish_reason: str
+    usage: dict
+    timings: dict
+    choices: list[dict]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+    detail: str | None = None
+    logprobs: list | None = None
+
+    @classmethod
+    def from_final(cls, f: dict, text: str | None = None, token_ids: list[int] | None = None) -> "Completion":
+        return cls(f["id"], f["finish_reason"], f.get("usage", {}), f.get("timings", {}), f.get("choices", []),
+                   f.get("text", text or ""), f.get("token_ids", token_ids or []), f.get("error"), f.get("detail"),
+                   f.get("logprobs"))
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb({"v": VERSION, **msg}, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> dict:
+    return msgpack.unpackb(frame, raw=False)
+
+
+def resolve_endpoint(endpoint: str | None = None, environ=os.environ) -> str:
+    """The endpoint to use, or DaemonUnavailable saying where it looked."""
+    if endpoint is not None:
+        path = ipc_path(endpoint)
+        if path is not None and (state := probe(path)) != "alive":
+            raise DaemonUnavailable(f"no ridge daemon is listening on {endpoint} ({state})")
+        return endpoint
+    found, notes = find_daemon(environ)
+    if found is None:
+        denied = any(n.endswith("permission denied") for n in notes)
+        hint = "; to use the system daemon, join group ridge" if denied else ""
+        raise DaemonUnavailable(f"no ridge daemon is running (looked at {'; '.join(notes)}{hint})")
+    return found
+
+
+def generate_message(rid: str, prompt=None, messages=None, token_ids=None, stream=True, params=None) -> dict:
+    given = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages or token_ids")
+    m = {"type": "generate", "id": rid, "stream": stream}
+    if prompt is not None:
+        m["prompt"] = prompt
+    elif messages is not None:
+        m["messages"] = list(messages)
+    else:
+        m["prompt_token_ids"] = list(token_ids)
+    if params:
+        m["params"] = {k: v for k, v in params.items() if v is not None}
+    return m
+
+
+def make_socket(ctx, endpoint: str, curve_server_key: bytes | None = None, curve_keyfile: str | None = None):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 500)  # let a last abort out on close
+    sock.setsockopt(zmq.RCVHWM, 0)  # never make the daemon think we stopped reading while we read
+    if curve_server_key is not None:  # TCP with CURVE: our certificate, and the daemon's public key
+        from zmq.auth import load_certificate
+        public, secret = load_certificate(curve_keyfile)
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, curve_server_key
+    sock.connect(endpoint)
+    return sock
+
+
+class Client:
+    """One DEALER connection; any number of requests multiplexed on it by id."""
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 30.0, **curve):
+        self.endpoint = resolve_endpoint(endpoint)
+        self.timeout = timeout  # seconds of silence from the daemon before giving up
+        self.sock = make_socket(zmq.Context.instance(), self.endpoint, **curve)
+        self.heartbeat_interval = 1.0
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid()}-{id(self) & 0xffff:x}-"
+        self._inbox: dict[str, deque] = {}  # frames for requests in flight, read while waiting for others
+        self._last_send = time.monotonic()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        for rid in list(self._inbox):
+            self._send({"type": "abort", "id": rid})
+        self._inbox.clear()
+        self.sock.close()
+
+    # -- frames ----------------------------------------------------------------------
+    def new_id(self) -> str:
+        return self._prefix + str(next(self._ids))
+
+    def _send(self, msg: dict) -> None:
+        self.sock.send(pack(msg))
+        self._last_send = time.monotonic()
+
+    def _next_for(self, rid: str, timeout: float | None = None) -> dict:
+        """The next frame for request `rid`, keeping the others' frames and our heartbeats going."""
+        box = self._inbox.setdefault(rid, deque())
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not box:
+            now = time.monotonic()
+            if now >= deadline:
+                raise RidgeError("timeout", f"no reply from the daemon at {self.endpoint} in {timeout:.0f} s", rid)
+            if now - self._last_send >= self.heartbeat_interval:
+                self._send({"type": "heartbeat"})
+            if self.sock.poll(int(1000 * min(deadline - now, self.heartbeat_interval)) + 1):
+                msg = unpack(self.sock.recv())
+                deadline = time.monotonic() + timeout  # any frame (heartbeats too) shows the daemon alive
+                mid = msg.get("id")
+                if mid in self._inbox:
+                    self._inbox[mid].append(msg)
+        return box.popleft()
+
+    def call(self, type_: str, **fields) -> dict:
+        rid = self.new_id()
+        self._send({"type": type_, "id": rid, **fields})
+        try:
+            reply = self._next_for(rid)
+        finally:
+            self._inbox.pop(rid, None)
+        if reply["type"] == "error":
+            raise RidgeError(reply["code"], reply["message"], rid, reply)
+        return reply
+
+    # -- operations --------------------------------------------------------------------
+    def hello(self) -> dict:
+        reply = self.call("hello", versions=[VERSION], client="ridge-python")
+        self.heartbeat_interval = float(reply["heartbeat"]["interval"])
+        return reply
+
+    def health(self) -> dict:
+        return self.call("health")
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def tokenize(self, text: str | None = None, messages: list | None = None) -> list[int]:
+        fields = {"text": text} if messages is None else {"messages": messages}
+        return self.call("tokenize", **fields)["token_ids"]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.call("detokenize", token_ids=list(token_ids))["text"]
+
+    def abort(self, rid: str) -> None:
+        self._send({"type": "abort", "id": rid})
+
+    def stream(self, prompt: str | None = None, *, messages=None, token_ids=None, request_id: str | None = None,
+               **params) -> "Stream":
+        """Deltas as they come; the Completion is `.final` once the iterator ends. Closing the
+        stream early (or leaving its `with` block) aborts the request."""
+        rid = request_id or self.new_id()
+        self._inbox[rid] = deque()
+        self._send(generate_message(rid, prompt, messages, token_ids, True, params))
+        return Stream(self, rid)
+
+    def generate(self, prompt: str | None = None, *, messages=None, token_ids=None, request_id: str | None = None,
+                 **params) -> Completion:
+        rid = request_id or self.new_id()
+        self._inbox[rid] = deque()
+        self._send(generate_message(rid, prompt, messages, token_ids, False, params))
+        try:
+            f = self._next_for(rid)
+        finally:
+            self._inbox.pop(rid, None)
+        if f["type"] == "error":
+            raise RidgeError(f["code"], f["message"], rid, f)
+        return Completion.from_final(f)
+
+
+class Stream:
+    def __init__(self, client: Client, rid: str):
+        self.client, self.id = client, rid
+        self.final: Completion | None = None
+        self.text, self.token_ids = "", []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Delta:
+        if self.final is not None or self.id not in self.client._inbox:
+            raise StopIteration
+        msg = self.client._next_for(self.id)
+        if msg["type"] == "delta":
+            d = Delta(self.id, msg["index"], msg["token_ids"], msg["text"], msg.get("logprobs"))
+            if d.index == 0:
+                self.text += d.text
+                self.token_ids += d.token_ids
+            return d
+        self.client._inbox.pop(self.id, None)
+        if msg["type"] == "error":
+            raise RidgeError(msg["code"], msg["message"], self.id, msg)
+        self.final = Completion.from_final(msg, self.text, self.token_ids)
+        raise StopIteration
+
+    def close(self) -> None:
+        """Abort the request if it is still running."""
+        if self.final is None and self.client._inbox.pop(self.id, None) is not None:
+            self.client.abort(self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,210 @@
+"""The daemon's subcommands: `ridge serve`, `ridge generate` (through the
+daemon), `ridge chat`, `ridge status`, `ridge bench-daemon`."""
+from __future__ import annotations
+
+import json
+import sys
+
+NO_DAEMON_HINT = ("Start one with `ridge serve` (in another terminal, or as a service), "
+                  "or run the model in this process with `ridge generate --local ...`.")
+
+
+def add_client_args(p) -> None:
+    p.add_argument("--endpoint", default=None,
+                   help="daemon endpoint (default: $RIDGE_ENDPOINT, then the user socket, then the system socket)")
+
+
+def add_daemon_parsers(sub) -> None:
+    from ridge.cli import add_sampling_args
+
+    from .config import add_serve_args
+
+    s = sub.add_parser("serve", help="run the daemon: serve a model over ZeroMQ (docs/protocol.md)",
+                       description="Options come from flags, then RIDGE_* variables, then "
+                                   "$XDG_CONFIG_HOME/ridge/config.toml (see --print-config).")
+    add_serve_args(s)
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("chat", help="a multi-turn chat with the daemon's model, in the terminal")
+    c.add_argument("--system", default=None, help="system message")
+    add_client_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=run_chat, max_tokens=512)
+
+    st = sub.add_parser("status", help="the daemon's model, load, KV cache and memory")
+    st.add_argument("--json", action="store_true", help="the whole stats reply as JSON")
+    add_client_args(st)
+    st.set_defaults(func=run_status)
+
+    from .bench import add_bench_daemon_parser
+    add_bench_daemon_parser(sub)
+
+
+def _serve(args) -> int:
+    from .serve import run_serve
+    return run_serve(args)
+
+
+def _params(args) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed, "stop": list(args.stop)}
+
+
+def connect(endpoint: str | None):
+    """-> (Client, hello reply), or None after saying plainly that no daemon runs."""
+    from .client import Client, DaemonUnavailable
+
+    try:
+        client = Client(endpoint, timeout=30.0)
+        return client, client.hello()
+    except DaemonUnavailable as e:
+        print(f"ridge: {e.message}.\n{NO_DAEMON_HINT}", file=sys.stderr)
+        return None
+
+
+def _stream_reply(client, **kw) -> tuple[str, object]:
+    """Print a streamed reply; Ctrl-C aborts it. -> (text, final or None)."""
+    s = client.stream(**kw)
+    try:
+        for d in s:
+            if d.index == 0:
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        s.close()
+        sys.stdout.write(" [stopped]")
+    sys.stdout.write("\n")
+    return s.text, s.final
+
+
+def run_generate(args) -> int:
+    """`ridge generate` without --local: through the daemon."""
+    from .client import RidgeError
+
+    got = connect(args.endpoint)
+    if got is None:
+        return 1
+    client, hello = got
+    model = hello["model"]
+    if args.model is not None:
+        print(f"ridge: note: --model applies to --local only; the daemon serves {model['name']}", file=sys.stderr)
+    print(f"[ridge daemon at {client.endpoint}, serving {model['name']}]", file=sys.stderr)
+    kw = {"prompt": args.prompt} if args.raw else \
+        {"messages": ([{"role": "system", "content": args.system}] if args.system else []) +
+         [{"role": "user", "content": args.prompt}]}
+    try:
+        _, final = _stream_reply(client, **kw, **_params(args))
+    except RidgeError as e:
+        print(f"ridge: {e.message} ({e.code})", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if final is None:
+        return 130
+    if final.error:
+        print(f"error: {final.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+CHAT_HELP = "Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply."
+
+
+def run_chat(args) -> int:
+    from .client import RidgeError
+
+    got = connect(args.endpoint)
+    if got is None:
+        return 1
+    client, hello = got
+    model = hello["model"]
+    print(f"ridge chat: {model['name']} ({model['arch']}, context {model['max_model_len']}) "
+          f"at {client.endpoint}\n{CHAT_HELP}")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history.clear()
+                print("(conversation cleared)")
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                reply, final = _stream_reply(client, messages=system + history, **_params(args))
+            except RidgeError as e:
+                history.pop()
+                hint = " Try /reset." if e.code == "invalid_request" else ""
+                print(f"ridge: {e.message}.{hint}", file=sys.stderr)
+                continue
+            history.append({"role": "assistant", "content": reply})
+            if final is not None and final.finish_reason == "length":
+                print("(the reply hit max_tokens)", file=sys.stderr)
+    finally:
+        client.close()
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def run_status(args) -> int:
+    from .client import RidgeError
+
+    got = connect(args.endpoint)
+    if got is None:
+        return 1
+    client, _ = got
+    try:
+        reply = client.stats()
+    except RidgeError as e:
+        print(f"ridge: {e.message}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps({k: reply[k] for k in ("model", "stats", "daemon", "time", "seq")}, indent=2))
+        return 0
+    print(format_status(client.endpoint, reply))
+    return 0
+
+
+def format_status(endpoint: str, reply: dict) -> str:
+    m, s, d = reply["model"], reply["stats"], reply["daemon"]
+    mem, tot = s["memory"], s["totals"]
+    used = s["kv_blocks_used"] / max(1, s["kv_blocks_total"])
+    weights = "FP8" if m["fp8_weights"] else (f"{m['weight_dtype']} (FP8-quantized)" if m["quantized"]
+                                              else m["weight_dtype"])
+    lines = [
+        f"ridge daemon at {endpoint}: {d['state']}, pid {d['pid']}, up {s['uptime']:.0f} s",
+        f"model     {m['name']}  ({m['arch']}, {m['num_layers']} layers, context {m['max_model_len']}, "
+        f"{weights} weights, on {m['device']})",
+        f"requests  {s['running']} running, {s['waiting']} waiting, {s['preempted']} preempted; "
+        f"{d['in_flight']} in flight from {d['clients']} client(s)",
+        f"kv cache  {s['kv_blocks_used']}/{s['kv_blocks_total']} blocks used ({100 * used:.1f}%), "
+        f"{s['kv_blocks_cached']} cached; {m['kv_dtype']}, {m['block_size']} tokens per block; "
+        f"prefix hit rate {100 * s['prefix_hit_rate']:.1f}%",
+        f"speed     prefill {s['prefill_tps']:.1f} tok/s, decode {s['decode_tps']:.1f} tok/s (last 10 s); "
+        f"ridge point {m['ridge_point']:.1f} FLOP/B ({m['ridge_source']})",
+        f"memory    {mem['device']}: total {_gib(mem['device_total'])}, weights {_gib(mem['weights'])}, "
+        f"KV pool {_gib(mem['kv_pool'])}, activations {_gib(mem['activations'])}, "
+        f"reserve {_gib(mem['reserve'])}, free {_gib(mem['device_free'])}",
+        f"host      total {_gib(mem['host_total'])}, available {_gib(mem['host_available'])}, "
+        f"daemon RSS {_gib(mem['host_rss'])}",
+        f"totals    {tot['requests']} requests, {tot['prefill_tokens']} prefill and {tot['decode_tokens']} decode "
+        f"tokens in {tot['steps']} steps; {tot['errors']} errors; aborts {d['aborts']}",
+    ]
+    return "\n".join(lines)

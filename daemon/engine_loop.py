@@ -1,0 +1,131 @@
+"""The engine thread: the only thread that touches the LLMEngine.
+
+It takes add/abort commands from a queue, steps the engine, and hands outputs
+back through a queue plus a pipe the socket thread polls. It never touches a
+socket and never encodes a frame. torch releases the GIL inside its kernels,
+so the socket thread keeps answering while a step runs."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+
+from ridge.engine.sampling import InvalidRequest
+
+log = logging.getLogger("ridge.daemon.engine")
+
+
+class EngineLoop(threading.Thread):
+    """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message)."""
+
+    def __init__(self, engine, stats_interval: float = 0.25):
+        super().__init__(name="ridge-engine", daemon=True)
+        self.engine = engine
+        self.stats_interval = stats_interval
+        self.inbox: deque = deque()
+        self.outbox: deque = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.tick = time.monotonic()  # last completed loop iteration: health's engine_lag
+        self.snapshot: tuple[int, float, dict] = (0, time.time(), engine.stats())  # (seq, unix time, stats)
+        self._last_stats = time.monotonic()
+
+    # -- called from the socket thread ---------------------------------------------
+    def add(self, engine_id: str, prompt_token_ids: list[int], params) -> None:
+        self.inbox.append(("add", engine_id, prompt_token_ids, params))
+        self._wake.set()
+
+    def abort(self, engine_id: str) -> None:
+        self.inbox.append(("abort", engine_id))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    def drain_outbox(self) -> list:
+        try:
+            os.read(self.wake_r, 1 << 16)
+        except BlockingIOError:
+            pass
+        items = []
+        while self.outbox:
+            items.append(self.outbox.popleft())
+        return items
+
+    # -- the engine thread ---------------------------------------------------------
+    def _emit(self, item) -> None:
+        self.outbox.append(item)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: a wake-up is already pending
+            pass
+
+    def _apply_commands(self) -> None:
+        while self.inbox:
+            cmd = self.inbox.popleft()
+            if cmd[0] == "add":
+                _, eid, ids, params = cmd
+                try:
+                    self.engine.add_request(eid, ids, params)
+                except InvalidRequest as e:
+                    self._emit(("reject", eid, str(e), "invalid_request"))
+                except Exception as e:  # an engine bug on one request must not end the loop
+                    log.exception("add_request failed")
+                    self._emit(("reject", eid, f"the engine could not admit it: {type(e).__name__}: {e}", "internal"))
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _maybe_snapshot(self, now: float) -> None:
+        if now - self._last_stats >= self.stats_interval:
+            self._last_stats = now
+            self.snapshot = (self.snapshot[0] + 1, time.time(), self.engine.stats())
+
+    def run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._apply_commands()
+                if self.engine.has_unfinished():
+                    t0 = time.monotonic()
+                    outs = self.engine.step()
+                    if outs:
+                        self._emit(("out", outs))
+                    elif time.monotonic() - t0 < 1e-3:  # nothing schedulable: don't spin
+                        self._wake.wait(1e-3)
+                else:
+                    self._wake.wait(self.stats_interval)
+                now = time.monotonic()
+                self._maybe_snapshot(now)
+                self.tick = now
+        except BaseException as e:  # the socket thread tells every client, then the daemon exits
+            log.exception("the engine loop failed")
+            self._emit(("dead", f"{type(e).__name__}: {e}"))
+
+
+def model_info(engine) -> dict:
+    """docs/protocol.md §7.1."""
+    from ridge.quant.linear import FP8Linear
+
+    cfg, tok = engine.loaded.config, engine.tokenizer
+    linears = [m for m in engine.model.modules() if isinstance(m, FP8Linear)]
+    budget = engine.budget_info
+    return {
+        "name": cfg.name or engine.loaded.path.stem, "path": str(engine.loaded.path), "arch": cfg.arch,
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "fp8_weights": bool(linears) and all(m.is_fp8 for m in linears),
+        "quantized": bool(engine.config.quantize),
+        "weight_dtype": str(engine.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "kv_dtype": engine.kv_dtype, "block_size": engine.config.block_size, "num_kv_blocks": engine.kv.num_blocks,
+        "ridge_point": float(budget.get("ridge_point", 0.0)), "ridge_source": str(budget.get("ridge_source", "")),
+        "device": str(engine.device), "chat_template": tok.chat_template is not None,
+        "eos_token_ids": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
+        "speculative": str(getattr(engine.config, "speculative", None) or "off"),
+    }

@@ -1,0 +1,48 @@
+"""A connected client, as the ROUTER sees it: its requests, its liveness, and
+the frames waiting for room in its queue (docs/protocol.md §4.4)."""
+from __future__ import annotations
+
+import errno
+import time
+from collections import deque
+
+import zmq
+
+
+class Peer:
+    __slots__ = ("key", "sock", "ident", "requests", "dirty", "outq", "last_recv", "last_send", "stalled_since",
+                 "gone")
+
+    def __init__(self, key, sock: zmq.Socket, ident: bytes):
+        self.key, self.sock, self.ident = key, sock, ident
+        self.requests: dict = {}  # client id -> InFlight
+        self.dirty: dict = {}  # InFlight with frames to take, in arrival order (a dict as an ordered set)
+        self.outq: deque[bytes] = deque()  # encoded frames the socket had no room for yet
+        now = time.monotonic()
+        self.last_recv = now
+        self.last_send = now
+        self.stalled_since: float | None = None
+        self.gone = False
+
+    def send_pending(self) -> tuple[str | None, int]:
+        """Send queued frames until the queue empties or the socket pushes back.
+        -> (None, "stalled" (the client is not reading fast enough) or "gone" (its connection closed),
+        frames sent)."""
+        sock, ident, q = self.sock, self.ident, self.outq
+        sent = 0
+        while q:
+            try:
+                sock.send_multipart((ident, q[0]), zmq.NOBLOCK)
+            except zmq.Again:
+                if self.stalled_since is None:
+                    self.stalled_since = time.monotonic()
+                return "stalled", sent
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:  # ROUTER_MANDATORY: the peer's connection is gone
+                    return "gone", sent
+                raise
+            q.popleft()
+            sent += 1
+            self.last_send = time.monotonic()
+        self.stalled_since = None
+        return None, sent

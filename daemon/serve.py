@@ -1,0 +1,144 @@
+"""`ridge serve`: configuration -> one daemon per endpoint -> model -> sockets
+-> the socket loop, until a signal drains it."""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+
+from .config import resolve
+from .endpoint import (SYSTEM_DIR, SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_tcp,
+                       ipc_path, load_curve, pub_endpoint_for, system_endpoint, user_dir, user_endpoint)
+from .notify import Notifier
+from .protocol import Limits
+
+log = logging.getLogger("ridge.daemon")
+
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+class JournalFormatter(logging.Formatter):
+    """`<6>ridge.daemon: message`: journald reads the <N> syslog priority from each stderr line
+    (SyslogLevelPrefix=, on by default) and stamps the time itself."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = _PRIORITY.get(record.levelno, 6)
+        text = super().format(record)
+        return "\n".join(f"<{prio}>{line}" for line in text.splitlines())
+
+
+def setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler(sys.stderr))
+    journald = bool(os.environ.get("JOURNAL_STREAM"))
+    fmt = JournalFormatter("%(name)s: %(message)s") if journald else \
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    for h in root.handlers:
+        h.setFormatter(fmt)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("ridge")
+    except Exception:
+        return "dev"
+
+
+def _limits(c: dict, max_model_len: int) -> Limits:
+    return Limits(max_frame_bytes=c["max_frame_bytes"],
+                  max_prompt_tokens=min(c["max_prompt_tokens"] or max_model_len - 1, max_model_len - 1),
+                  max_tokens=min(c["max_tokens"] or max_model_len, max_model_len),
+                  max_requests_per_client=c["max_requests_per_client"], max_queue=c["max_queue"])
+
+
+def _check(c: dict) -> None:
+    for name in ("max_frame_bytes", "max_requests_per_client", "max_queue"):
+        if c[name] < 1:
+            raise ValueError(f"{name} must be >= 1")
+    for name in ("heartbeat_interval", "client_timeout", "stats_interval"):
+        if not c[name] > 0:
+            raise ValueError(f"{name} must be > 0")
+    if c["drain_grace"] < 0:
+        raise ValueError("drain_grace must be >= 0")
+
+
+def run_serve(args) -> int:
+    res = resolve(args)
+    if args.print_config:
+        c = res.values
+        sys.stdout.write(res.to_toml())
+        ep = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
+        pub = c["pub_endpoint"] or pub_endpoint_for(ep)
+        sys.stdout.write(f"# -> listening on {ep}{' and ' + c['tcp'] if c['tcp'] else ''}, stats on {pub}\n")
+        return 0
+    setup_logging()
+    c = res.values
+    _check(c)
+    endpoint = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
+    system = bool(c["system"]) and not c["endpoint"]
+    lock = None
+    try:
+        curve = load_curve(c["curve_secret_key_file"], c["curve_clients_dir"])
+        if c["tcp"]:
+            check_tcp(c["tcp"], curve)
+        if (c["pub_endpoint"] or "").startswith("tcp://"):
+            check_tcp(c["pub_endpoint"], None)  # the stats feed has no CURVE: loopback only
+        if path := ipc_path(endpoint):
+            ours = path.parent in (user_dir(), SYSTEM_DIR)
+            from .endpoint import prepare_dir
+            prepare_dir(path.parent, SYSTEM_MODE if system else USER_MODE, SYSTEM_GROUP if system else None, ours)
+            lock = EndpointLock(path)
+            lock.acquire()
+        return _serve(c, endpoint, system, curve)
+    except EndpointError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
+    from ridge.cli import engine_config
+    from ridge.engine.engine import LLMEngine
+
+    from .engine_loop import EngineLoop, model_info
+    from .server import Server, ServerConfig
+
+    notifier = Notifier()
+    notifier.status("loading the model")
+    ns = type("Args", (), {k: c[k] for k in c})
+    engine = LLMEngine(engine_config(ns))
+    model = model_info(engine)
+    pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
+    cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
+                       limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
+                       client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
+                       stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600)
+    loop = EngineLoop(engine, c["stats_interval"])
+    server = Server(cfg, engine, loop, model, notifier, _version())
+    try:
+        server.bind()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_drain())
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
+        loop.start()
+        where = endpoint + (f" and {c['tcp']}" if c["tcp"] else "")
+        log.info("serving %s (%s, %s KV, %d blocks of %d) on %s; stats on %s", model["name"], model["device"],
+                 model["kv_dtype"], model["num_kv_blocks"], model["block_size"], where, cfg.pub_endpoint)
+        notifier.ready(f"serving {model['name']} on {endpoint}")
+        code = server.run()
+        log.info("stopped (exit %d)", code)
+        return code
+    finally:
+        loop.stop()
+        server.close()
+        if (path := cfg.pub_endpoint and ipc_path(cfg.pub_endpoint)) and path.exists():
+            path.unlink()
+        if loop.is_alive():
+            loop.join(10)
+        notifier.close()

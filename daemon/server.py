@@ -1,0 +1,372 @@
+"""The socket thread: ROUTER in, frames out, and everything that is not the
+engine's own work (docs/protocol.md §10).
+
+One thread owns every ZeroMQ socket. It decodes and checks frames, tokenizes
+prompts, answers the small operations itself, turns engine outputs into
+frames, keeps clients' liveness, publishes stats, and drains on a signal."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from . import protocol as P
+from .engine_loop import EngineLoop
+from .peers import Peer
+from .protocol import Limits, ProtocolError, message, pack
+from .streams import InFlight
+from .validate import Validator
+
+log = logging.getLogger("ridge.daemon")
+
+SWEEP_S = 0.1  # liveness sweeps and retries of stalled queues
+PEER_FORGET_S = 60.0  # a peer with nothing in flight is forgotten after this much silence
+FORCE_AFTER_ABORT_S = 5.0  # past the grace period, finals the engine has not sent by then are written here
+
+
+@dataclass
+class ServerConfig:
+    endpoint: str
+    tcp: str | None = None
+    pub_endpoint: str | None = None
+    curve: object | None = None  # endpoint.CurveConfig, for the TCP socket
+    limits: Limits = field(default_factory=Limits)
+    heartbeat_interval: float = 1.0
+    client_timeout: float = 10.0
+    drain_grace: float = 30.0
+    stats_interval: float = 0.25
+    socket_mode: int = 0o600
+
+
+class Server:
+    def __init__(self, cfg: ServerConfig, engine, loop: EngineLoop, model: dict, notifier=None, version: str = ""):
+        self.cfg, self.loop, self.model, self.notifier = cfg, loop, model, notifier
+        self.server_name = f"ridge {version}".strip()
+        lim = cfg.limits
+        self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
+                                   model["block_size"], model["num_kv_blocks"], lim)
+        self.ctx = zmq.Context.instance()
+        self.routers: list[zmq.Socket] = []
+        self.pub: zmq.Socket | None = None
+        self.peers: dict = {}  # (router index, routing id) -> Peer
+        self.inflight: dict[str, InFlight] = {}  # engine id -> request
+        self._ids = itertools.count()
+        self.state = "ok"  # ok | draining | error
+        self.started = time.monotonic()
+        self.counts = {"frames_in": 0, "frames_out": 0, "errors_sent": 0}
+        self.aborts = {"client": 0, "disconnected": 0, "timeout": 0, "shutdown": 0}
+        self._drain_requested = self._hurry = False
+        self._drain_deadline = self._forced_at = self._quiet_since = None
+        self._last_sweep = self._last_status = 0.0
+        self._published_seq = -1
+        self.handlers = {"hello": self._hello, "generate": self._generate, "abort": self._abort,
+                         "tokenize": self._tokenize, "detokenize": self._detokenize, "stats": self._stats,
+                         "health": self._health, "heartbeat": self._heartbeat}
+
+    # -- sockets -------------------------------------------------------------------
+    def _router(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a closed peer fails (EHOSTUNREACH): liveness
+        s.setsockopt(zmq.SNDHWM, 1000)
+        s.setsockopt(zmq.RCVHWM, 10000)
+        s.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.limits.max_frame_bytes)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings: a TCP peer that vanished is closed after 5 s
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        s.setsockopt(zmq.HEARTBEAT_TTL, 10000)
+        return s
+
+    def bind(self) -> None:
+        from .endpoint import ipc_path, secure_curve_socket
+
+        main = self._router()
+        main.bind(self.cfg.endpoint)
+        if path := ipc_path(self.cfg.endpoint):
+            os.chmod(path, self.cfg.socket_mode)
+        self.routers.append(main)
+        if self.cfg.tcp:
+            tcp = self._router()
+            if self.cfg.curve is not None:
+                self.auth = secure_curve_socket(self.ctx, tcp, self.cfg.curve)
+            tcp.bind(self.cfg.tcp)
+            self.routers.append(tcp)
+        if self.cfg.pub_endpoint:
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.SNDHWM, 16)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.bind(self.cfg.pub_endpoint)
+            if path := ipc_path(self.cfg.pub_endpoint):
+                os.chmod(path, self.cfg.socket_mode)
+
+    def close(self) -> None:
+        for s in self.routers + ([self.pub] if self.pub else []):
+            s.close()
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
+
+    # -- the loop ------------------------------------------------------------------
+    def request_drain(self) -> None:
+        """From a signal handler: the first call drains, the second skips the rest of the grace."""
+        if self._drain_requested:
+            self._hurry = True
+        self._drain_requested = True
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        for r in self.routers:
+            poller.register(r, zmq.POLLIN)
+        poller.register(self.loop.wake_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(50))
+            for r in self.routers:
+                if r in events:
+                    self._receive(r)
+            if self.loop.wake_r in events or self.loop.outbox:
+                self._on_engine(self.loop.drain_outbox())
+            now = time.monotonic()
+            self._timers(now)
+            if self._drain_requested and self.state == "ok":
+                self._start_drain(now)
+            if self.state != "ok" and self._drain_step(now):
+                return 1 if self.state == "error" else 0
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        index = self.routers.index(sock)
+        for _ in range(256):  # then let engine outputs through
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counts["frames_in"] += 1
+            key = (index, frames[0])
+            peer = self.peers.get(key)
+            if peer is None:
+                peer = self.peers[key] = Peer(key, sock, frames[0])
+            peer.last_recv = time.monotonic()
+            self._handle(peer, frames[1:])
+
+    def _handle(self, peer: Peer, frames: list[bytes]) -> None:
+        rid = None
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(P.BAD_FRAME, f"a message is exactly one frame; got {len(frames)}")
+            msg = P.unpack(frames[0], self.cfg.limits.max_frame_bytes)
+            rid = P.request_id_of(msg)
+            P.check_plain(msg, rid)
+            env = P.envelope(msg)
+            self.handlers[env.type](peer, env)
+        except ProtocolError as e:
+            self.counts["errors_sent"] += 1
+            self._send(peer, P.error(e.code, e.message, e.request_id, **e.extra))
+        except Exception as e:  # a daemon bug must not take the daemon down
+            log.exception("internal error on a client message")
+            self.counts["errors_sent"] += 1
+            self._send(peer, P.error(P.INTERNAL, f"{type(e).__name__}: {e}"[:500], rid))
+
+    def _send(self, peer: Peer, msg: dict) -> None:
+        if not peer.gone:
+            peer.outq.append(pack(msg))
+            self._flush(peer)
+
+    def _flush(self, peer: Peer) -> None:
+        while not peer.gone:
+            status, sent = peer.send_pending()
+            self.counts["frames_out"] += sent
+            if status == "gone":
+                self._peer_gone(peer, "disconnected")
+            if status or not peer.dirty:
+                return
+            for inf in peer.dirty:
+                peer.outq.extend(pack(f) for f in inf.take_frames())
+                if inf.final_sent:
+                    self._retire(inf)
+            peer.dirty.clear()
+
+    # -- handlers ------------------------------------------------------------------
+    def _hello(self, peer: Peer, env) -> None:
+        version = self.validator.hello(env)
+        c = self.cfg
+        self._send(peer, message("hello", env.id, version=version, supported=list(P.SUPPORTED),
+                                 server=self.server_name, model=self.model, limits=c.limits.to_dict(),
+                                 heartbeat={"interval": c.heartbeat_interval, "client_timeout": c.client_timeout},
+                                 pub_endpoint=c.pub_endpoint, state=self.state))
+
+    def _generate(self, peer: Peer, env) -> None:
+        if self.state != "ok":
+            raise ProtocolError(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", env.id)
+        req = self.validator.generate(env)
+        lim = self.cfg.limits
+        if req.id in peer.requests:
+            raise ProtocolError(P.DUPLICATE_ID, f"request id {req.id!r} is already in flight on this connection",
+                                req.id)
+        if len(peer.requests) >= lim.max_requests_per_client:
+            raise ProtocolError(P.TOO_MANY_REQUESTS, f"this client has {len(peer.requests)} requests in flight; "
+                                f"the limit is {lim.max_requests_per_client}", req.id, retry_after=1.0)
+        if len(self.inflight) >= lim.max_queue:
+            raise ProtocolError(P.BUSY, f"the daemon holds {len(self.inflight)} requests, its limit; retry later",
+                                req.id, retry_after=1.0)
+        eid = f"r{next(self._ids)}"
+        inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0)
+        peer.requests[req.id] = self.inflight[eid] = inf
+        self.loop.add(eid, req.prompt_token_ids, req.params)
+
+    def _abort(self, peer: Peer, env) -> None:
+        self.validator.no_fields(env)
+        inf = peer.requests.get(env.id)
+        if inf is not None and not inf.done:
+            self.aborts["client"] += 1
+            self.loop.abort(inf.engine_id)
+
+    def _tokenize(self, peer: Peer, env) -> None:
+        ids = self.validator.tokenize(env)
+        self._send(peer, message("tokenize", env.id, token_ids=ids, count=len(ids)))
+
+    def _detokenize(self, peer: Peer, env) -> None:
+        self._send(peer, message("detokenize", env.id, text=self.validator.detokenize(env)))
+
+    def _stats(self, peer: Peer, env) -> None:
+        self.validator.no_fields(env)
+        self._send(peer, self.stats_message("stats", env.id))
+
+    def _health(self, peer: Peer, env) -> None:
+        self.validator.no_fields(env)
+        st = self.loop.snapshot[2]
+        self._send(peer, message("health", env.id, status=self.state, uptime=time.monotonic() - self.started,
+                                 engine_lag=time.monotonic() - self.loop.tick, running=st["running"],
+                                 waiting=st["waiting"], model=self.model["name"]))
+
+    def _heartbeat(self, peer: Peer, env) -> None:
+        self.validator.no_fields(env)
+
+    def stats_message(self, type_: str, rid: str | None = None) -> dict:
+        seq, t, st = self.loop.snapshot
+        daemon = {"clients": len(self.peers), "in_flight": len(self.inflight), **self.counts,
+                  "aborts": dict(self.aborts), "state": self.state, "pid": os.getpid()}
+        return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq)
+
+    # -- engine outputs --------------------------------------------------------------
+    def _on_engine(self, items: list) -> None:
+        touched: dict = {}
+        for item in items:
+            if item[0] == "out":
+                for o in item[1]:
+                    inf = self.inflight.get(o.request_id)
+                    if inf is not None:
+                        inf.add(o)
+                        self._mark(inf, touched)
+            elif item[0] == "reject":
+                inf = self.inflight.get(item[1])
+                if inf is not None:
+                    self._retire(inf)
+                    self.counts["errors_sent"] += 1
+                    self._send(inf.peer, P.error(item[3], item[2], inf.id))
+            else:  # the engine loop died: every request ends with an error, then the daemon exits
+                log.error("engine failed: %s", item[1])
+                self.state = "error"
+                for inf in list(self.inflight.values()):
+                    inf.force_finish("error", error=f"the engine failed: {item[1]}")
+                    self._mark(inf, touched)
+        for peer in touched:
+            self._flush(peer)
+
+    def _mark(self, inf: InFlight, touched: dict) -> None:
+        if inf.orphaned:
+            if inf.done:
+                self._retire(inf)
+        else:
+            inf.peer.dirty[inf] = None
+            touched[inf.peer] = None
+
+    def _retire(self, inf: InFlight) -> None:
+        self.inflight.pop(inf.engine_id, None)
+        if inf.peer.requests.get(inf.id) is inf:
+            del inf.peer.requests[inf.id]
+
+    def _peer_gone(self, peer: Peer, why: str) -> None:
+        """Abort all of a peer's requests: it disconnected, went silent or stopped reading."""
+        peer.gone = True
+        peer.outq.clear()
+        peer.dirty.clear()
+        self.peers.pop(peer.key, None)
+        live = [inf for inf in peer.requests.values() if not inf.done]
+        for inf in live:
+            inf.orphaned = True
+            self.loop.abort(inf.engine_id)  # retired when the engine's final output comes back
+        for inf in [i for i in peer.requests.values() if i.done]:
+            self._retire(inf)
+        if live:
+            self.aborts[why] += len(live)
+            log.info("client %s %s: aborted %d request(s)", peer.ident.hex(), why, len(live))
+
+    # -- timers: liveness, stats feed, systemd ---------------------------------------
+    def _timers(self, now: float) -> None:
+        if self.pub is not None and self.loop.snapshot[0] != self._published_seq:
+            self._published_seq = self.loop.snapshot[0]
+            try:
+                self.pub.send_multipart((P.PUB_TOPIC, pack(self.stats_message("stats"))), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        if now - self._last_sweep >= SWEEP_S:
+            self._last_sweep = now
+            self._sweep(now)
+        if self.notifier is not None:
+            if now - self._last_status >= 2.0:
+                self._last_status = now
+                st = self.loop.snapshot[2]
+                self.notifier.status(f"{self.state}: {self.model['name']}, {st['running']} running, "
+                                     f"{st['waiting']} waiting, {len(self.peers)} clients")
+            self.notifier.watchdog(now - self.loop.tick < 30.0 and self.loop.is_alive())
+
+    def _sweep(self, now: float) -> None:
+        c = self.cfg
+        for peer in list(self.peers.values()):
+            if peer.outq or peer.dirty:
+                self._flush(peer)
+            if peer.gone:
+                continue
+            if peer.requests:
+                stalled = peer.stalled_since is not None and now - peer.stalled_since > c.client_timeout
+                if stalled or now - peer.last_recv > c.client_timeout:
+                    self._peer_gone(peer, "timeout")
+                elif now - peer.last_send >= c.heartbeat_interval and not peer.outq:
+                    self._send(peer, message("heartbeat", time=time.time()))
+            elif not peer.outq and now - peer.last_recv > PEER_FORGET_S:
+                del self.peers[peer.key]
+
+    # -- draining --------------------------------------------------------------------
+    def _start_drain(self, now: float) -> None:
+        self.state = "draining"
+        self._drain_deadline = now + self.cfg.drain_grace
+        log.info("draining: %d request(s) in flight, %.0f s grace", len(self.inflight), self.cfg.drain_grace)
+        if self.notifier is not None:
+            self.notifier.stopping(f"draining {len(self.inflight)} request(s)")
+        for peer in list(self.peers.values()):
+            self._send(peer, message("shutdown", grace=self.cfg.drain_grace))
+
+    def _drain_step(self, now: float) -> bool:
+        """-> True once every request has its final frame out (or its client is gone)."""
+        if self._forced_at is None and (self._hurry or now >= self._drain_deadline or self.state == "error"):
+            self._forced_at = now
+            for inf in self.inflight.values():
+                if not inf.done:
+                    inf.detail = "shutdown"
+                    self.aborts["shutdown"] += 1
+                    self.loop.abort(inf.engine_id)
+        if self._forced_at is not None and now - self._forced_at > FORCE_AFTER_ABORT_S:
+            touched: dict = {}
+            for inf in list(self.inflight.values()):  # the engine is stuck: write the finals ourselves
+                inf.force_finish("abort", "shutdown")
+                self._mark(inf, touched)
+            for peer in touched:
+                self._flush(peer)
+        if self.inflight:
+            return False
+        self._quiet_since = self._quiet_since or now
+        pending = [p for p in self.peers.values() if p.outq]
+        for p in pending:
+            self._flush(p)
+        return not any(p.outq for p in pending) or now - self._quiet_since > 2.0  # a client not reading

@@ -1,0 +1,318 @@
+"""`ridge service install|uninstall|status|config`: the daemon as a systemd
+service, from the templates in packaging/ with this installation's paths
+filled in. Where systemd is absent it writes what it can and says what to run
+on a machine that has it; it never needs systemd to succeed."""
+from __future__ import annotations
+
+import argparse
+import grp
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+UNIT = "ridge.service"
+SYSTEM_USER = "ridge"
+GPU_GROUPS = ("video", "render")  # device node groups on most distributions; only those that exist are used
+PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "service.md"
+STOP_MARGIN_S = 15  # TimeoutStopSec = drain_grace + this: the drain, then the final frames and exit
+
+
+@dataclass(frozen=True)
+class Scope:
+    system: bool
+    root: Path  # "/" normally; a staging directory with --root
+
+    @property
+    def name(self) -> str:
+        return "system" if self.system else "user"
+
+    @property
+    def unit_path(self) -> Path:
+        if self.system:
+            return self.root / "etc/systemd/system" / UNIT
+        return _config_home(self.root) / "systemd/user" / UNIT
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "etc/ridge/config.toml" if self.system else _config_home(self.root) / "ridge/config.toml"
+
+    @property
+    def sysusers_path(self) -> Path:
+        return self.root / "etc/sysusers.d/ridge.conf"
+
+    @property
+    def staged(self) -> bool:
+        return self.root != Path("/")
+
+    def target(self, path: Path) -> Path:
+        """Where a written file will be on the machine the service runs on."""
+        return Path("/") / path.relative_to(self.root)
+
+    def systemctl(self, *args: str) -> list[str]:
+        return ["systemctl", *([] if self.system else ["--user"]), *args]
+
+
+def _config_home(root: Path) -> Path:
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return root / base.relative_to("/") if base.is_absolute() else root / base
+
+
+# -- the effective values ------------------------------------------------------------
+def ridge_executable() -> Path:
+    """The `ridge` script of the environment this runs in (a venv's bin/ridge), unresolved, so
+    the unit keeps following the venv rather than the interpreter it links to."""
+    beside = Path(sys.executable).parent / "ridge"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside.absolute()
+    found = shutil.which("ridge")
+    if found:
+        return Path(found).absolute()
+    raise FileNotFoundError(f"no `ridge` executable beside {sys.executable} or on PATH; install ridge first "
+                            "(make setup, or pip install -e .)")
+
+
+def _unit_word(text: str) -> str:
+    """One word for a unit file: % and $ escaped, quoted when it has spaces."""
+    text = text.replace("%", "%%").replace("$", "$$")
+    return f'"{text}"' if any(c.isspace() for c in text) else text
+
+
+def drain_grace(config_file: Path) -> float:
+    from .config import resolve
+
+    return float(resolve(argparse.Namespace(config=str(config_file)), environ={}).values["drain_grace"])
+
+
+def values(scope: Scope) -> dict[str, str]:
+    groups = []
+    for g in GPU_GROUPS:
+        try:
+            grp.getgrnam(g)
+            groups.append(g)
+        except KeyError:
+            pass
+    grace = drain_grace(scope.config_path)
+    return {"RIDGE": _unit_word(str(ridge_executable())),
+            "CONFIG_ENV": _unit_word(f"RIDGE_CONFIG={scope.target(scope.config_path)}"),
+            "TIMEOUT_STOP": f"{int(grace + STOP_MARGIN_S)}s",
+            "GROUPS": " ".join(groups),
+            "DOCS": DOCS.as_uri() if DOCS.is_file() else ""}
+
+
+def render(template: str, vals: dict[str, str]) -> str:
+    """Fill @KEY@ placeholders; a setting whose value comes out empty is left out."""
+    out = []
+    for line in template.splitlines():
+        keys = [k for k in vals if f"@{k}@" in line]
+        if any(not vals[k] for k in keys):
+            continue
+        for k in keys:
+            line = line.replace(f"@{k}@", vals[k])
+        if not line.lstrip().startswith("#") and re.search(r"@[A-Z_]+@", line):
+            raise ValueError(f"unfilled placeholder in {line!r}")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def template(scope: Scope) -> str:
+    path = PACKAGING / f"ridge-{scope.name}.service.in"
+    if not path.is_file():
+        raise FileNotFoundError(f"the unit template {path} is missing: `ridge service` needs a source checkout "
+                                "of ridge (packaging/ is not part of the wheel)")
+    return path.read_text()
+
+
+# -- the default config file ----------------------------------------------------------------
+EXAMPLES = {"model": "/path/to/model.gguf", "device": "cuda", "kv_dtype": "fp8", "max_model_len": 8192,
+            "prefill_chunk": 512, "num_kv_blocks": 4096, "kv_memory_gib": 8.0, "threads": 8,
+            "ridge_point": 295.0, "endpoint": "ipc:///run/user/1000/ridge/ridge.sock",
+            "tcp": "tcp://127.0.0.1:5555", "pub_endpoint": "none",
+            "curve_secret_key_file": "/etc/ridge/curve/server.key_secret",
+            "curve_clients_dir": "/etc/ridge/curve/clients"}
+HELP = {"block_size": "tokens per KV block",
+        "no_prefix_caching": "turn off the prefix cache (KV blocks shared by prompts that start alike)"}
+
+
+def default_config() -> str:
+    """Every `ridge serve` option, commented out, at its default (or an example where it has none).
+    packaging/config.toml is this text; tests/test_service.py keeps the two equal."""
+    from .config import DAEMON_OPTIONS, _toml_value, engine_options
+
+    lines = ["# ridge serve configuration. Every option is listed, commented out, at its default;",
+             "# uncomment a line to change it. Precedence: command-line flags, then RIDGE_<NAME>",
+             "# environment variables, then this file, then the defaults.",
+             "# Read from $XDG_CONFIG_HOME/ridge/config.toml (user service), /etc/ridge/config.toml",
+             "# (system service), or the file that --config / RIDGE_CONFIG names.",
+             "# Check the result with: ridge serve --print-config", ""]
+    for title, options in (("Engine", engine_options()), ("Daemon", DAEMON_OPTIONS)):
+        lines += [f"# -- {title} " + "-" * (76 - len(title)), ""]
+        for o in options:
+            lines.append(f"# {o.help or HELP.get(o.name, o.name)}"
+                         + (f" ({', '.join(map(str, o.choices))})" if o.choices else ""))
+            if o.default is None:
+                lines.append(f"# {o.name} = {_toml_value(EXAMPLES.get(o.name, ''))}  # unset by default; an example")
+            else:
+                lines.append(f"# {o.name} = {_toml_value(o.default)}")
+            lines.append("")
+    return "\n".join(lines)
+
+
+# -- systemd --------------------------------------------------------------------------------
+def systemd_missing() -> str | None:
+    """Why systemctl cannot be used here, or None."""
+    if shutil.which("systemctl") is None:
+        return "systemctl is not installed on this machine"
+    if not Path("/run/systemd/system").is_dir():  # sd_booted(3)
+        return "systemd is not running on this machine (it is not PID 1: a container, or another init)"
+    return None
+
+
+def _run(cmd: list[str]) -> int:
+    print("$ " + " ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    for text in (r.stdout, r.stderr):
+        if text.strip():
+            print(text.rstrip())
+    return r.returncode
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+    print(f"wrote {path}")
+
+
+def _ensure_user(scope: Scope) -> int:
+    sysusers = (PACKAGING / "ridge.sysusers").read_text()
+    _write(scope.sysusers_path, sysusers)
+    if scope.staged:
+        return 0
+    try:
+        pwd.getpwnam(SYSTEM_USER)
+        return 0
+    except KeyError:
+        pass
+    if shutil.which("systemd-sysusers"):
+        return _run(["systemd-sysusers", str(scope.sysusers_path)])
+    return _run(["useradd", "--system", "--user-group", "--home-dir", "/var/lib/ridge", "--no-create-home",
+                 "--shell", "/usr/sbin/nologin", "--comment", "ridge LLM daemon", SYSTEM_USER])
+
+
+# -- the subcommands --------------------------------------------------------------------------
+def install(scope: Scope, enable: bool = True) -> int:
+    if scope.system and not scope.staged and os.geteuid() != 0:
+        print(f"ridge: the system service is installed as root: sudo {ridge_executable()} service install --system",
+              file=sys.stderr)
+        return 1
+    if not scope.config_path.exists():
+        _write(scope.config_path, default_config(), 0o640 if scope.system else 0o600)
+    else:
+        print(f"kept {scope.config_path}")
+    _write(scope.unit_path, render(template(scope), values(scope)))
+    if scope.system and _ensure_user(scope) != 0:
+        return 1
+    manage = " ".join(scope.systemctl())
+    then = [f"{manage} daemon-reload", f"{manage} enable --now {UNIT}"]
+    if scope.staged:
+        print(f"staged under {scope.root}; on the target machine: " + " && ".join(then))
+        return 0
+    why = systemd_missing()
+    if why is not None:
+        print(f"{why}, so the service was written but not enabled. On a machine with systemd:\n  "
+              + "\n  ".join(then) + f"\nHere, run the daemon directly: {ridge_executable()} serve"
+              + (" --system" if scope.system else ""))
+        return 0
+    if _run(scope.systemctl("daemon-reload")) != 0:
+        return 1
+    if enable and _run(scope.systemctl("enable", "--now", UNIT)) != 0:
+        return 1
+    if not scope.system:
+        print("To keep the service running while you are logged out: loginctl enable-linger $USER")
+    print(f"Logs: journalctl {'' if scope.system else '--user '}-u ridge -f")
+    return 0
+
+
+def uninstall(scope: Scope) -> int:
+    if scope.system and not scope.staged and os.geteuid() != 0:
+        print("ridge: the system service is removed as root: sudo ridge service uninstall --system", file=sys.stderr)
+        return 1
+    why = None if scope.staged else systemd_missing()
+    if not scope.staged and why is None:
+        _run(scope.systemctl("disable", "--now", UNIT))
+    if scope.unit_path.exists():
+        scope.unit_path.unlink()
+        print(f"removed {scope.unit_path}")
+    else:
+        print(f"no unit at {scope.unit_path}")
+    if not scope.staged and why is None:
+        _run(scope.systemctl("daemon-reload"))
+    elif why is not None:
+        print(f"{why}: nothing to disable.")
+    kept = [str(scope.config_path)] + (["the user `ridge`", "/var/lib/ridge", "/var/cache/ridge"] if scope.system
+                                       else [])
+    print("kept " + ", ".join(kept) + " (remove them by hand if you no longer want them)")
+    return 0
+
+
+def status(scope: Scope) -> int:
+    from .endpoint import ipc_path, socket_alive, system_endpoint, user_endpoint
+
+    unit = scope.unit_path
+    if unit.exists():
+        exec_start = next((line.split("=", 1)[1] for line in unit.read_text().splitlines()
+                           if line.startswith("ExecStart=")), "?")
+        print(f"{scope.name} unit: {unit}\n  ExecStart={exec_start}")
+    else:
+        print(f"{scope.name} unit: not installed ({unit} is absent); install it with: "
+              f"ridge service install --{scope.name}")
+    print(f"config: {scope.config_path}" + ("" if scope.config_path.exists() else " (absent: defaults apply)"))
+    endpoint = system_endpoint() if scope.system else user_endpoint()
+    listening = socket_alive(ipc_path(endpoint))
+    print(f"daemon: {'listening' if listening else 'not listening'} on {endpoint}")
+    why = systemd_missing()
+    if why is not None:
+        print(f"systemd: {why}; no service state to show")
+        return 0
+    _run(scope.systemctl("status", "--no-pager", "--lines=5", UNIT))
+    return 0
+
+
+def add_service_parser(sub) -> None:
+    p = sub.add_parser("service", help="install, remove or inspect ridge as a systemd service",
+                       description="The daemon as a systemd service (docs/service.md). The user service runs "
+                                   "`ridge serve` on your socket; the system one runs `ridge serve --system` as "
+                                   "the user `ridge`, reachable by members of group `ridge`.")
+    acts = p.add_subparsers(dest="service_action", required=True)
+    for name, text in (("install", "write the unit (and a default config) and enable it"),
+                       ("uninstall", "disable and remove the unit (the config is kept)"),
+                       ("status", "the unit, the socket and systemd's view of the service")):
+        a = acts.add_parser(name, help=text)
+        scope = a.add_mutually_exclusive_group()
+        scope.add_argument("--user", dest="system", action="store_false", help="the user service (default)")
+        scope.add_argument("--system", dest="system", action="store_true", help="the system service (as root)")
+        if name != "status":
+            a.add_argument("--root", type=Path, default=Path("/"), metavar="DIR",
+                           help="write under DIR instead of / (staging for a package), without systemctl")
+        if name == "install":
+            a.add_argument("--no-enable", action="store_true", help="write the files but do not enable the service")
+    acts.add_parser("config", help="print the default config file (every option, commented out)")
+    p.set_defaults(func=run_service)
+
+
+def run_service(args) -> int:
+    if args.service_action == "config":
+        sys.stdout.write(default_config())
+        return 0
+    scope = Scope(bool(args.system), Path(getattr(args, "root", None) or "/").absolute())
+    if args.service_action == "install":
+        return install(scope, enable=not args.no_enable)
+    if args.service_action == "uninstall":
+        return uninstall(scope)
+    return status(scope)

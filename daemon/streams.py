@@ -1,0 +1,121 @@
+"""One accepted generate request on the daemon side: engine outputs in,
+`delta` and `final` frames out (docs/protocol.md §4.1-4.2).
+
+Outputs that arrive while the client's queue is full stay here, merged per
+sample, so a slow reader costs one pending delta per sample, not a backlog."""
+from __future__ import annotations
+
+from .protocol import message
+
+
+class Sample:
+    __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "error", "completion_tokens",
+                 "timings", "all_token_ids", "all_text", "all_logprobs")
+
+    def __init__(self, keep_all: bool):
+        self.token_ids: list[int] = []  # not yet sent
+        self.text = ""
+        self.logprobs: list = []
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.completion_tokens = 0
+        self.timings: dict = {}
+        # non-streaming requests keep everything for the final frame
+        self.all_token_ids: list[int] | None = [] if keep_all else None
+        self.all_text = ""
+        self.all_logprobs: list = []
+
+
+def _logprobs(raw) -> list:
+    out = []
+    for entry in raw or ():
+        if entry is None:
+            out.append(None)
+        else:
+            lp, top = entry
+            out.append([float(lp), [[int(t), float(p)] for t, p in top]])
+    return out
+
+
+class InFlight:
+    def __init__(self, peer, client_id: str, engine_id: str, stream: bool, n: int, logprobs: bool):
+        self.peer, self.id, self.engine_id = peer, client_id, engine_id
+        self.stream, self.want_logprobs = stream, logprobs
+        self.samples = [Sample(not stream) for _ in range(n)]
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.orphaned = False  # its client is gone: outputs are dropped, the engine was told to abort
+        self.detail: str | None = None  # why the daemon aborted it
+        self.final_sent = False
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def add(self, o) -> None:
+        s = self.samples[o.index]
+        lps = _logprobs(o.logprobs) if self.want_logprobs else []
+        if self.stream:
+            s.token_ids += o.new_token_ids
+            s.text += o.new_text
+            s.logprobs += lps
+        else:
+            s.all_token_ids += o.new_token_ids
+            s.all_text += o.new_text
+            s.all_logprobs += lps
+        s.completion_tokens = o.num_output_tokens
+        self.prompt_tokens, self.cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+        if o.finished:
+            s.finished, s.finish_reason, s.error = True, o.finish_reason, o.error
+            s.timings = dict(o.timings)
+
+    def force_finish(self, reason: str, detail: str | None = None, error: str | None = None) -> None:
+        """Finish every open sample without the engine (shutdown past its grace, engine failure)."""
+        self.detail = detail or self.detail
+        for s in self.samples:
+            if not s.finished:
+                s.finished, s.finish_reason, s.error = True, reason, error
+
+    def take_frames(self) -> list[dict]:
+        frames = []
+        if self.stream:
+            for i, s in enumerate(self.samples):
+                if s.token_ids or s.text:
+                    d = message("delta", self.id, index=i, token_ids=s.token_ids, text=s.text)
+                    if self.want_logprobs:
+                        d["logprobs"] = s.logprobs
+                    frames.append(d)
+                    s.token_ids, s.text, s.logprobs = [], "", []
+        if self.done and not self.final_sent:
+            frames.append(self.final())
+            self.final_sent = True
+        return frames
+
+    def final(self) -> dict:
+        choices = []
+        for i, s in enumerate(self.samples):
+            c = {"index": i, "finish_reason": s.finish_reason, "completion_tokens": s.completion_tokens,
+                 "timings": s.timings}
+            if s.error:
+                c["error"] = s.error
+            if not self.stream:
+                c["text"], c["token_ids"] = s.all_text, s.all_token_ids
+                if self.want_logprobs:
+                    c["logprobs"] = s.all_logprobs
+            choices.append(c)
+        first = self.samples[0]
+        f = message("final", self.id, finish_reason=first.finish_reason,
+                    usage={"prompt_tokens": self.prompt_tokens,
+                           "completion_tokens": sum(s.completion_tokens for s in self.samples),
+                           "cached_tokens": self.cached_tokens},
+                    timings=first.timings, choices=choices)
+        if self.detail:
+            f["detail"] = self.detail
+        if first.error:
+            f["error"] = first.error
+        if not self.stream:
+            f["text"], f["token_ids"] = first.all_text, first.all_token_ids
+            if self.want_logprobs:
+                f["logprobs"] = first.all_logprobs
+        return f

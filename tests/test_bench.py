@@ -1,0 +1,99 @@
+"""`ridge bench`: the workload generator, the static/continuous arithmetic, and one
+tiny end-to-end throughput run through the real CLI on a tiny random model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ridge.engine.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, make_workload, output_lengths,
+                                    parse_lengths, percentiles, static_bound, static_steps)
+
+
+def test_w1_lengths_are_seeded_and_in_range():
+    a = make_workload("W1")
+    b = make_workload("W1")
+    assert a.lengths == b.lengths and a.num_requests == 64 and a.spec == "uniform:16-256"
+    assert min(a.lengths) >= 16 and max(a.lengths) <= 256
+    assert len(set(a.lengths)) > 30  # really drawn, not constant
+    assert output_lengths("uniform:16-256", 64, seed=1) != a.lengths
+    assert a.questions == QUESTIONS[:64] and len(set(QUESTIONS)) == len(QUESTIONS)
+    # A shorter run is a prefix of the full workload, not a different draw.
+    assert make_workload("W1", requests=8).lengths == a.lengths[:8]
+
+
+def test_sweep_levels_share_the_mean():
+    for name, spec in SWEEP_LEVELS:
+        lens = output_lengths(spec, 64, seed=0)
+        assert abs(np.mean(lens) - 136) < 6, (name, np.mean(lens))
+    assert output_lengths("fixed:136", 5) == [136] * 5
+    tail = output_lengths("lognormal:136:16-512", 64, seed=0)
+    assert min(tail) >= 16 and max(tail) <= 512 and abs(np.mean(tail) - 136) < 1
+    assert max(tail) > 400 and np.median(tail) < 110  # a long tail, not a spread-out uniform
+    lo = output_lengths("uniform:96-176", 64)
+    assert min(lo) >= 96 and max(lo) <= 176
+
+
+def test_bad_length_specs():
+    for bad in ("uniform:9", "gauss:1-2", "uniform:5-3", "lognormal:10:20-30", "fixed:x"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
+def test_static_bound_arithmetic():
+    lens = [10, 20, 30, 40, 5, 5, 5, 5]
+    # batches of 4: max 40 and 5 -> 45 steps; continuous at 4 slots: 120 / 4 = 30 steps
+    assert static_steps(lens, 4) == 45
+    assert static_bound(lens, 4) == pytest.approx(45 / 30)
+    # the issue's form: mean over batches of the longest / mean output
+    assert static_bound(lens, 4) == pytest.approx(np.mean([40, 5]) / np.mean(lens))
+    assert static_bound([136] * 64, 16) == 1.0
+    assert static_bound(lens, 1) == 1.0
+    # drain: slots refill in order, the last ones run alone
+    assert continuous_steps([10, 1, 1, 1], 2) == 10
+    assert continuous_steps([5, 5, 5, 5], 2) == 10
+    # uniform 16-256 in batches of 16: about 1.78 in expectation (16 + 240 * 16/17) / 136
+    draws = [static_bound(output_lengths("uniform:16-256", 1024, seed=s), 16) for s in range(4)]
+    assert 1.70 < np.mean(draws) < 1.82
+    assert 1.6 < static_bound(make_workload("W1").lengths, 16) < 1.9
+
+
+def test_percentiles():
+    p = percentiles([0.1, 0.2, 0.3, None])
+    assert p["p50"] == pytest.approx(0.2) and p["n"] == 3
+    assert percentiles([])["p50"] is None
+
+
+def test_bench_throughput_end_to_end(tmp_path):
+    from tiny_models import make_tiny
+
+    from ridge.cli import main
+
+    path, cfg, sd = make_tiny(tmp_path, "llama")
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--model", str(path), "--device", "cpu", "--threads", "1",
+               "--requests", "6", "--in-flight", "3", "--lengths", "uniform:3-9", "--num-kv-blocks", "64",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("ridge bench throughput --model")
+    env = data["env"]
+    assert env["device"] == "cpu" and env["kv_dtype"] == "fp32" and env["threads"] == 1
+    res = data["results"]["throughput"]
+    wl = res["workload"]
+    assert wl["requests"] == 6 and wl["clamped"] == 0
+    cont, stat = res["continuous"], res["static"]
+    assert cont["useful_tokens"] == stat["useful_tokens"] == wl["useful_tokens"]
+    assert cont["short_requests"] == stat["short_requests"] == 0
+    # static generates padding to each batch's longest; continuous generates none
+    assert cont["generated_tokens"] == wl["useful_tokens"] < stat["generated_tokens"] or \
+        len(set(make_workload("W1", 6, "uniform:3-9").lengths)) == 1
+    for m in (cont, stat):
+        for k in ("useful_tok_s", "wall_s", "steps"):
+            assert m[k] > 0
+        assert m["ttft_s"]["p50"] is not None and m["itl_s"]["p99"] is not None
+    assert res["bound"] >= 1.0 and res["ratio"] > 0 and "ratio_of_bound" in res
+    w = cont["kv_waste"]
+    assert w["samples"] > 0 and 0 <= w["paged_waste_pct"] < 100
+    assert w["contiguous_max_len_waste_pct"] > w["paged_waste_pct"]

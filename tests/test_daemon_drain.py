@@ -1,0 +1,69 @@
+"""A daemon that serves one sequence at a time (so requests queue and take
+seconds), with a short client timeout and drain grace: silent clients are
+timed out, and SIGTERM drains with a final frame for every request."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from test_daemon_harness import Daemon, Raw, pump_all, stats, wait_idle
+from tiny_models import make_tiny
+
+CLIENT_TIMEOUT, GRACE = 2.0, 1.0
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    path, _, _ = make_tiny(tmp_path_factory.mktemp("model"), "llama")
+    d = Daemon(tmp_path_factory.mktemp("drain"), str(path), "--num-kv-blocks", 96, "--max-num-seqs", 1,
+               "--client-timeout", CLIENT_TIMEOUT, "--drain-grace", GRACE)
+    yield d
+    d.stop()
+
+
+def test_a_silent_client_is_aborted_within_client_timeout(daemon):
+    silent = Raw(daemon.endpoint)
+    for i in range(20):  # one at a time, 240 tokens each: several seconds of work
+        silent.send({"type": "generate", "id": f"q{i}", "prompt": f"quiet {i}",
+                     "params": {"max_tokens": 240, "ignore_eos": True}})
+    t0 = time.monotonic()  # from here on it neither reads nor sends
+    wait_idle(daemon.endpoint, timeout=15)
+    elapsed = time.monotonic() - t0
+    # docs/protocol.md §4.4: client_timeout + 0.25 s + one step (the 20 requests alone take far longer)
+    assert elapsed < CLIENT_TIMEOUT + 1.5, elapsed
+    assert stats(daemon.endpoint)["daemon"]["aborts"]["timeout"] >= 15
+    silent.close()
+
+
+def test_sigterm_drains_every_request_to_a_final_frame(daemon):
+    clients = [Raw(daemon.endpoint) for _ in range(6)]
+    late = Raw(daemon.endpoint)
+    assert late.call({"type": "health", "id": "h"})["status"] == "ok"
+    for i, c in enumerate(clients):
+        c.generate(f"d{i}", prompt=f"drain {i}", params={"max_tokens": 240, "ignore_eos": True})
+    pump_all(clients, lambda: any(s["deltas"] for c in clients for s in c.streams.values()), timeout=30)
+    daemon.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = late.call({"type": "generate", "id": "late", "prompt": "too late"})
+    assert refused["type"] == "error" and refused["code"] == "shutting_down"
+    assert late.call({"type": "health", "id": "h2"})["status"] == "draining"
+    pump_all(clients, lambda: all(not c.open for c in clients), timeout=30)
+    reasons = []
+    for c in clients:
+        (s,) = c.streams.values()
+        assert s["error"] is None and s["final"] is not None
+        f = s["final"]
+        reasons.append(f["finish_reason"])
+        assert len(s["tokens"]) == f["usage"]["completion_tokens"]
+        if f["finish_reason"] == "abort":
+            assert f["detail"] == "shutdown"
+        else:
+            assert f["finish_reason"] == "length" and len(s["tokens"]) == 240
+        assert any(m["type"] == "shutdown" and m["grace"] == GRACE for m in c.other)
+        c.close()
+    assert "length" in reasons and "abort" in reasons, reasons
+    assert daemon.proc.wait(20) == 0, daemon.output()
+    assert "draining" in daemon.output()
+    late.close()
