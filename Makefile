@@ -20,7 +20,7 @@ $(BIN)/ridge: pyproject.toml
 setup: $(BIN)/ridge
 
 serve: setup
-	$(BIN)/ridge generate "What is the capital of France?"
+	$(BIN)/ridge serve
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -127,44 +127,10 @@ def test_k_quants(tmp_path, qtype):
     sd = random_state_dict(cfg, seed=4)
     qt = gguf.GGMLQuantizationType[qtype]
     raw = _k_quant_bytes(qtype, cfg.intermediate_size, cfg.hidden_size, 5)
-    path = tmp_path / "k.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    # Reuse the tiny writer for everything, then swap in one K-quant tensor.
-    write_gguf(path, cfg, sd)
-    reader_tensors = gguf.GGUFReader(str(path)).tensors
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    for t in reader_tensors:
-        if t.name == "blk.0.ffn_gate.weight":
-            w.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=qt)
-        else:
-            w.add_tensor(t.name, np.array(t.data))
-    _copy_tokenizer(w)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "k.gguf", cfg, sd, raw={"blk.0.ffn_gate.weight": (raw, qtype)})
     conv = convert(path, quantize=False, use_cache=False)
     gate = conv.state_dict["layers.0.gate_up_proj.weight"][: cfg.intermediate_size]
     assert np.array_equal(gate.numpy(), dequantize(raw, qt))
-
-
-def _copy_tokenizer(w):
-    from tiny_models import CHATML, tiny_vocab
-    tokens, types, merges = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHATML)
 
 
 @pytest.mark.parametrize("scales", ["tensor", "channel"])

@@ -97,9 +97,10 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
-               tokenizer: bool = True) -> Path:
+               tokenizer: bool = True, raw: dict | None = None) -> Path:
     """Matrices in `qtype` (norms and biases stay F32), llama's Q/K rows permuted
-    as llama.cpp's converter does."""
+    as llama.cpp's converter does. raw: GGUF tensor name -> (bytes array, type
+    name), written as given instead (types gguf-py can read but not write)."""
     import gguf
     from gguf.quants import quantize
 
@@ -135,7 +136,10 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
         elif cfg.arch == "llama" and name.endswith("k_proj.weight"):
             t = permute_qk(t, cfg.num_kv_heads)
         arr = t.numpy()
-        if arr.ndim == 2 and qtype != "F32":
+        if raw and _gguf_name(name) in raw:
+            data, kind = raw[_gguf_name(name)]
+            w.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif arr.ndim == 2 and qtype != "F32":
             w.add_tensor(_gguf_name(name), quantize(arr, qt), raw_shape=quantize(arr, qt).shape, raw_dtype=qt)
         else:
             w.add_tensor(_gguf_name(name), arr)
