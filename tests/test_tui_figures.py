@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ridge.tui import feed
 from ridge.tui import figures as F
 from test_tui_harness import recorded_frames
 
@@ -56,3 +57,11 @@ def test_recorded_frames_decode_through_the_protocol():
     assert seqs == sorted(seqs)
     busy = [f for f in frames if f.reply["stats"]["running"] > 0 and f.reply["stats"]["waiting"] > 0]
     assert busy and frames[-1].reply["stats"]["speculative"]["proposer"] == "ngram"
+
+
+def test_record_then_replay_gives_the_same_frames(tmp_path):
+    frames = recorded_frames()[:5]
+    out = tmp_path / "rec.msgpack"
+    for f in frames:
+        feed.record(out, f.raw)
+    assert [f.reply for f in feed.replay(out)] == [f.reply for f in frames]

@@ -62,15 +62,21 @@ def test_panels_show_the_daemons_figures(served):
         async with app.run_test(size=(120, 40)) as pilot:
             await until(pilot, lambda: app.connected and app.shown is not None, what="the first snapshot")
             first = app.shown["stats"]["totals"]
-            load = Load(d.endpoint, 6, 160)
-            # while they run: two running (max-num-seqs), the rest waiting, the table is the snapshot's list
-            await until(pilot, lambda: load.pump() or app.shown["stats"]["running"] == MAX_SEQS
-                        and app.shown["stats"]["waiting"] > 0, what="a busy snapshot")
-            snap = app.shown["stats"]["requests"]
+            load = Load(d.endpoint, 8, 160)
+
+            def busy() -> bool:  # two running (max-num-seqs), the rest waiting: freeze the screen on it
+                load.pump()
+                st = app.shown["stats"]
+                app.paused = st["running"] == MAX_SEQS and st["waiting"] > 0
+                return app.paused
+
+            await until(pilot, busy, what="a busy snapshot")
+            snap = app.shown["stats"]["requests"]  # the table is the snapshot's list
             assert [(r[0], r[1], r[3], r[4]) for r in table_rows(app)] == \
                 [(x["id"], x["state"], str(x["prompt_tokens"]), str(x["output_tokens"])) for x in snap]
             counts = widget_text(app, "#request-counts")
             assert f"running {MAX_SEQS}" in counts and f"waiting {app.shown['stats']['waiting']}" in counts
+            app.paused = False
             await until(pilot, load.pump, timeout=90, what="the load to finish")
             load.close()
             await asyncio.to_thread(wait_idle, d.endpoint)
@@ -132,10 +138,16 @@ def test_keys(served):
             await pilot.press("p")
             assert not app.paused and app.shown_seq > frozen
 
-            # Enter on a request row: pause while the table has rows, so the row stays put
+            # Enter on a request row: pause while the table has rows, so the rows stay put
             load = Load(d.endpoint, 4, 200)
-            await until(pilot, lambda: load.pump() or len(table_rows(app)) >= 2, what="request rows")
-            await pilot.press("p")
+
+            def rows_shown() -> bool:
+                load.pump()
+                if len(table_rows(app)) >= 2:
+                    app.action_pause()  # what `p` does, in the same tick as the check
+                return app.paused
+
+            await until(pilot, rows_shown, what="request rows")
             rows = app.query_one(RequestsPanel).rows
             app.query_one("#request-table").focus()
             await pilot.press("down", "enter")

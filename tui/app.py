@@ -131,10 +131,14 @@ class TopApp(App[int]):
 
     # -- status line ------------------------------------------------------------------
     def watch_connected(self, connected: bool) -> None:
-        self.screen.set_class(not connected, "-offline")
+        if self.is_mounted:  # the dashboard's own screen, even while a modal is on top
+            self.screen_stack[0].set_class(not connected, "-offline")
         self._draw_status()
 
     def watch_paused(self) -> None:
+        self._draw_status()
+
+    def watch_reason(self) -> None:
         self._draw_status()
 
     def watch_window(self) -> None:

@@ -151,7 +151,7 @@ class RequestsPanel(Panel):
         self.rows: dict[str, dict] = {}  # row key -> the snapshot's request, for the details screen
 
     def compose(self) -> ComposeResult:
-        yield Static(id="request-counts")
+        yield Static("no figures yet: waiting for a daemon (start one with `ridge serve`)", id="request-counts")
         yield Static(id="request-rates")
         yield DataTable(id="request-table", cursor_type="row")
 
