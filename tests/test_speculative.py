@@ -138,7 +138,7 @@ def test_sampled_distribution_matches_target(models, spec):
 def test_policy_fades_out_past_the_knee():
     pol = SpecPolicy(knee_tokens=16, max_k=8)
     for _ in range(10):
-        pol.record("good", 4, 4)
+        pol.record("good", 10, 7)
     assert pol.choose_k("good", batch_tokens=1) >= 4  # nearly free below the knee
     assert pol.choose_k("good", batch_tokens=64) <= 1  # full price past it
     for _ in range(10):
