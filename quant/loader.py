@@ -83,7 +83,7 @@ def _read_source(path: Path, show_progress: bool):
     return cfg, sd, freq, _tokenizer_from_gguf(reader, path)
 
 
-def convert(path=None, *, quantize: bool = True, rule: str = "absmax", use_cache: bool = True,
+def convert(path=None, *, quantize: bool = True, rule: str = "mse", use_cache: bool = True,
             show_progress: bool = True) -> ConvertedModel:
     from ridge.tokenizer import Tokenizer
 
@@ -128,7 +128,7 @@ def default_device() -> torch.device:
 
 
 def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quantize=True,
-               use_cache=True, show_progress=True, rule="absmax") -> LoadedModel:
+               use_cache=True, show_progress=True, rule="mse") -> LoadedModel:
     from ridge.models.llama import CausalLM
 
     t0 = time.perf_counter()

@@ -61,13 +61,13 @@ def test_fp32_logits_match_transformers(smol):
 
 
 def test_fp8_weights_against_fp32(smol, eval_ids, ref_logits):
-    # Measured 0.950 top-1 / 0.016 KL over these 337 positions; the margins
-    # allow for summation-order differences between CPUs, and would not hide a
-    # wrong scale or a quantized head (0.929 / 0.027).
+    # Measured 0.961 top-1 / 0.0138 KL over these 337 positions (mse scales);
+    # the margins allow for summation-order differences between CPUs, and
+    # would not hide a wrong scale or a quantized head (0.929 / 0.027).
     conv, _ = smol
     fp8 = build(conv, quantize_state_dict(conv.state_dict))
     top1, kl = agreement(prompt_logits(fp8, eval_ids), ref_logits)
-    assert top1 >= 0.935 and kl <= 0.022, (top1, kl)
+    assert top1 >= 0.94 and kl <= 0.02, (top1, kl)
 
 
 def test_fp8_kv_against_fp32_kv(smol, eval_ids, ref_logits):

@@ -88,8 +88,10 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--label", default=None)
     a.add_argument("--timeout", type=float, default=600.0)
 
+    from .bench_accuracy import add_accuracy_parser
     from .bench_spec import add_spec_parser
     add_spec_parser(sub, _common)
+    add_accuracy_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -277,6 +279,11 @@ def run_bench(args) -> int:
     if name == "spec":
         from .bench_spec import run_spec
         run_spec(args, rep)
+        return 0
+    if name == "accuracy":
+        from .bench_accuracy import run_accuracy
+        rep.set_env(None, args)
+        run_accuracy(args, rep)
         return 0
     needs_engine = name in ("throughput", "sweep", "overhead", "all") or (
         name in ("hf", "server") and not args.no_ridge)
