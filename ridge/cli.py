@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="off", metavar="ngram|draft:PATH|self:L|auto|off",
                    help="speculative decoding proposer (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="most drafts per request per step")
+    p.add_argument("--cpu-weight-format", default="auto", metavar="auto|fp32|bf16:N",
+                   help="CPU: bf16 weights for steps of <= N tokens (auto: measured at start-up)")
 
 
 def engine_config(args):
@@ -37,7 +39,8 @@ def engine_config(args):
                         kv_memory_gib=args.kv_memory_gib, gpu_reserve_gib=args.gpu_reserve_gib,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                         ridge_point=args.ridge_point, speculative=args.speculative,
-                        num_speculative_tokens=args.num_speculative_tokens)
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        cpu_weight_format=getattr(args, "cpu_weight_format", "auto"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
