@@ -91,3 +91,59 @@ def test_greedy_answer_is_paris():
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     out = engine.generate([ids], SamplingParams(max_tokens=24))[0]
     assert "Paris" in out.new_text and out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def smol_loaded():
+    from ridge.quant.loader import load_model
+    return load_model(device="cpu")
+
+
+def _greedy_run(loaded, spec: str, prompts: list[list[int]], logprobs: int = 0, **kw) -> dict:
+    from ridge.engine.engine import EngineConfig, LLMEngine
+    from ridge.engine.sampling import SamplingParams
+
+    # fp32 weights and KV: batch shape changes only the fp32 summation order.
+    cfg = EngineConfig(device="cpu", kv_dtype="fp32", cpu_weight_format="fp32", num_kv_blocks=256,
+                       speculative=spec, ridge_point=100.0, **kw)
+    eng = LLMEngine(cfg, loaded=loaded)
+    ids = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, logprobs=logprobs)) for i, p in enumerate(prompts)]
+    toks, margins = {i: [] for i in ids}, {i: [] for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+            for _, top in o.logprobs or []:
+                margins[o.request_id].append(top[0][1] - top[1][1])
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return {"tokens": toks, "margins": margins, "stats": eng.stats()["speculative"]}
+
+
+def _same_up_to_near_tie(ref: list[int], margins: list[float], got: list[int]) -> bool:
+    """Identical up to the first position where the reference's top-2 margin is below 1e-3."""
+    for i, t in enumerate(ref):
+        if margins[i] < 1e-3:
+            return True
+        if i >= len(got) or got[i] != t:
+            return False
+    return len(got) == len(ref)
+
+
+@pytest.fixture(scope="module")
+def spec_reference(smol_loaded):
+    tok = smol_loaded.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in (
+        "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
+        "Write a short poem about rain.")]
+    return prompts, _greedy_run(smol_loaded, "off", prompts, logprobs=2)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self:8", "auto"])
+def test_speculative_greedy_equals_plain_on_smollm2(smol_loaded, spec_reference, spec):
+    prompts, ref = spec_reference
+    alone = _greedy_run(smol_loaded, spec, prompts[:1])
+    batch = _greedy_run(smol_loaded, spec, prompts)
+    assert alone["stats"]["total"]["drafted"] > 0
+    for run, n in ((alone, 1), (batch, 2)):
+        for i in range(n):
+            rid = f"r{i}"
+            assert _same_up_to_near_tie(ref["tokens"][rid], ref["margins"][rid], run["tokens"][rid]), (spec, rid)
