@@ -29,7 +29,8 @@ def add_bench_daemon_parser(sub) -> None:
     p.add_argument("--lengths", default=None, help="W1 output lengths (default uniform:16-256)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--health", type=int, default=2000, help="idle health round trips to time")
-    p.add_argument("--no-local", action="store_true", help="skip the in-process run")
+    p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
+    p.add_argument("--rounds", type=int, default=2, help="alternating daemon / in-process rounds")
     p.add_argument("--json", default=None, metavar="PATH")
     add_engine_args(p)
     p.set_defaults(func=run_bench_daemon)
@@ -65,15 +66,18 @@ async def _daemon_run(endpoint: str, wl, in_flight: int) -> dict:
                 await c.health()
                 busy_health.append(time.perf_counter() - t)
 
+        totals0 = (await c.stats())["stats"]["totals"]
         t0 = time.perf_counter()
         ping = asyncio.create_task(pinger())
         await asyncio.gather(*(worker() for _ in range(in_flight)))
         wall = time.perf_counter() - t0
         ping.cancel()
+        totals1 = (await c.stats())["stats"]["totals"]  # may lag by a snapshot interval: steps are approximate
     from ridge.engine.workloads import percentiles
     return {"mode": "daemon", "wall_s": wall, "generated_tokens": tokens, "generated_tok_s": tokens / wall,
             "useful_tokens": wl.useful_tokens, "finish_reasons": reasons, "ttft_s": percentiles(ttft),
-            "health_under_load_s": percentiles(busy_health)}
+            "health_under_load_s": percentiles(busy_health), "loadavg_end": list(os.getloadavg()),
+            "steps": totals1["steps"] - totals0["steps"]}
 
 
 def health_latency(endpoint: str, n: int) -> dict:
@@ -115,46 +119,57 @@ def _spawn(args, in_flight: int):
 
 
 def run_bench_daemon(args) -> int:
+    """Rounds alternate daemon and in-process runs of the same trace, so that load from
+    elsewhere on the machine falls on both alike; the ratio is taken per round."""
+    import statistics
+
     from ridge.engine.workloads import make_workload
 
     wl = make_workload("W1", args.requests, args.lengths, args.seed)
-    res = {"command": shlex.join(["ridge"] + sys.argv[1:]) if sys.argv[0].endswith("ridge") else None,
+    res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]),
            "workload": {"name": wl.name, "requests": wl.num_requests, "lengths": wl.spec, "seed": wl.seed,
-                        "useful_tokens": wl.useful_tokens}, "in_flight": args.in_flight, "cpu_count": os.cpu_count()}
-    proc = None
-    endpoint = args.endpoint
-    if endpoint is None:
-        proc, endpoint = _spawn(args, args.in_flight)
+                        "useful_tokens": wl.useful_tokens}, "in_flight": args.in_flight, "cpu_count": os.cpu_count(),
+           "rounds": []}
+    proc, endpoint = (None, args.endpoint) if args.endpoint else _spawn(args, args.in_flight)
     try:
-        res["daemon"] = asyncio.run(_daemon_run(endpoint, wl, args.in_flight))
-        d = res["daemon"]
-        print(f"daemon:     {d['generated_tok_s']:.1f} tok/s ({d['generated_tokens']} tokens in {d['wall_s']:.1f} s, "
-              f"{args.in_flight} in flight); health while busy: p50 {1e3 * d['health_under_load_s']['p50']:.1f} ms, "
-              f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms", flush=True)
+        engine = None if args.no_local else _local_engine(args, wl)
+        for r in range(args.rounds):
+            rnd = {"daemon": asyncio.run(_daemon_run(endpoint, wl, args.in_flight))}
+            d = rnd["daemon"]
+            print(f"round {r}: daemon     {d['generated_tok_s']:.1f} tok/s ({d['generated_tokens']} tokens in "
+                  f"{d['wall_s']:.1f} s, ~{d['steps']} steps); health while busy: p50 {1e3 * d['health_under_load_s']['p50']:.1f} ms, "
+                  f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms; load {d['loadavg_end'][0]:.1f}", flush=True)
+            if engine is not None:
+                from ridge.engine.bench_runs import run_continuous
+                loc = rnd["local"] = run_continuous(engine, wl, args.in_flight, tag=f"local{r}")
+                rnd["ratio"] = d["generated_tok_s"] / loc["generated_tok_s"]
+                print(f"round {r}: in-process {loc['generated_tok_s']:.1f} tok/s ({loc['generated_tokens']} tokens in "
+                      f"{loc['wall_s']:.1f} s, {loc['steps']} steps, cpu {loc['cpu_util']:.2f}); "
+                      f"daemon / in-process {rnd['ratio']:.3f}",
+                      flush=True)
+            res["rounds"].append(rnd)
         if args.health:
-            res["health"] = health_latency(endpoint, args.health)
-            h = res["health"]
+            h = res["health"] = health_latency(endpoint, args.health)
             print(f"health:     p50 {h['p50_us']:.0f} us, p99 {h['p99_us']:.0f} us, mean {h['mean_us']:.0f} us "
                   f"over {h['n']} idle round trips", flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    if not args.no_local:
-        res["local"] = _local_run(args, wl)
-        print(f"in-process: {res['local']['generated_tok_s']:.1f} tok/s ({res['local']['generated_tokens']} tokens "
-              f"in {res['local']['wall_s']:.1f} s)")
-        res["ratio"] = res["daemon"]["generated_tok_s"] / res["local"]["generated_tok_s"]
-        print(f"daemon / in-process: {res['ratio']:.3f}")
+    ratios = [r["ratio"] for r in res["rounds"] if "ratio" in r]
+    if ratios:
+        res["ratio_median"] = statistics.median(ratios)
+        print(f"daemon / in-process, median of {len(ratios)} round(s): {res['ratio_median']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
 
 
-def _local_run(args, wl) -> dict:
+def _local_engine(args, wl):
+    """The in-process engine, from the same flags as the daemon (built while the daemon idles)."""
     from ridge.cli import engine_config
-    from ridge.engine.bench_runs import run_continuous, warm_up
+    from ridge.engine.bench_runs import warm_up
     from ridge.engine.engine import LLMEngine
 
     cfg = engine_config(args)
@@ -162,4 +177,4 @@ def _local_run(args, wl) -> dict:
     engine = LLMEngine(cfg)
     wl.tokenize(engine.tokenizer, engine.max_model_len)
     warm_up(engine)
-    return run_continuous(engine, wl, args.in_flight, tag="local")
+    return engine

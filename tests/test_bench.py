@@ -73,7 +73,7 @@ def test_bench_throughput_end_to_end(tmp_path):
     path, cfg, sd = make_tiny(tmp_path, "llama")
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", str(path), "--device", "cpu", "--threads", "1",
-               "--requests", "6", "--in-flight", "3", "--lengths", "uniform:3-9", "--num-kv-blocks", "64",
+               "--requests", "6", "--in-flight", "3", "--lengths", "uniform:3-9", "--num-kv-blocks", "64", "--retries", "0",
                "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())

@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
                        help="output lengths: fixed:N | uniform:LO-HI | lognormal:MEAN:LO-HI (W1: uniform:16-256)")
         p.add_argument("--seed", type=int, default=None, help="seed of the output lengths (W1: 0)")
         p.add_argument("--in-flight", type=int, default=16, help="concurrent requests (W1: 16)")
+        p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times, keep the best")
+        p.add_argument("--retries", type=int, default=2,
+                       help="rerun a run that another process slowed (CPU use < 90%% of the threads)")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -51,6 +54,7 @@ def add_bench_parser(subparsers) -> None:
     s = sub.add_parser("sweep", help="continuous vs static over output-length variance (same mean, 136)")
     _common(s)
     s.add_argument("--levels", default=DEFAULT_LEVELS, help=f"comma list of levels ({DEFAULT_LEVELS})")
+    s.add_argument("--no-static", action="store_true", help="continuous only (the flatness check)")
 
     h = sub.add_parser("hf", help="ridge vs HF transformers generate (static batches, fp32)")
     _common(h)
@@ -143,7 +147,8 @@ def part_throughput(rep: Report, engine, args, in_flight: int, requests=None, st
     from .bench_runs import compare
 
     wl = workload_for(args, engine, requests=requests)
-    res = compare(engine, wl, in_flight, static=static, tag=f"t{in_flight}-")
+    res = compare(engine, wl, in_flight, static=static, tag=f"t{in_flight}-", repeat=args.repeat,
+                  retries=args.retries)
     rep.add(key, res)
     rep.throughput_table(f"{wl.name} at {in_flight} in flight", [res])
     if res["continuous"].get("kv_waste", {}).get("samples"):
@@ -161,7 +166,8 @@ def part_sweep(rep: Report, engine, args):
         if name not in levels:
             raise ValueError(f"unknown sweep level {name!r}; known: {', '.join(levels)}")
         wl = workload_for(args, engine, lengths=levels[name])
-        res = compare(engine, wl, args.in_flight, tag=f"sw{name}-")
+        res = compare(engine, wl, args.in_flight, static=not getattr(args, "no_static", False), tag=f"sw{name}-",
+                      repeat=args.repeat, retries=args.retries)
         res["level"] = name
         rows.append(res)
     c = [r["continuous"]["useful_tok_s"] for r in rows]
@@ -174,6 +180,7 @@ def part_sweep(rep: Report, engine, args):
 def part_hf(rep: Report, args, engine=None):
     from ridge.quant.loader import resolve_model_path
     from .bench_external import load_hf_model, run_hf
+    from .bench_runs import clean_run
 
     res = {}
     if engine is None and not getattr(args, "no_ridge", False):
@@ -182,7 +189,7 @@ def part_hf(rep: Report, args, engine=None):
         from .bench_runs import run_continuous, warm_up
         warm_up(engine)
         wl = workload_for(args, engine)
-        res["ridge"] = run_continuous(engine, wl, args.in_flight, tag="hfr-")
+        res["ridge"] = clean_run(lambda a: run_continuous(engine, wl, args.in_flight, tag=f"hfr{a}-"), args.retries)
         tok = engine.tokenizer
     else:
         tok = _tokenizer(args)
@@ -191,7 +198,7 @@ def part_hf(rep: Report, args, engine=None):
     path = resolve_model_path(args.model)
     model, load_s = load_hf_model(path)
     pad = tok.eos_token_ids[0] if tok.eos_token_ids else 0
-    res["hf"] = run_hf(model, wl, args.in_flight, pad)
+    res["hf"] = clean_run(lambda a: run_hf(model, wl, args.in_flight, pad), args.retries)
     res["hf"]["load_s"] = load_s
     del model
     gc.collect()
@@ -212,7 +219,7 @@ def _tokenizer(args, engine=None):
 
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
     from .bench_external import run_server, server_info
-    from .bench_runs import run_continuous
+    from .bench_runs import clean_run, run_continuous
 
     tok = _tokenizer(args, engine)
     info = server_info(args.url, args.api)
@@ -224,7 +231,7 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
         res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": label}
         res["server"] = run_server(args.url, args.api, wl, wl.prompt_texts(tok), n, args.server_model, args.timeout)
         if engine is not None:
-            res["ridge"] = run_continuous(engine, wl, n, tag=f"srv{n}-")
+            res["ridge"] = clean_run(lambda a: run_continuous(engine, wl, n, tag=f"srv{n}.{a}-"), args.retries)
             res["ratio"] = res["ridge"]["useful_tok_s"] / res["server"]["useful_tok_s"]
         out.append(res)
         rep.baseline_table(f"ridge vs {label} at {n} in flight ({wl.num_requests} requests)", res, "server", label)

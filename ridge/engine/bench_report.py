@@ -18,6 +18,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _git() -> str | None:
+    """The source tree the figures came from: commit, and '-dirty' with local edits."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{1e3 * x:.0f}" if x >= 0.1 else f"{1e3 * x:.1f}"
 
@@ -42,14 +54,17 @@ class Report:
         import torch
 
         env = {"command": self.data["command"], "threads": torch.get_num_threads(), "cpu": _cpu_name(),
-               "cores": os.cpu_count(), "torch": torch.__version__, "loadavg_start": list(os.getloadavg())}
+               "cores": os.cpu_count(), "torch": torch.__version__, "loadavg_start": list(os.getloadavg()),
+               "git": _git()}
         if engine is not None:
             c = engine.config
             env.update(device=str(engine.device), kv_dtype=engine.kv_dtype, model=engine.loaded.path.name,
                        block_size=c.block_size, prefix_caching=c.enable_prefix_caching,
                        prefill_chunk=engine.budget_info.get("prefill_chunk"),
                        max_num_batched_tokens=engine.sched_config.max_num_batched_tokens,
-                       kv_pool_blocks=engine.kv.num_blocks, max_model_len=engine.max_model_len)
+                       kv_pool_blocks=engine.kv.num_blocks, max_model_len=engine.max_model_len,
+                       cpu_lowp_max_tokens=max((getattr(m, "lowp_max_tokens", 0) for m in engine.model.modules()),
+                                               default=0))
             if engine.device.type == "cuda":
                 env["gpu"] = torch.cuda.get_device_name(engine.device)
         elif args is not None:
@@ -61,7 +76,9 @@ class Report:
     def header(self) -> str:
         e = self.data["env"]
         label = (f"device={e.get('device')} threads={e.get('threads')} kv={e.get('kv_dtype')} "
-                 f"block={e.get('block_size', '-')} model={e.get('model', '-')}")
+                 f"block={e.get('block_size', '-')} model={e.get('model', '-')} git={e.get('git', '-')}")
+        if e.get("cpu_lowp_max_tokens"):
+            label += f" weights=bf16(<={e['cpu_lowp_max_tokens']} tok)/fp32"
         return f"[{label}]\n$ {self.data['command']}"
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:
@@ -102,7 +119,7 @@ class Report:
                 if m:
                     l_rows.append([name, m["mode"], _f(m["wall_s"]), m["steps"], m["useful_tokens"],
                                    m["generated_tokens"], _f(m["generated_tok_s"]), _lat(m["ttft_s"]),
-                                   _lat(m["itl_s"]), _lat(m["e2e_s"]), _f(m.get("cpu_util"), "{:.2f}")])
+                                   _lat(m["itl_s"]), _lat(m["e2e_s"]), _f(m.get("cpu_util"), "{:.2f}") + ("" if m.get("clean", True) else "*")])
         note = None
         if flat:
             note = (f"continuous useful tok/s across levels: {flat['continuous_min_tok_s']:.1f} .. "
@@ -113,7 +130,7 @@ class Report:
         self.table(title + ": latency (ms, p50 / p99)", ["level", "mode", "wall s", "steps", "useful tok",
                                                           "generated", "gen tok/s", "TTFT", "ITL", "E2E", "cpu util"], l_rows,
                    "cpu util: this process's CPU seconds per wall second (about the thread count when the "
-                   "machine is otherwise idle)")
+                   "machine is otherwise idle); * = other processes took the cores in every try")
 
     def waste_table(self, res: dict) -> None:
         w = res["continuous"]["kv_waste"]

@@ -170,14 +170,42 @@ def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
     return _summary("static", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
 
 
-def compare(engine, wl: Workload, in_flight: int, static: bool = True, tag: str = "") -> dict:
-    """Continuous and static on the same engine and trace, beside the bound."""
+def clean_run(fn, retries: int = 2) -> dict:
+    """Run fn() -> summary; while another process took the cores (CPU use below 90%
+    of the thread count), run it again, up to `retries` more times. Returns the
+    first clean run, else the fastest, marked contended."""
+    want = 0.9 * torch.get_num_threads()
+    runs = []
+    for attempt in range(1 + retries):
+        r = fn(attempt)
+        r["attempt"], r["clean"] = attempt, r["cpu_util"] is None or r["cpu_util"] >= want
+        if r["clean"]:
+            break
+        runs.append(r)
+    else:
+        r = max(runs, key=lambda x: x["useful_tok_s"] or 0.0)
+    r["contended_runs"] = [{"useful_tok_s": x["useful_tok_s"], "cpu_util": x["cpu_util"]} for x in runs if x is not r]
+    return r
+
+
+def compare(engine, wl: Workload, in_flight: int, static: bool = True, tag: str = "", repeat: int = 1,
+            retries: int = 2) -> dict:
+    """Continuous and static on the same engine and trace, beside the bound. With
+    repeat > 1 the modes alternate (C, S, C, S, ...) and the best of each is kept."""
     res = {"in_flight": in_flight, "workload": wl.describe(),
            "bound": static_bound(wl.lengths, in_flight),
-           "bound_with_drain": static_steps(wl.lengths, in_flight) / continuous_steps(wl.lengths, in_flight),
-           "continuous": run_continuous(engine, wl, in_flight, tag=f"{tag}c")}
+           "bound_with_drain": static_steps(wl.lengths, in_flight) / continuous_steps(wl.lengths, in_flight)}
+    runs: dict[str, list[dict]] = {"continuous": [], "static": []}
+    for i in range(repeat):
+        runs["continuous"].append(clean_run(lambda a: run_continuous(engine, wl, in_flight, f"{tag}c{i}.{a}"), retries))
+        if static:
+            runs["static"].append(clean_run(lambda a: run_static(engine, wl, in_flight, f"{tag}s{i}.{a}"), retries))
+    for mode, rs in runs.items():
+        if rs:
+            best = max(rs, key=lambda x: x["useful_tok_s"] or 0.0)
+            best["repeats_tok_s"] = [x["useful_tok_s"] for x in rs]
+            res[mode] = best
     if static:
-        res["static"] = run_static(engine, wl, in_flight, tag=f"{tag}s")
         c, s = res["continuous"]["useful_tok_s"], res["static"]["useful_tok_s"]
         res["ratio"] = c / s if c and s else None
         res["ratio_of_bound"] = res["ratio"] / res["bound"] if res["ratio"] else None
