@@ -31,12 +31,13 @@ def add_bench_daemon_parser(sub) -> None:
     p.add_argument("--health", type=int, default=2000, help="idle health round trips to time")
     p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
     p.add_argument("--rounds", type=int, default=2, help="alternating daemon / in-process rounds")
+    p.add_argument("--no-stream", action="store_true", help="daemon requests without streaming (one frame each)")
     p.add_argument("--json", default=None, metavar="PATH")
     add_engine_args(p)
     p.set_defaults(func=run_bench_daemon)
 
 
-async def _daemon_run(endpoint: str, wl, in_flight: int) -> dict:
+async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) -> dict:
     from .aio_client import AsyncClient
 
     async with AsyncClient(endpoint, timeout=600) as c:
@@ -50,34 +51,43 @@ async def _daemon_run(endpoint: str, wl, in_flight: int) -> dict:
             while nxt < wl.num_requests:
                 i, nxt = nxt, nxt + 1
                 t0, first = time.perf_counter(), None
-                s = c.stream(messages=wl.messages(i), max_tokens=wl.lengths[i], ignore_eos=True, temperature=0.0)
-                async for d in s:
-                    first = first or time.perf_counter()
-                    tokens += len(d.token_ids)
+                kw = dict(messages=wl.messages(i), max_tokens=wl.lengths[i], ignore_eos=True, temperature=0.0)
+                if stream:
+                    s = c.stream(**kw)
+                    async for d in s:
+                        first = first or time.perf_counter()
+                        tokens += len(d.token_ids)
+                    final = s.final
+                else:  # one frame per request: what streaming itself costs
+                    final = await c.generate(**kw)
+                    tokens += len(final.token_ids)
                 ttft.append(first - t0 if first else None)
-                reasons[s.final.finish_reason] = reasons.get(s.final.finish_reason, 0) + 1
+                reasons[final.finish_reason] = reasons.get(final.finish_reason, 0) + 1
 
         busy_health: list[float] = []
 
         async def pinger():  # health while the engine is busy: the socket thread must not wait for it
             while True:
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.5)
                 t = time.perf_counter()
                 await c.health()
                 busy_health.append(time.perf_counter() - t)
 
-        totals0 = (await c.stats())["stats"]["totals"]
-        t0 = time.perf_counter()
+        st0 = await c.stats()
+        totals0, cpu0 = st0["stats"]["totals"], st0["daemon"]["cpu_s"]
+        t0, cpu_c = time.perf_counter(), time.process_time()
         ping = asyncio.create_task(pinger())
         await asyncio.gather(*(worker() for _ in range(in_flight)))
         wall = time.perf_counter() - t0
         ping.cancel()
-        totals1 = (await c.stats())["stats"]["totals"]  # may lag by a snapshot interval: steps are approximate
+        st1 = await c.stats()
+        totals1, cpu1 = st1["stats"]["totals"], st1["daemon"]["cpu_s"]  # totals may lag one snapshot interval
     from ridge.engine.workloads import percentiles
     return {"mode": "daemon", "wall_s": wall, "generated_tokens": tokens, "generated_tok_s": tokens / wall,
             "useful_tokens": wl.useful_tokens, "finish_reasons": reasons, "ttft_s": percentiles(ttft),
             "health_under_load_s": percentiles(busy_health), "loadavg_end": list(os.getloadavg()),
-            "steps": totals1["steps"] - totals0["steps"]}
+            "steps": totals1["steps"] - totals0["steps"],
+            "daemon_cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0}, "client_cpu_s": time.process_time() - cpu_c}
 
 
 def health_latency(endpoint: str, n: int) -> dict:
@@ -134,11 +144,13 @@ def run_bench_daemon(args) -> int:
     try:
         engine = None if args.no_local else _local_engine(args, wl)
         for r in range(args.rounds):
-            rnd = {"daemon": asyncio.run(_daemon_run(endpoint, wl, args.in_flight))}
+            rnd = {"daemon": asyncio.run(_daemon_run(endpoint, wl, args.in_flight, not args.no_stream))}
             d = rnd["daemon"]
             print(f"round {r}: daemon     {d['generated_tok_s']:.1f} tok/s ({d['generated_tokens']} tokens in "
                   f"{d['wall_s']:.1f} s, ~{d['steps']} steps); health while busy: p50 {1e3 * d['health_under_load_s']['p50']:.1f} ms, "
-                  f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms; load {d['loadavg_end'][0]:.1f}", flush=True)
+                  f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms; load {d['loadavg_end'][0]:.1f}; cpu s: socket "
+                  f"thread {d['daemon_cpu_s']['socket_thread']:.1f}, daemon {d['daemon_cpu_s']['process']:.1f}, "
+                  f"client {d['client_cpu_s']:.1f}", flush=True)
             if engine is not None:
                 from ridge.engine.bench_runs import run_continuous
                 loc = rnd["local"] = run_continuous(engine, wl, args.in_flight, tag=f"local{r}")

@@ -245,7 +245,8 @@ class Server:
     def stats_message(self, type_: str, rid: str | None = None) -> dict:
         seq, t, st = self.loop.snapshot
         daemon = {"clients": len(self.peers), "in_flight": len(self.inflight), **self.counts,
-                  "aborts": dict(self.aborts), "state": self.state, "pid": os.getpid()}
+                  "aborts": dict(self.aborts), "state": self.state, "pid": os.getpid(),
+                  "cpu_s": {"socket_thread": time.thread_time(), "process": time.process_time()}}
         return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq)
 
     # -- engine outputs --------------------------------------------------------------
