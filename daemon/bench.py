@@ -32,6 +32,8 @@ def add_bench_daemon_parser(sub) -> None:
     p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
     p.add_argument("--rounds", type=int, default=2, help="alternating daemon / in-process rounds")
     p.add_argument("--no-stream", action="store_true", help="daemon requests without streaming (one frame each)")
+    p.add_argument("--thread-check", action="store_true",
+                   help="only time engine steps on the main thread, on another thread, and built on another thread")
     p.add_argument("--json", default=None, metavar="PATH")
     add_engine_args(p)
     p.set_defaults(func=run_bench_daemon)
@@ -128,6 +130,49 @@ def _spawn(args, in_flight: int):
     return proc, endpoint
 
 
+def _timed_steps(engine, tag: str, batch: int = 32, steps: int = 40) -> dict:
+    """ms per decode step and cores used (this process's CPU time over wall time) at `batch`."""
+    from ridge.engine.sampling import SamplingParams
+
+    for i in range(batch):
+        engine.add_request(f"{tag}{i}", engine.tokenizer.encode_chat([{"role": "user", "content": f"Question {i}"}]),
+                           SamplingParams(max_tokens=steps + 20, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:  # past every prefill: time pure decode steps
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        engine.step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    while engine.has_unfinished():
+        engine.step()
+    return {"where": tag, "ms_per_step": 1e3 * wall / steps, "cores": cpu / wall}
+
+
+def thread_check(args) -> list[dict]:
+    """Why the daemon builds its engine on the engine thread (engine_loop.py)."""
+    import threading
+
+    from ridge.cli import engine_config
+    from ridge.engine.engine import LLMEngine
+
+    out: list[dict] = []
+
+    def on_thread(fn):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    main_engine = LLMEngine(engine_config(args))
+    out.append(_timed_steps(main_engine, "built and stepped on the main thread"))
+    on_thread(lambda: out.append(_timed_steps(main_engine, "built on the main thread, stepped on another")))
+    del main_engine
+    on_thread(lambda: out.append(_timed_steps(LLMEngine(engine_config(args)), "built and stepped on another thread")))
+    for r in out:
+        print(f"{r['where']}: {r['ms_per_step']:.1f} ms per step at batch 32, {r['cores']:.2f} cores", flush=True)
+    return out
+
+
 def run_bench_daemon(args) -> int:
     """Rounds alternate daemon and in-process runs of the same trace, so that load from
     elsewhere on the machine falls on both alike; the ratio is taken per round."""
@@ -135,6 +180,12 @@ def run_bench_daemon(args) -> int:
 
     from ridge.engine.workloads import make_workload
 
+    if args.thread_check:
+        res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]), "thread_check": thread_check(args)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return 0
     wl = make_workload("W1", args.requests, args.lengths, args.seed)
     res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]),
            "workload": {"name": wl.name, "requests": wl.num_requests, "lengths": wl.spec, "seed": wl.seed,

@@ -3,7 +3,14 @@
 It takes add/abort commands from a queue, steps the engine, and hands outputs
 back through a queue plus a pipe the socket thread polls. It never touches a
 socket and never encodes a frame. torch releases the GIL inside its kernels,
-so the socket thread keeps answering while a step runs."""
+so the socket thread keeps answering while a step runs.
+
+The engine is also *built* on this thread, and no other thread runs torch
+work: libgomp gives every thread that opens an OpenMP region its own team of
+workers, and once more OpenMP threads exist than cores it throttles their
+spinning, so each parallel region pays a futex wake-up. Built on the main
+thread and stepped here, SmolLM2 at batch 32 took 106-120 ms a step on 1.45
+cores; built and stepped here, 82-90 ms on 2.0 cores (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import logging
@@ -20,9 +27,12 @@ log = logging.getLogger("ridge.daemon.engine")
 class EngineLoop(threading.Thread):
     """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message)."""
 
-    def __init__(self, engine, stats_interval: float = 0.25):
+    def __init__(self, make_engine, stats_interval: float = 0.25):
         super().__init__(name="ridge-engine", daemon=True)
-        self.engine = engine
+        self._make_engine = make_engine
+        self.engine = None
+        self.ready = threading.Event()  # set once the engine is built, or failed to be (then .error)
+        self.error: BaseException | None = None
         self.stats_interval = stats_interval
         self.inbox: deque = deque()
         self.outbox: deque = deque()
@@ -32,8 +42,16 @@ class EngineLoop(threading.Thread):
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.tick = time.monotonic()  # last completed loop iteration: health's engine_lag
-        self.snapshot: tuple[int, float, dict] = (0, time.time(), engine.stats())  # (seq, unix time, stats)
+        self.snapshot: tuple[int, float, dict] = (0, time.time(), {})  # (seq, unix time, engine.stats())
         self._last_stats = time.monotonic()
+
+    def start_engine(self, timeout: float | None = None):
+        """Start the thread, build the engine on it, and return the engine (or raise what building raised)."""
+        self.start()
+        self.ready.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.engine
 
     # -- called from the socket thread ---------------------------------------------
     def add(self, engine_id: str, prompt_token_ids: list[int], params) -> None:
@@ -87,6 +105,14 @@ class EngineLoop(threading.Thread):
             self.snapshot = (self.snapshot[0] + 1, time.time(), self.engine.stats())
 
     def run(self) -> None:
+        try:
+            self.engine = self._make_engine()
+            self.snapshot = (0, time.time(), self.engine.stats())
+        except BaseException as e:
+            self.error = e
+            return
+        finally:
+            self.ready.set()
         try:
             while not self._stopping:
                 self._wake.clear()

@@ -112,21 +112,20 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
     notifier = Notifier()
     notifier.status("loading the model")
     ns = type("Args", (), {k: c[k] for k in c})
-    engine = LLMEngine(engine_config(ns))
+    loop = EngineLoop(lambda: LLMEngine(engine_config(ns)), c["stats_interval"])
+    engine = loop.start_engine()  # built on the engine thread: see engine_loop.py
     model = model_info(engine)
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
                        limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600)
-    loop = EngineLoop(engine, c["stats_interval"])
     server = Server(cfg, engine, loop, model, notifier, _version())
     try:
         server.bind()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_drain())
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
-        loop.start()
         where = endpoint + (f" and {c['tcp']}" if c["tcp"] else "")
         log.info("serving %s (%s, %s KV, %d blocks of %d) on %s; stats on %s", model["name"], model["device"],
                  model["kv_dtype"], model["num_kv_blocks"], model["block_size"], where, cfg.pub_endpoint)

@@ -166,10 +166,20 @@ def test_peer_sees_a_full_queue_as_stalled_and_a_closed_one_as_gone(tmp_path):
     status, sent = peer.send_pending()
     assert status == "stalled" and 0 < sent < 400 and peer.stalled_since is not None
     dealer.close(linger=0)
+    # A peer that closes with nothing queued is reported at the next send. (One that closes with a full
+    # queue may keep answering EAGAIN: libzmq can hold the pipe; the daemon's stall timeout covers that.)
+    other = ctx.socket(zmq.DEALER)
+    other.connect(f"ipc://{tmp_path}/r.sock")
+    other.send(b"hi")
+    ident2, _ = router.recv_multipart()
+    peer2 = Peer((0, ident2), router, ident2)
+    other.close(linger=0)
     deadline = time.monotonic() + 5
+    status = None
     while status != "gone" and time.monotonic() < deadline:
         time.sleep(0.05)
-        status, _ = peer.send_pending()
+        peer2.outq.append(b"ping")
+        status, _ = peer2.send_pending()
     assert status == "gone"
     router.close(linger=0)
 

@@ -30,6 +30,8 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
     add_engine_args(p)
     p.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON")
     p.add_argument("--md", action="store_true", help="print tables as Markdown")
+    p.add_argument("--retries", type=int, default=2,
+                   help="rerun a measurement that another process slowed (CPU use < 90%% of the threads)")
     if workload:
         p.add_argument("--workload", default="W1", help="named workload (W1)")
         p.add_argument("--requests", type=int, default=None, help="number of requests (W1: 64)")
@@ -38,8 +40,6 @@ def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
         p.add_argument("--seed", type=int, default=None, help="seed of the output lengths (W1: 0)")
         p.add_argument("--in-flight", type=int, default=16, help="concurrent requests (W1: 16)")
         p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times, keep the best")
-        p.add_argument("--retries", type=int, default=2,
-                       help="rerun a run that another process slowed (CPU use < 90%% of the threads)")
 
 
 def add_bench_parser(subparsers) -> None:
@@ -241,7 +241,7 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
 def part_overhead(rep: Report, engine, args):
     from .bench_runs import run_overhead
 
-    rows = [run_overhead(engine, b, args.context, args.steps) for b in _ints(args.batches)]
+    rows = [run_overhead(engine, b, args.context, args.steps, retries=args.retries) for b in _ints(args.batches)]
     rep.add("overhead", rows)
     rep.overhead_table(rows)
 
@@ -254,7 +254,7 @@ def part_kv(rep: Report, args, loaded=None):
     from .engine import LLMEngine
 
     base = engine_config(args)
-    blocks = args.batch * (-(-(args.context + args.steps + 64) // base.block_size)) + 16
+    blocks = args.batch * (-(-(args.context + 3 * args.steps + 64) // base.block_size)) + 16
     engines = {}
     for dt in args.dtypes.split(","):
         cfg = replace(base, kv_dtype=dt, max_num_seqs=args.batch, num_kv_blocks=blocks)
@@ -264,7 +264,7 @@ def part_kv(rep: Report, args, loaded=None):
     default = replace(base, kv_dtype=None).resolved_kv_dtype(loaded.device)
     rep.set_env(first)
     rep.data["env"]["kv_dtype"] = "per row (" + args.dtypes + ")"
-    res = run_kv_dtypes(engines, args.batch, args.context, args.steps)
+    res = run_kv_dtypes(engines, args.batch, args.context, args.steps, retries=args.retries)
     del engines
     gc.collect()
     best = min(res.values(), key=lambda r: r["step_ms"])["kv_dtype"]

@@ -158,9 +158,9 @@ class Report:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",
                 "batch_build", "sched_update", "outputs", "other"]
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
-                   ["batch", "context", "step ms", "matmul ms", "overhead", "tok/s"],
+                   ["batch", "context", "step ms", "matmul ms", "overhead", "tok/s", "cpu util"],
                    [[r["batch"], _f(r["context"], "{:.0f}"), _f(r["step_ms"]), _f(r["matmul_ms"]),
-                     _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"])] for r in rows],
+                     _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"]), _f(r.get("cpu_util"), "{:.2f}")] for r in rows],
                    "matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's rows")
         self.table("where a step's time goes (ms per step, timers around the engine's calls)",
                    ["batch", "total", "linear"] + keys,
@@ -170,10 +170,10 @@ class Report:
     def kv_table(self, res: dict, best: str, default: str) -> None:
         rows = [[r["kv_dtype"], r["kv_bytes_per_token"], r["batch"], _f(r["context"], "{:.0f}"), _f(r["step_ms"]),
                  _f(r["vs_fp32"], "{:.2f}x"), _f(r["tok_s"]), _f(r["breakdown_ms"].get("attention")),
-                 _f(r["breakdown_ms"].get("kv_write"), "{:.2f}")] for r in res.values()]
+                 _f(r["breakdown_ms"].get("kv_write"), "{:.2f}"), _f(r.get("cpu_util"), "{:.2f}")] for r in res.values()]
         note = f"fastest: {best}; the engine's default KV dtype on this device: {default}"
         if best != default:
             note += "  <-- the measurement disagrees with the default"
         self.table("decode step time by KV dtype (pure decode, medians, interleaved)",
                    ["kv dtype", "bytes/token", "batch", "context", "step ms", "vs fp32", "tok/s", "attention ms",
-                    "kv write ms"], rows, note)
+                    "kv write ms", "cpu util"], rows, note)
