@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import gather_kv
+from .kv_cache import FP8
 from .metadata import AttentionMetadata
 
 
@@ -22,47 +22,81 @@ def _attend(q, k, v, mask, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+class _RefPlan:
+    """What the reference needs about one step's batch, built once per step (every layer
+    shares the metadata): 30 layers rebuilding index and mask tensors cost more than the
+    attention arithmetic itself at decode on CPU."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device):
+        qlens, slens = meta.query_lens_host, meta.seq_lens_host
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        decodes = [i for i, n in enumerate(qlens) if n == 1]
+        table = meta.block_table.to(device)
+        self.block_size = block_size
+        self.all_decode = len(decodes) == len(qlens)
+        self.decode_rows = None if self.all_decode else torch.tensor([starts[i] for i in decodes], device=device)
+        self.decode = None
+        if decodes:
+            nb = math.ceil(max(slens[i] for i in decodes) / block_size)
+            seqs = torch.tensor(decodes, device=device)
+            blocks = (table if self.all_decode else table[seqs])[:, :nb].long().reshape(-1)  # [Bd * nb]
+            lens = meta.seq_lens.to(device) if self.all_decode else meta.seq_lens.to(device)[seqs]
+            mask = (torch.arange(nb * block_size, device=device) < lens[:, None])[:, None, None, :]
+            self.decode = (len(decodes), nb * block_size, blocks, mask)
+        # Multi-token queries (prefill chunks, speculative verification): one causal call each.
+        self.chunks = []
+        for i, n in enumerate(qlens):
+            if n > 1:
+                L = slens[i]
+                blocks = table[i, :math.ceil(L / block_size)].long()
+                q_pos = torch.arange(L - n, L, device=device)
+                mask = (torch.arange(L, device=device)[None, :] <= q_pos[:, None])[None, None]
+                self.chunks.append((starts[i], n, L, blocks, mask))
+
+
+def _gather(cache, scale, blocks, dtype, rows: int, length: int):
+    """blocks [rows * nb] -> [rows, Hkv, length, D] in `dtype`, FP8 dequantized."""
+    hkv, d = cache.shape[2], cache.shape[3]
+    x = cache.index_select(0, blocks).view(rows, -1, hkv, d)[:, :length]
+    if scale is not None and cache.dtype == FP8:
+        s = scale.index_select(0, blocks).view(rows, -1, hkv)[:, :length]
+        x = x.to(dtype) * s.to(dtype).unsqueeze(-1)
+    else:
+        x = x.to(dtype)
+    return x.transpose(1, 2)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                         meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. Query token j of a sequence with q_len n and
-    context length L sits at position L - n + j and sees keys 0 .. L - n + j."""
+    context length L sits at position L - n + j and sees keys 0 .. L - n + j.
+    All single-token queries (decodes) go through one batched call."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     assert k_cache.shape[-1] == head_dim and num_heads % k_cache.shape[2] == 0
     assert num_tokens == sum(meta.query_lens_host)
+    plan = meta.ref_plan
+    if not isinstance(plan, _RefPlan) or plan.block_size != block_size:
+        plan = meta.ref_plan = _RefPlan(meta, block_size, q.device)
+    if plan.decode is not None:
+        rows, length, blocks, mask = plan.decode
+        k = _gather(k_cache, k_scale, blocks, q.dtype, rows, length)  # [Bd, Hkv, L, D]
+        v = _gather(v_cache, v_scale, blocks, q.dtype, rows, length)
+        qd = q if plan.all_decode else q[plan.decode_rows]
+        o = _attend(qd.unsqueeze(2), k, v, mask, softmax_scale).squeeze(2)  # [Bd, H, D]
+        if plan.all_decode:
+            return o
     out = torch.empty_like(q)
-    qlens, slens = meta.query_lens_host, meta.seq_lens_host
-    starts = [0]
-    for n in qlens:
-        starts.append(starts[-1] + n)
-
-    decodes = [i for i, n in enumerate(qlens) if n == 1]
-    if decodes:
-        max_len = max(slens[i] for i in decodes)
-        nb = math.ceil(max_len / block_size)
-        rows = torch.tensor([starts[i] for i in decodes])
-        seqs = torch.tensor(decodes)
-        blocks = meta.block_table.to(q.device)[seqs.to(q.device), :nb].long()
-        k = gather_kv(k_cache, k_scale, blocks, q.dtype).transpose(1, 2)  # [Bd, Hkv, L, D]
-        v = gather_kv(v_cache, v_scale, blocks, q.dtype).transpose(1, 2)
-        lens = meta.seq_lens.to(q.device)[seqs.to(q.device)]
-        mask = (torch.arange(nb * block_size, device=q.device) < lens[:, None])[:, None, None, :]
-        o = _attend(q[rows.to(q.device)].unsqueeze(2), k, v, mask, softmax_scale)  # [Bd, H, 1, D]
-        out[rows.to(q.device)] = o.squeeze(2)
-
-    for i, n in enumerate(qlens):
-        if n <= 1:
-            continue
-        L = slens[i]
-        nb = math.ceil(L / block_size)
-        blocks = meta.block_table[i, :nb].to(q.device).long()
-        k = gather_kv(k_cache, k_scale, blocks, q.dtype)[:L].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = gather_kv(v_cache, v_scale, blocks, q.dtype)[:L].transpose(0, 1).unsqueeze(0)
-        qi = q[starts[i]:starts[i] + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        q_pos = torch.arange(L - n, L, device=q.device)
-        mask = (torch.arange(L, device=q.device)[None, :] <= q_pos[:, None])[None, None]
-        out[starts[i]:starts[i] + n] = _attend(qi, k, v, mask, softmax_scale)[0].transpose(0, 1)
+    if plan.decode is not None:
+        out[plan.decode_rows] = o
+    for start, n, L, blocks, mask in plan.chunks:
+        k = _gather(k_cache, k_scale, blocks, q.dtype, 1, L)  # [1, Hkv, L, D]
+        v = _gather(v_cache, v_scale, blocks, q.dtype, 1, L)
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale)[0].transpose(0, 1)
     return out
 
 

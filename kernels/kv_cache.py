@@ -57,16 +57,6 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     flat_v.index_copy_(0, slot_mapping, value)
 
 
-def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks: [..., nb] block ids -> [..., nb * block_size, Hkv, D] in `dtype`, dequantized."""
-    x = cache[blocks]  # [..., nb, bs, Hkv, D]
-    if scale is not None and cache.dtype == FP8:
-        x = x.to(dtype) * scale[blocks].to(dtype).unsqueeze(-1)
-    else:
-        x = x.to(dtype)
-    return x.flatten(-4, -3)
-
-
 # ---------------------------------------------------------------------------
 # Triton: one pass over the new K (or V) rows: amax, scale, quantize, scatter:
 # read once, write once. The reference makes about 13 passes (abs 2, amax 1,

@@ -20,6 +20,24 @@ MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys
 MARGIN = 0.85  # bf16 must take at most this fraction of fp32's time
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed buffers up to 32 MiB mapped instead of returning them to the
+    kernel. A decode step allocates and frees the same few-MiB activations and gathered K/V
+    every layer; by default each comes back as fresh pages, so every step pays a page fault
+    per 4 KiB touched (SmolLM2 at batch 64: gathering K/V took 5.1 ms a layer against 1.2 ms
+    with this). Process-wide and idempotent; False where libc is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+
+
 def _time(fn, reps: int = 5) -> float:
     fn()
     best = float("inf")

@@ -16,7 +16,7 @@ from ridge.cache.manager import KVCacheManager
 from ridge.quant.loader import LoadedModel, load_model
 
 from .budget import default_token_budget
-from .cpu_format import choose_cpu_format
+from .cpu_format import choose_cpu_format, keep_freed_memory
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner
@@ -67,6 +67,8 @@ class LLMEngine:
         self.device = self.loaded.device
         self.max_model_len = min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.kv_dtype = config.resolved_kv_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format)
         self._plan_budget()
         proposer, self.spec_policy, draft = build_speculation(config.speculative, self, self.budget_info["knee_tokens"],
