@@ -97,3 +97,26 @@ def test_bench_throughput_end_to_end(tmp_path):
     w = cont["kv_waste"]
     assert w["samples"] > 0 and 0 <= w["paged_waste_pct"] < 100
     assert w["contiguous_max_len_waste_pct"] > w["paged_waste_pct"]
+
+
+def test_bench_spec_rounds_and_greedy_match(tmp_path):
+    """Every mode runs each round; speedups are per round against plain decoding, and greedy
+    output with each proposer equals plain decoding's on a tiny model with fp32 KV."""
+    from tiny_models import make_tiny
+
+    from ridge.cli import main
+
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "spec.json"
+    rc = main(["bench", "spec", "--model", str(path), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64",
+               "--proposers", "ngram,self:1", "--batches", "1,2", "--sets", "repetitive", "--max-tokens", "6",
+               "--rounds", "2", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["speculative"]
+    assert [(r["batch"], r["proposer"]) for r in rows] == [(b, p) for b in (1, 2) for p in ("off", "ngram", "self:1")]
+    for r in rows:
+        assert len(r["tok_s_rounds"]) == len(r["speedup_rounds"]) == 2 and r["tok_s"] > 0
+        assert r["greedy_match"] == 1.0
+        if r["proposer"] == "off":
+            assert r["speedup_rounds"] == [1.0, 1.0]
+    assert any(r["drafted"] for r in rows if r["proposer"] != "off")

@@ -37,7 +37,8 @@ def add_spec_parser(sub, common) -> None:
     sp.add_argument("--batches", default="1,16", help="requests in flight")
     sp.add_argument("--sets", default="repetitive,open")
     sp.add_argument("--max-tokens", type=int, default=128)
-    sp.add_argument("--repeats", type=int, default=1, help="rounds of the set at batch 1")
+    sp.add_argument("--repeats", type=int, default=1, help="copies of the set per run at batch 1")
+    sp.add_argument("--rounds", type=int, default=3, help="runs of every mode, taken in turn; medians reported")
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
@@ -68,33 +69,48 @@ def _same_prefix(a: list[int], b: list[int]) -> float:
 
 
 def part_spec(rep, args, loaded) -> None:
+    """Every mode of one (batch, set) gets its own engine, built once; rounds then run the
+    modes in turn, so that drifting machine load falls on all alike. Speedup is taken per
+    round against that round's plain run, and the median over rounds is reported."""
+    import statistics
+
     from .engine import LLMEngine
     from ridge.cli import engine_config
 
+    modes = ["off"] + args.proposers.split(",")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for name in args.sets.split(","):
-            base = None
-            for spec in ["off"] + args.proposers.split(","):
+            engines = {}
+            for spec in modes:
                 cfg = engine_config(args)
                 cfg.speculative, cfg.max_num_seqs = spec, max(batch, 1)
-                engine = LLMEngine(cfg, loaded=loaded)
-                prompts = _prompts(engine, name, batch, args.repeats)
-                _run(engine, prompts[:1], 8, 1)  # warm-up
-                outs, dt = _run(engine, prompts, args.max_tokens, batch)
-                ntok = sum(len(v) for v in outs.values())
-                st = engine.stats()["speculative"].get("total", {})
-                row = {"batch": batch, "set": name, "proposer": spec, "tokens": ntok, "seconds": dt,
-                       "tok_s": ntok / dt, "acceptance_rate": st.get("acceptance_rate"),
-                       "tokens_per_verification": st.get("tokens_per_verification"), "drafted": st.get("drafted")}
-                if base is None:
-                    base = (outs, row["tok_s"])
-                row["speedup"] = row["tok_s"] / base[1]
-                row["greedy_match"] = sum(_same_prefix(base[0][k], outs[k]) for k in outs) / len(outs)
+                engines[spec] = LLMEngine(cfg, loaded=loaded)
+            prompts = _prompts(engines["off"], name, batch, args.repeats)
+            for e in engines.values():
+                _run(e, prompts[:1], 8, 1)  # warm-up
+            outs, rates = {}, {m: [] for m in modes}
+            for _ in range(args.rounds):
+                for spec, e in engines.items():
+                    o, dt = _run(e, prompts, args.max_tokens, batch)
+                    outs[spec] = o
+                    rates[spec].append(sum(len(v) for v in o.values()) / dt)
+            for spec, e in engines.items():
+                st = e.stats()["speculative"].get("total", {})
+                speedups = [r / b for r, b in zip(rates[spec], rates["off"])]
+                row = {"batch": batch, "set": name, "proposer": spec, "rounds": args.rounds,
+                       "tok_s": statistics.median(rates[spec]), "tok_s_rounds": rates[spec],
+                       "speedup": statistics.median(speedups), "speedup_rounds": speedups,
+                       "acceptance_rate": st.get("acceptance_rate"),
+                       "tokens_per_verification": st.get("tokens_per_verification"), "drafted": st.get("drafted"),
+                       "greedy_match": sum(_same_prefix(outs["off"][k], outs[spec][k]) for k in outs[spec])
+                       / len(outs[spec])}
                 rows.append(row)
-                print(f"batch {batch:>2} {name:<10} {spec:<8} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
-                      f"accept {row['acceptance_rate'] or 0:.2f}  tokens/verify {row['tokens_per_verification'] or 0:.2f}  "
-                      f"match {row['greedy_match']:.2f}", file=sys.stderr)
+                print(f"batch {batch:>2} {name:<10} {spec:<8} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f} "
+                      f"({', '.join(f'{x:.2f}' for x in speedups)})  accept {row['acceptance_rate'] or 0:.2f}  "
+                      f"tokens/verify {row['tokens_per_verification'] or 0:.2f}  match {row['greedy_match']:.2f}",
+                      file=sys.stderr)
+            del engines
     rep.add("speculative", rows)
     _print(rows, rep)
 
@@ -104,12 +120,14 @@ def _print(rows, rep) -> None:
     env = rep.data["env"]
     print(f"\n# speculative decoding — {env.get('device')} threads {env.get('threads')} KV {env.get('kv_dtype')}", file=out)
     print(f"# command: {rep.data['command']}", file=out)
-    print("| batch | set | proposer | tok/s | speedup | acceptance | tokens/verification | greedy match |", file=out)
+    print("| batch | set | proposer | tok/s | speedup (median; per round) | acceptance | tokens/verification "
+          "| greedy match |", file=out)
     print("|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
         acc = "-" if r["proposer"] == "off" else f"{r['acceptance_rate'] or 0:.2f}"
         tpv = "-" if r["proposer"] == "off" else f"{r['tokens_per_verification'] or 0:.2f}"
-        print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {acc} | "
+        rounds = ", ".join(f"{x:.2f}" for x in r["speedup_rounds"])
+        print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x ({rounds}) | {acc} | "
               f"{tpv} | {r['greedy_match']:.2f} |", file=out)
 
 
