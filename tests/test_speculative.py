@@ -147,6 +147,20 @@ def test_policy_fades_out_past_the_knee():
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
 
 
+def test_policy_keeps_the_drafter_that_lands():
+    """auto: a self-draft that never lands neither switches off a request whose prompt lookup
+    does, nor keeps drafting, for that request or (with enough evidence) for new ones."""
+    pol = SpecPolicy(knee_tokens=16, max_k=8)
+    for _ in range(10):
+        pol.record("r", 4, 0, "self:8")
+        pol.record("r", 4, 3, "ngram")
+    assert pol.choose_k("r", batch_tokens=1) >= 2  # mixed rate is 0.38; ngram's own is 0.75
+    assert not pol.worth_drafting("r", "self:8") and pol.worth_drafting("r", "ngram")
+    assert pol.worth_drafting("new", "self:8")  # 40 drafts overall: not yet enough to rule it out
+    pol.record("r", 40, 0, "self:8")
+    assert not pol.worth_drafting("new", "self:8") and pol.worth_drafting("new", "ngram")
+
+
 def test_ngram_lookup():
     ng = NgramProposer()
     assert ng.lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 3) == [4, 5, 9]

@@ -17,6 +17,7 @@ PRIOR_ACCEPT = 0.6  # before a request has history
 PRIOR_WEIGHT = 4.0  # drafted tokens' worth of confidence in the prior
 MIN_ACCEPT = 0.2  # below this, a request stops drafting...
 PROBE_EVERY = 16  # ...except for a one-token probe every this many steps
+OVERALL_EVIDENCE = 64  # drafted tokens before a drafter's overall rate can rule it out for new requests
 
 
 @dataclass
@@ -61,7 +62,13 @@ class SpecPolicy:
     def choose_k(self, request_id: str, batch_tokens: int) -> int:
         """batch_tokens: tokens already in this step (T). -> drafts to propose."""
         acc = self.per_request.setdefault(request_id, Acceptance())
-        a = acc.rate(self.totals.rate())
+        prior = self.totals.rate()
+        a = acc.rate(prior)
+        # With several drafters (auto), the request's best one sets k: a drafter that never
+        # lands must not stop one that does.
+        for src in self.by_source.get(request_id, {}).values():
+            if src.drafted >= PRIOR_WEIGHT:
+                a = max(a, src.rate(prior))
         if a < MIN_ACCEPT and acc.drafted >= PRIOR_WEIGHT:
             acc.idle_steps += 1
             return 1 if acc.idle_steps % PROBE_EVERY == 0 else 0
@@ -75,6 +82,15 @@ class SpecPolicy:
             if value > best * 1.02:  # a margin against noise in the estimate
                 best_k, best = k, value
         return best_k
+
+    def worth_drafting(self, request_id: str, source: str) -> bool:
+        """Whether `source` may still draft for this request: not once its own drafts for the
+        request, or (before it has any) its drafts overall, were accepted below MIN_ACCEPT."""
+        mine = self.by_source.get(request_id, {}).get(source)
+        if mine is not None and mine.drafted >= PRIOR_WEIGHT:
+            return mine.rate() >= MIN_ACCEPT
+        overall = self.per_proposer.get(source)
+        return overall is None or overall.drafted < OVERALL_EVIDENCE or overall.rate() >= MIN_ACCEPT
 
     def record(self, request_id: str, drafted: int, accepted: int, source: str = "") -> None:
         self.per_request.setdefault(request_id, Acceptance()).record(drafted, accepted)

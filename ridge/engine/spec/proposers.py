@@ -138,7 +138,9 @@ class DraftModelProposer(_ModelDrafter):
 
 class AutoProposer:
     """Per request, the drafter with the better observed acceptance: prompt
-    lookup when it finds a match (it is free), the self-draft otherwise."""
+    lookup when it finds a match (it is free), the self-draft otherwise, unless
+    the self-draft's acceptance (the request's, or overall before the request
+    has its own) is below the policy's floor."""
     name = "auto"
 
     def __init__(self, ngram: NgramProposer, selfdraft: SelfDraftProposer, policy):
@@ -156,8 +158,10 @@ class AutoProposer:
             if found and (ng is None or sd is None or ng.rate() >= sd.rate()):
                 r.draft_source = self.ngram.name
                 _set_drafts(s, found, None)
-            else:
+            elif self.policy.worth_drafting(r.request_id, self.selfdraft.name):
                 r.draft_source = self.selfdraft.name
                 model_items.append(s)
+            else:  # the self-draft has shown it rarely lands: this step runs without drafts
+                _set_drafts(s, [], None)
         if model_items:
             self.selfdraft.propose_items(runner, model_items)
