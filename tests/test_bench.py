@@ -117,6 +117,9 @@ def test_bench_spec_rounds_and_greedy_match(tmp_path):
     for r in rows:
         assert len(r["tok_s_rounds"]) == len(r["speedup_rounds"]) == 2 and r["tok_s"] > 0
         assert r["greedy_match"] == 1.0
+        steps = r["decode_steps_by_tokens"]
+        assert steps and all(int(t) >= 1 and v["steps"] > 0 and v["ms"] > 0 for t, v in steps.items())
         if r["proposer"] == "off":
+            assert all(int(t) <= r["batch"] for t in steps)  # plain decoding: a token per request per step
             assert r["speedup_rounds"] == [1.0, 1.0]
     assert any(r["drafted"] for r in rows if r["proposer"] != "off")

@@ -149,16 +149,26 @@ def test_policy_fades_out_past_the_knee():
 
 def test_policy_keeps_the_drafter_that_lands():
     """auto: a self-draft that never lands neither switches off a request whose prompt lookup
-    does, nor keeps drafting, for that request or (with enough evidence) for new ones."""
+    does, nor keeps drafting, for that request or, once it has failed often enough overall,
+    for new ones."""
     pol = SpecPolicy(knee_tokens=16, max_k=8)
-    for _ in range(10):
+    pol.record("r", 4, 0, "self:8")
+    assert pol.worth_drafting("r", "self:8") and pol.worth_drafting("new", "self:8")  # too little evidence
+    for _ in range(9):
         pol.record("r", 4, 0, "self:8")
         pol.record("r", 4, 3, "ngram")
-    assert pol.choose_k("r", batch_tokens=1) >= 2  # mixed rate is 0.38; ngram's own is 0.75
+    assert pol.choose_k("r", batch_tokens=1) >= 2  # mixed rate is 0.39; ngram's own is 0.75
     assert not pol.worth_drafting("r", "self:8") and pol.worth_drafting("r", "ngram")
-    assert pol.worth_drafting("new", "self:8")  # 40 drafts overall: not yet enough to rule it out
-    pol.record("r", 40, 0, "self:8")
     assert not pol.worth_drafting("new", "self:8") and pol.worth_drafting("new", "ngram")
+    assert pol.worth_drafting("new", "draft")  # a drafter with no record yet
+    # The self-draft's per-token pass prices k only while it may still draft.
+    auto = SpecPolicy(knee_tokens=16, max_k=8, draft_cost=0.25, costed_source="self:8")
+    for _ in range(10):
+        auto.record("a", 4, 3, "ngram")
+    priced = auto.choose_k("a", batch_tokens=1)
+    for _ in range(10):
+        auto.record("a", 4, 0, "self:8")
+    assert auto.choose_k("a", batch_tokens=1) > priced
 
 
 def test_ngram_lookup():

@@ -57,6 +57,29 @@ def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
     return outs, time.perf_counter() - t0
 
 
+class StepTimer:
+    """Times the runner's work per step by the tokens in the step, decode steps only (no
+    prompt tokens): what a verification of 1 + k tokens costs against a 1-token step."""
+
+    def __init__(self, engine):
+        self.times: dict[int, list[float]] = {}
+        inner = engine.runner.execute
+
+        def execute(out):
+            t0 = time.perf_counter()
+            res = inner(out)
+            if not any(s.start < s.request.num_prompt_tokens for s in out.scheduled):
+                tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
+                self.times.setdefault(tokens, []).append(time.perf_counter() - t0)
+            return res
+        engine.runner.execute = execute
+
+    def summary(self) -> dict[int, dict]:
+        import statistics
+
+        return {t: {"steps": len(v), "ms": 1e3 * statistics.median(v)} for t, v in sorted(self.times.items())}
+
+
 def _prompts(engine, name: str, batch: int, repeats: int) -> list[list[int]]:
     texts = SETS[name]
     n = max(batch, len(texts) * repeats) if batch > 1 else len(texts) * repeats
@@ -89,6 +112,7 @@ def part_spec(rep, args, loaded) -> None:
             prompts = _prompts(engines["off"], name, batch, args.repeats)
             for e in engines.values():
                 _run(e, prompts[:1], 8, 1)  # warm-up
+            timers = {spec: StepTimer(e) for spec, e in engines.items()}
             outs, rates = {}, {m: [] for m in modes}
             for _ in range(args.rounds):
                 for spec, e in engines.items():
@@ -103,6 +127,7 @@ def part_spec(rep, args, loaded) -> None:
                        "speedup": statistics.median(speedups), "speedup_rounds": speedups,
                        "acceptance_rate": st.get("acceptance_rate"),
                        "tokens_per_verification": st.get("tokens_per_verification"), "drafted": st.get("drafted"),
+                       "decode_steps_by_tokens": timers[spec].summary(),
                        "greedy_match": sum(_same_prefix(outs["off"][k], outs[spec][k]) for k in outs[spec])
                        / len(outs[spec])}
                 rows.append(row)
@@ -113,6 +138,7 @@ def part_spec(rep, args, loaded) -> None:
             del engines
     rep.add("speculative", rows)
     _print(rows, rep)
+    _print_steps(rows, rep)
 
 
 def _print(rows, rep) -> None:
@@ -129,6 +155,17 @@ def _print(rows, rep) -> None:
         rounds = ", ".join(f"{x:.2f}" for x in r["speedup_rounds"])
         print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x ({rounds}) | {acc} | "
               f"{tpv} | {r['greedy_match']:.2f} |", file=out)
+
+
+def _print_steps(rows, rep) -> None:
+    """Decode step time by tokens in the step (batch x (1 + drafts)), per proposer."""
+    out = rep.out
+    print("\n# decode steps by tokens in the step: median ms (steps)", file=out)
+    print("| batch | set | proposer | steps by tokens |", file=out)
+    print("|---|---|---|---|", file=out)
+    for r in rows:
+        cells = ", ".join(f"{t}: {v['ms']:.1f} ({v['steps']})" for t, v in r["decode_steps_by_tokens"].items())
+        print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {cells} |", file=out)
 
 
 def run_spec(args, rep) -> None:

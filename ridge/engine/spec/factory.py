@@ -44,8 +44,9 @@ def build_speculation(spec: str, engine, knee_tokens: float, max_k: int):
         return SelfDraftProposer(n), SpecPolicy(knee_tokens, max_k, n / layers), None
     if spec == "auto":
         n = max(1, layers // 4)
-        policy = SpecPolicy(knee_tokens, max_k, n / layers)
-        return AutoProposer(NgramProposer(), SelfDraftProposer(n), policy), policy, None
+        selfdraft = SelfDraftProposer(n)
+        policy = SpecPolicy(knee_tokens, max_k, n / layers, costed_source=selfdraft.name)
+        return AutoProposer(NgramProposer(), selfdraft, policy), policy, None
     if spec.startswith("draft:"):
         draft = load_draft(spec.split(":", 1)[1], engine)
         cost = draft.weight_bytes / max(engine.loaded.weight_bytes, 1)

@@ -17,7 +17,7 @@ PRIOR_ACCEPT = 0.6  # before a request has history
 PRIOR_WEIGHT = 4.0  # drafted tokens' worth of confidence in the prior
 MIN_ACCEPT = 0.2  # below this, a request stops drafting...
 PROBE_EVERY = 16  # ...except for a one-token probe every this many steps
-OVERALL_EVIDENCE = 64  # drafted tokens before a drafter's overall rate can rule it out for new requests
+OVERALL_EVIDENCE = 16  # drafted tokens before a drafter's overall rate can rule it out for new requests
 
 
 @dataclass
@@ -54,6 +54,9 @@ class SpecPolicy:
     knee_tokens: float  # T*
     max_k: int = 8
     draft_cost: float = 0.0  # one drafted token's cost, as a fraction of a target step
+    # auto: the model drafter that draft_cost prices. Once it is out (worth_drafting), drafts
+    # come from prompt lookup only, which is free, and k is chosen without that cost.
+    costed_source: str | None = None
     per_request: dict[str, Acceptance] = field(default_factory=dict)
     by_source: dict[str, dict[str, Acceptance]] = field(default_factory=dict)  # request -> proposer -> figures
     per_proposer: dict[str, Acceptance] = field(default_factory=dict)
@@ -76,19 +79,23 @@ class SpecPolicy:
         # request: a step of T tokens costs T* + T; each draft pass costs
         # draft_cost of a step (T* units), shared by the requests drafting in it.
         T, knee = max(batch_tokens, 1), self.knee_tokens
+        cost = self.draft_cost
+        if self.costed_source is not None and not self.worth_drafting(request_id, self.costed_source):
+            cost = 0.0
         best_k, best = 0, T / (knee + T)
         for k in range(1, self.max_k + 1):
-            value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * self.draft_cost * knee / T)
+            value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * cost * knee / T)
             if value > best * 1.02:  # a margin against noise in the estimate
                 best_k, best = k, value
         return best_k
 
     def worth_drafting(self, request_id: str, source: str) -> bool:
-        """Whether `source` may still draft for this request: not once its own drafts for the
-        request, or (before it has any) its drafts overall, were accepted below MIN_ACCEPT."""
+        """Whether `source` may still draft for this request: not once its drafts for the
+        request, or its drafts overall, were accepted below MIN_ACCEPT. A model drafter pays a
+        pass per drafted token, so one that never lands must not be retried request by request."""
         mine = self.by_source.get(request_id, {}).get(source)
-        if mine is not None and mine.drafted >= PRIOR_WEIGHT:
-            return mine.rate() >= MIN_ACCEPT
+        if mine is not None and mine.drafted >= PRIOR_WEIGHT and mine.rate() < MIN_ACCEPT:
+            return False
         overall = self.per_proposer.get(source)
         return overall is None or overall.drafted < OVERALL_EVIDENCE or overall.rate() >= MIN_ACCEPT
 
