@@ -50,6 +50,18 @@ def test_throughput_counts_token_deltas_and_nothing_across_a_restart():
     assert decode.peak == pytest.approx(30 / width) and decode.average == pytest.approx(90 / 4)
 
 
+def test_throughput_takes_a_snapshot_that_arrives_out_of_time_order():
+    """A CI run drew the series from a deque whose newest sample was older than one before it."""
+    tp = F.Throughput()
+    tp.add(100.0, 1, {"prefill_tokens": 0, "decode_tokens": 0}, 0, 0)
+    tp.add(101.2, 1, {"prefill_tokens": 10, "decode_tokens": 20}, 0, 0)
+    tp.add(100.9, 1, {"prefill_tokens": 10, "decode_tokens": 50}, 0, 0)  # late: counted at 101.2
+    prefill, decode = tp.series(60)
+    width = 60 / len(decode.points)
+    assert sum(decode.points) * width == pytest.approx(50) and sum(prefill.points) * width == pytest.approx(10)
+    assert [t for t, _, _ in tp.samples] == sorted(t for t, _, _ in tp.samples)
+
+
 def test_recorded_frames_decode_through_the_protocol():
     frames = recorded_frames()
     assert len(frames) >= 60

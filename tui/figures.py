@@ -156,6 +156,10 @@ class Throughput:
         p, d = int(totals.get("prefill_tokens", 0)), int(totals.get("decode_tokens", 0))
         last = self._last
         fresh = last is None or last[0] != pid or p < last[1] or d < last[2]
+        if self.samples and t < self.samples[-1][0]:
+            # Snapshots can arrive out of time order (a pushed one overtaking a polled one):
+            # the series needs a sorted deque, so a late one counts at the newest time.
+            t = self.samples[-1][0]
         self.samples.append((t, 0 if fresh else p - last[1], 0 if fresh else d - last[2]))
         self._last = (pid, p, d)
         self.current = (float(prefill_tps), float(decode_tps))
