@@ -42,7 +42,8 @@ class _RefPlan:
             nb = math.ceil(max(slens[i] for i in decodes) / block_size)
             seqs = torch.tensor(decodes, device=device)
             blocks = (table if self.all_decode else table[seqs])[:, :nb].long().reshape(-1)  # [Bd * nb]
-            lens = meta.seq_lens.to(device) if self.all_decode else meta.seq_lens.to(device)[seqs]
+            lens = meta.seq_lens.to(device)
+            lens = lens if self.all_decode else lens[seqs]
             mask = (torch.arange(nb * block_size, device=device) < lens[:, None])[:, None, None, :]
             self.decode = (len(decodes), nb * block_size, blocks, mask)
         # Multi-token queries (prefill chunks, speculative verification): one causal call each.
