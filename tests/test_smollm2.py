@@ -132,6 +132,10 @@ def _same_up_to_near_tie(ref: list[int], margins: list[float], got: list[int]) -
 def spec_reference(smol_loaded):
     tok = smol_loaded.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in (
+        # Its end-of-sequence token arrives inside a run of accepted drafts (a client saw
+        # tokens twice when the engine reported the drafts past it).
+        "Repeat the following text exactly, word for word:\n\nThe quick brown fox jumps over the lazy dog. A journey "
+        "of a thousand miles begins with a single step. All that glitters is not gold. The early bird catches the worm.",
         "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.",
         "Write a short poem about rain.")]
     return prompts, _greedy_run(smol_loaded, "off", prompts, logprobs=2)
@@ -143,7 +147,7 @@ def test_speculative_greedy_equals_plain_on_smollm2(smol_loaded, spec_reference,
     alone = _greedy_run(smol_loaded, spec, prompts[:1])
     batch = _greedy_run(smol_loaded, spec, prompts)
     assert alone["stats"]["total"]["drafted"] > 0
-    for run, n in ((alone, 1), (batch, 2)):
+    for run, n in ((alone, 1), (batch, len(prompts))):
         for i in range(n):
             rid = f"r{i}"
             assert _same_up_to_near_tie(ref["tokens"][rid], ref["margins"][rid], run["tokens"][rid]), (spec, rid)

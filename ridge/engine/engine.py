@@ -205,7 +205,6 @@ class LLMEngine:
         for s in out.scheduled:
             req = s.request
             new = tokens.get(req.request_id, [])
-            new = req.output_token_ids[len(req.output_token_ids) - len(new):] if new else []
             if not new and not req.is_finished:
                 continue
             if new and req.timings.first_token is None:

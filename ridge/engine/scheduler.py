@@ -169,11 +169,13 @@ class Scheduler:
     def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
         """Advance num_computed_tokens, append accepted tokens, stop on token
         rules. new_tokens: request id -> tokens accepted this step (empty for a
-        prefill chunk that did not reach the end). Returns requests finished now."""
+        prefill chunk that did not reach the end); cut here to the tokens kept,
+        since accepted drafts past a stop token are dropped. Returns requests finished now."""
         finished = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted or failed while the step ran
+                new_tokens.pop(req.request_id, None)
                 continue
             accepted = new_tokens.get(req.request_id, [])
             # Drafted tokens that were rejected were never really computed.
@@ -182,9 +184,10 @@ class Scheduler:
                 self.spec_policy.record(req.request_id, s.num_spec_tokens, len(accepted) - 1, req.draft_source)
             req.num_computed_tokens += s.num_scheduled_tokens - max(0, num_rejected)
             req.spec_token_ids = []
-            for t in accepted:
+            for i, t in enumerate(accepted):
                 req.output_token_ids.append(t)
                 if self._check_stop(req, t):
+                    new_tokens[req.request_id] = accepted[:i + 1]
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
