@@ -141,9 +141,18 @@ def test_policy_fades_out_past_the_knee():
         pol.record("good", 10, 7)
     assert pol.choose_k("good", batch_tokens=1) >= 4  # nearly free below the knee
     assert pol.choose_k("good", batch_tokens=64) <= 1  # full price past it
-    for _ in range(10):
+    for _ in range(40):
         pol.record("bad", 4, 0)
-    assert pol.choose_k("bad", batch_tokens=1) == 0  # poor acceptance switches off
+    assert pol.choose_k("bad", batch_tokens=1) == 0  # free drafts that never land are not worth a slot
+    costed = SpecPolicy(knee_tokens=16, max_k=8, draft_cost=0.25)
+    for _ in range(10):
+        costed.record("bad", 4, 0)
+    ks = [costed.choose_k("bad", batch_tokens=1) for _ in range(32)]
+    assert ks.count(0) == 30 and ks.count(1) == 2  # a model drafter is switched off, with rare probes
+    # Acceptance is conditional: 3 of 8 drafts accepted, then a rejection, is a = 3/4, not 3/8.
+    for _ in range(50):
+        pol.record("c", 8, 3)
+    assert abs(pol.per_request["c"].rate() - 0.75) < 0.01
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
 
 
@@ -177,6 +186,7 @@ def test_ngram_lookup():
     assert ng.lookup([1, 2, 3, 4], 3) == []
     assert ng.lookup([5, 1, 2, 3, 1], 2) == [2, 3]  # a single token is the shortest match
     assert ng.lookup([7, 8, 1, 7, 8, 2, 7, 8], 2) == [2, 7]  # the latest occurrence wins
+    assert ng.lookup([4, 5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]  # a repeat runs on past the text's end
 
 
 def test_draft_with_another_vocabulary_is_refused(models, tmp_path):

@@ -6,7 +6,10 @@ the policy charges T* + T, the roofline's max(T*, T) with no overlap between
 the two, which is what a CPU shows (SmolLM2: 16 tokens cost 2.4x one token,
 docs/benchmarks.md). Below the knee a drafted token is nearly free; above it
 each costs full price. With acceptance rate a, k drafts yield E(k) = (1 - a^(k+1)) / (1 - a)
-tokens per verification. The policy picks the k that maximises the step's
+tokens per verification, where a is the chance that a draft is accepted given
+that the drafts before it were: accepted / (accepted + rejections), not
+accepted / drafted, which counts the drafts after a rejection as failures
+although they were never tried. The policy picks the k that maximises the step's
 tokens per unit of cost, so speculation fades out as the batch pushes the step
 past the knee, and stops for requests whose drafts are rarely accepted."""
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 PRIOR_ACCEPT = 0.6  # before a request has history
 PRIOR_WEIGHT = 4.0  # drafted tokens' worth of confidence in the prior
-MIN_ACCEPT = 0.2  # below this, a request stops drafting...
+MIN_ACCEPT = 0.2  # below this, a request stops drafting with a model drafter...
 PROBE_EVERY = 16  # ...except for a one-token probe every this many steps
 OVERALL_EVIDENCE = 16  # drafted tokens before a drafter's overall rate can rule it out for new requests
 
@@ -26,16 +29,19 @@ class Acceptance:
     accepted: int = 0
     verifications: int = 0
     emitted: int = 0  # accepted + the target's own token, per verification
+    rejections: int = 0  # verifications that rejected a draft
     idle_steps: int = 0
 
     def rate(self, prior: float = PRIOR_ACCEPT) -> float:
-        return (self.accepted + prior * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+        """The chance a draft is accepted once the drafts before it were (the a of E(k))."""
+        return (self.accepted + prior * PRIOR_WEIGHT) / (self.accepted + self.rejections + PRIOR_WEIGHT)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.verifications += 1
         self.emitted += accepted + 1
+        self.rejections += accepted < drafted
 
     def as_dict(self) -> dict:
         return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications,
@@ -72,16 +78,19 @@ class SpecPolicy:
         for src in self.by_source.get(request_id, {}).values():
             if src.drafted >= PRIOR_WEIGHT:
                 a = max(a, src.rate(prior))
-        if a < MIN_ACCEPT and acc.drafted >= PRIOR_WEIGHT:
+        cost = self.draft_cost
+        if self.costed_source is not None and not self.worth_drafting(request_id, self.costed_source):
+            cost = 0.0
+        # A model drafter pays a pass per draft, so poor acceptance switches it off (with a
+        # probe now and then). Free drafts (prompt lookup) are left to the cost model below:
+        # a request that starts with new text and then copies must not be shut out early.
+        if cost and a < MIN_ACCEPT and acc.drafted >= PRIOR_WEIGHT:
             acc.idle_steps += 1
             return 1 if acc.idle_steps % PROBE_EVERY == 0 else 0
         # Tokens per unit of step cost, without drafts and with k drafts for this
         # request: a step of T tokens costs T* + T; each draft pass costs
         # draft_cost of a step (T* units), shared by the requests drafting in it.
         T, knee = max(batch_tokens, 1), self.knee_tokens
-        cost = self.draft_cost
-        if self.costed_source is not None and not self.worth_drafting(request_id, self.costed_source):
-            cost = 0.0
         best_k, best = 0, T / (knee + T)
         for k in range(1, self.max_k + 1):
             value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * cost * knee / T)

@@ -26,13 +26,20 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
+        ids = list(ids)
         arr = np.asarray(ids, dtype=np.int64)
         for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every earlier n-gram
             hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
             if hits.size:
+                # Copy what followed the match. A match that ends near the end of the text
+                # runs into the drafts themselves, as in an LZ77 copy: a repeating phrase
+                # drafts k tokens of repeats, not just what is left of one period.
                 start = int(hits[-1]) + n
-                return arr[start:start + k].tolist()
+                out = ids[start:start + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(ids) - start)])
+                return out
         return []
 
     def propose(self, runner, out) -> None:
