@@ -11,7 +11,11 @@ fp32 at large batch on AVX2. So the engine may enable a bf16 copy used for
 steps of at most `lowp_max_tokens` tokens, with the crossover measured at
 start-up (engine/cpu_format.py). The copy holds the exact e4m3 values (they
 fit bf16) and applies the per-channel scale to the output; activations and
-outputs are rounded to bf16, as on a GPU."""
+outputs are rounded to bf16, as on a GPU. The copy is laid out once in oneDNN's
+blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
+out on every call, and SmolLM2's matrix products at 1 to 9 tokens took 19-24 ms
+that way against 12-14 ms packed (docs/benchmarks.md), so a verification of k
+drafts costs what one token does."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +25,21 @@ from torch import nn
 from ridge.kernels import ops
 
 FP8 = torch.float8_e4m3fn
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] weight in oneDNN's blocked layout, or w itself where that is unavailable."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return w
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for bf16 x and a weight from pack_bf16."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+    return F.linear(x, w)
 
 
 class FP8Linear(nn.Module):
@@ -58,16 +77,16 @@ class FP8Linear(nn.Module):
             self.lowp, self.lowp_max_tokens = None, 0
             return
         if self.cpu_scale is not None:  # recover the exact e4m3 values
-            self.lowp = (self.weight / self.cpu_scale[:, None]).to(FP8).to(torch.bfloat16)
+            lowp = (self.weight / self.cpu_scale[:, None]).to(FP8).to(torch.bfloat16)
         else:
-            self.lowp = self.weight.to(torch.bfloat16)
-        self.lowp_max_tokens = max_tokens
+            lowp = self.weight.to(torch.bfloat16)
+        self.lowp, self.lowp_max_tokens = pack_bf16(lowp), max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
             return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.lowp is not None and x.shape[0] <= self.lowp_max_tokens:
-            y = F.linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
+            y = bf16_linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
             if self.cpu_scale is not None:
                 y = y * self.cpu_scale
             return y if self.bias is None else y + self.bias

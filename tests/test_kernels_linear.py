@@ -79,3 +79,26 @@ def test_weight_only_software_fp8_decode(monkeypatch):
     monkeypatch.setattr(linear, "native_fp8", lambda t: False)
     x, w8, ws, b = layer(9, 48, 96, torch.float32)
     assert_close(fp8_weight_only_triton(x, w8, ws, b), fp8_linear_ref(x, w8, ws, b), atol=1e-4)
+
+
+@pytest.mark.parametrize("M", [1, 3, 9, 64])
+def test_cpu_small_step_copy_matches_fp32(M):
+    """The CPU's bf16 copy (packed once for oneDNN where torch has it) computes the exact
+    e4m3 values with bf16 activations: close to the fp32 path, odd shapes included."""
+    from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
+
+    torch.manual_seed(M)
+    w = torch.randn(301, 77)
+    q, scale = quantize_fp8(w)
+    lin = FP8Linear(77, 301)
+    lin.load(q, scale, None, torch.device("cpu"), torch.float32)
+    x = torch.randn(M, 77)
+    ref = lin(x)
+    lin.enable_lowp(64)
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (M, 301)
+    assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    wb = torch.randn(50, 33).bfloat16()
+    xb = torch.randn(M, 33).bfloat16()
+    assert torch.allclose(bf16_linear(xb, pack_bf16(wb)).float(), torch.nn.functional.linear(xb, wb).float(),
+                          rtol=1e-2, atol=1e-2)

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ridge.quant.linear import FP8Linear
+from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
 
 log = logging.getLogger("ridge.engine")
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -52,13 +52,13 @@ def measure_crossover(model) -> tuple[int, dict]:
     """-> (largest step size that runs bf16, {size: (fp32 s, bf16 s)})."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.weight.numel()]
     w = max(layers, key=lambda m: m.weight.numel()).weight
-    wb = w.to(torch.bfloat16)
+    wb = pack_bf16(w.to(torch.bfloat16))
     times, best = {}, 0
     for n in SIZES:
         x = torch.randn(n, w.shape[1])
         xb = x.to(torch.bfloat16)
         t32 = _time(lambda: F.linear(x, w))
-        t16 = _time(lambda: F.linear(xb, wb))
+        t16 = _time(lambda: bf16_linear(xb, wb))
         times[n] = (t32, t16)
         if t16 > MARGIN * t32:
             break

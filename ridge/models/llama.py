@@ -115,6 +115,6 @@ class CausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n != "cos_sin" and b is not None]
-        tensors += [m.lowp for m in self.modules() if isinstance(m, FP8Linear) and m.lowp is not None]
         unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
-        return sum(t.numel() * t.element_size() for t in unique.values())
+        lowp = [m.lowp for m in self.modules() if isinstance(m, FP8Linear) and m.lowp is not None]
+        return sum(t.numel() * t.element_size() for t in list(unique.values()) + lowp)
