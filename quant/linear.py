@@ -86,8 +86,9 @@ class FP8Linear(nn.Module):
         if self.is_fp8:
             return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.lowp is not None and x.shape[0] <= self.lowp_max_tokens:
-            y = bf16_linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
+            y = bf16_linear(x.to(torch.bfloat16), self.lowp)
             if self.cpu_scale is not None:
-                y = y * self.cpu_scale
+                y = y * self.cpu_scale  # bf16 * fp32 promotes: the upcast and the scale in one op
+            y = y.to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

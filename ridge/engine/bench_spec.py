@@ -39,6 +39,8 @@ def add_spec_parser(sub, common) -> None:
     sp.add_argument("--max-tokens", type=int, default=128)
     sp.add_argument("--repeats", type=int, default=1, help="copies of the set per run at batch 1")
     sp.add_argument("--rounds", type=int, default=3, help="runs of every mode, taken in turn; medians reported")
+    sp.add_argument("--server-url", default=None,
+                    help="also time this llama-server's plain decode of the batch-1 prompts (same output lengths)")
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
@@ -131,6 +133,8 @@ def part_spec(rep, args, loaded) -> None:
                        "greedy_match": sum(_same_prefix(outs["off"][k], outs[spec][k]) for k in outs[spec])
                        / len(outs[spec])}
                 rows.append(row)
+            if batch == 1 and args.server_url:
+                rows.append(_server_row(args.server_url, name, prompts, [len(v) for v in outs["off"].values()]))
                 print(f"batch {batch:>2} {name:<10} {spec:<8} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f} "
                       f"({', '.join(f'{x:.2f}' for x in speedups)})  accept {row['acceptance_rate'] or 0:.2f}  "
                       f"tokens/verify {row['tokens_per_verification'] or 0:.2f}  match {row['greedy_match']:.2f}",
@@ -139,6 +143,22 @@ def part_spec(rep, args, loaded) -> None:
     rep.add("speculative", rows)
     _print(rows, rep)
     _print_steps(rows, rep)
+
+
+def _server_row(url: str, name: str, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """llama-server's plain decode of the same prompt tokens, one at a time, each for as many
+    tokens as ridge's plain run made (ignore_eos), timed like ridge's runs: tokens / wall."""
+    from .bench_external import run_server
+    from .workloads import Workload
+
+    wl = Workload(f"spec-{name}", [""] * len(prompts), lengths, "ridge's plain output lengths", 0)
+    res = run_server(url, "llama", wl, prompts, 1)
+    if res["errors"] or res["short_requests"]:
+        raise RuntimeError(f"llama-server at {url}: {res['errors'] or 'short outputs'}")
+    print(f"batch  1 {name:<10} llama-server {res['useful_tok_s']:6.1f} tok/s", file=sys.stderr)
+    return {"batch": 1, "set": name, "proposer": "llama-server", "rounds": 1, "tok_s": res["useful_tok_s"],
+            "tok_s_rounds": [res["useful_tok_s"]], "speedup": None, "speedup_rounds": [], "acceptance_rate": None,
+            "tokens_per_verification": None, "drafted": 0, "decode_steps_by_tokens": {}, "greedy_match": None}
 
 
 def _print(rows, rep) -> None:
@@ -150,6 +170,9 @@ def _print(rows, rep) -> None:
           "| greedy match |", file=out)
     print("|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
+        if r["proposer"] == "llama-server":
+            print(f"| {r['batch']} | {r['set']} | llama-server (plain) | {r['tok_s']:.1f} | - | - | - | - |", file=out)
+            continue
         acc = "-" if r["proposer"] == "off" else f"{r['acceptance_rate'] or 0:.2f}"
         tpv = "-" if r["proposer"] == "off" else f"{r['tokens_per_verification'] or 0:.2f}"
         rounds = ", ".join(f"{x:.2f}" for x in r["speedup_rounds"])
@@ -164,6 +187,8 @@ def _print_steps(rows, rep) -> None:
     print("| batch | set | proposer | steps by tokens |", file=out)
     print("|---|---|---|---|", file=out)
     for r in rows:
+        if r["proposer"] == "llama-server":
+            continue
         cells = ", ".join(f"{t}: {v['ms']:.1f} ({v['steps']})" for t, v in r["decode_steps_by_tokens"].items())
         print(f"| {r['batch']} | {r['set']} | {r['proposer']} | {cells} |", file=out)
 
