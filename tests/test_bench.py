@@ -123,3 +123,49 @@ def test_bench_spec_rounds_and_greedy_match(tmp_path):
             assert all(int(t) <= r["batch"] for t in steps)  # plain decoding: a token per request per step
             assert r["speedup_rounds"] == [1.0, 1.0]
     assert any(r["drafted"] for r in rows if r["proposer"] != "off")
+
+
+def test_bench_spec_times_a_server_on_the_same_prompts(tmp_path):
+    """--server-url: a llama-server-style /completion endpoint gets each batch-1 prompt as
+    token ids, for as many tokens as ridge's plain run made, and its row joins the table."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tiny_models import make_tiny
+
+    from ridge.cli import main
+
+    bodies = []
+
+    class Completion(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(body["n_predict"]):
+                self.wfile.write(b'data: {"content": "a", "stop": false}\n\n')
+            self.wfile.write(b'data: {"content": "", "stop": true, "tokens_predicted": %d}\n\n' % body["n_predict"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Completion)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        path, _, _ = make_tiny(tmp_path, "llama")
+        out = tmp_path / "spec.json"
+        rc = main(["bench", "spec", "--model", str(path), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64",
+                   "--proposers", "ngram", "--batches", "1", "--sets", "repetitive", "--max-tokens", "6",
+                   "--rounds", "1", "--server-url", f"http://127.0.0.1:{server.server_address[1]}",
+                   "--json", str(out)])
+    finally:
+        server.shutdown()
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["speculative"]
+    assert [r["proposer"] for r in rows] == ["off", "ngram", "llama-server"]
+    assert rows[2]["tok_s"] > 0
+    timed = bodies[1:]  # the first request is the warm-up
+    assert len(timed) == 6 and all(isinstance(b["prompt"], list) and b["ignore_eos"] for b in timed)
+    assert all(b["n_predict"] == 6 for b in timed)  # ridge's plain outputs: the seeded tiny model runs to max_tokens
