@@ -195,3 +195,16 @@ def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
     path = write_gguf(tmp_path / "other.gguf", other, sd, tokenizer=False)
     with pytest.raises(Exception):
         make_engine(models[0], speculative=f"draft:{path}")
+
+
+def test_a_draft_as_large_as_the_target_is_not_run(models, caplog):
+    """Each draft from a model as large as the target costs what the token it may save does:
+    the policy says so, and the engine serves without it (plain output, nothing drafted)."""
+    loaded, _ = models
+    assert not SpecPolicy(knee_tokens=16, draft_cost=1.0).can_pay()
+    assert SpecPolicy(knee_tokens=16, draft_cost=0.2).can_pay()
+    with caplog.at_level("WARNING", logger="ridge.engine"):
+        eng = make_engine(loaded, speculative=f"draft:{loaded.path}")
+    assert "can never pay" in caplog.text and eng.proposer_name == "off"
+    ps = prompts(loaded.config.vocab_size, [9, 30])
+    assert run(eng, ps, greedy(8)) == run(make_engine(loaded), ps, greedy(8))

@@ -73,6 +73,8 @@ class LLMEngine:
         self._plan_budget()
         proposer, self.spec_policy, draft = build_speculation(config.speculative, self, self.budget_info["knee_tokens"],
                                                               config.num_speculative_tokens)
+        if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
+            choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format)
         act = measure_activation_peak(self._profile_forward, self.device)
         # A draft model's KV lives in the same blocks as the target's: one pool accounts for both.
         extra = kv_bytes_per_token(draft.config, self.kv_dtype) if draft else 0

@@ -1,8 +1,12 @@
 """`--speculative ngram|draft:PATH|self:L|auto|off` -> a proposer and its policy."""
 from __future__ import annotations
 
+import logging
+
 from .policy import SpecPolicy
 from .proposers import AutoProposer, DraftModelProposer, NgramProposer, SelfDraftProposer
+
+log = logging.getLogger("ridge.engine")
 
 
 def _self_layers(spec: str, num_layers: int) -> int:
@@ -20,6 +24,13 @@ def check_same_tokenizer(target, draft, path) -> None:
     if a != b:
         raise ValueError(f"{path}: the draft model's vocabulary differs from the target's "
                          f"({len(b)} vs {len(a)} tokens); a draft must share the tokenizer")
+
+
+def _linear_weights(model) -> int:
+    """Weights a step multiplies by: what a pass costs, whatever format each copy is in."""
+    from ridge.quant.linear import FP8Linear
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
 
 
 def load_draft(path: str, engine):
@@ -49,8 +60,13 @@ def build_speculation(spec: str, engine, knee_tokens: float, max_k: int):
         return AutoProposer(NgramProposer(), selfdraft, policy), policy, None
     if spec.startswith("draft:"):
         draft = load_draft(spec.split(":", 1)[1], engine)
-        cost = draft.weight_bytes / max(engine.loaded.weight_bytes, 1)
-        return None, SpecPolicy(knee_tokens, max_k, cost), draft  # the proposer needs the pool: see engine
+        cost = _linear_weights(draft.model) / max(_linear_weights(engine.model), 1)
+        policy = SpecPolicy(knee_tokens, max_k, cost)
+        if not policy.can_pay():
+            log.warning("--speculative %s: the draft multiplies %.2fx the target's weights per token, so "
+                        "drafting can never pay; speculation is off", spec, cost)
+            return None, None, None
+        return None, policy, draft  # the proposer needs the pool: see engine
     raise ValueError(f"unknown --speculative {spec!r}; choose ngram, draft:PATH, self:L, auto or off")
 
 

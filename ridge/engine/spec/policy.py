@@ -87,16 +87,25 @@ class SpecPolicy:
         if cost and a < MIN_ACCEPT and acc.drafted >= PRIOR_WEIGHT:
             acc.idle_steps += 1
             return 1 if acc.idle_steps % PROBE_EVERY == 0 else 0
-        # Tokens per unit of step cost, without drafts and with k drafts for this
-        # request: a step of T tokens costs T* + T; each draft pass costs
-        # draft_cost of a step (T* units), shared by the requests drafting in it.
-        T, knee = max(batch_tokens, 1), self.knee_tokens
+        return self._best_k(a, max(batch_tokens, 1), cost)
+
+    def _best_k(self, a: float, T: int, cost: float) -> int:
+        """Tokens per unit of step cost, without drafts and with k drafts for this
+        request: a step of T tokens costs T* + T; each draft pass costs
+        draft_cost of a step (T* units), shared by the requests drafting in it."""
+        knee = self.knee_tokens
         best_k, best = 0, T / (knee + T)
         for k in range(1, self.max_k + 1):
             value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * cost * knee / T)
             if value > best * 1.02:  # a margin against noise in the estimate
                 best_k, best = k, value
         return best_k
+
+    def can_pay(self) -> bool:
+        """Whether drafting at draft_cost could ever beat plain decoding: alone in a step, with
+        every draft accepted. A draft model as large as the target cannot (each draft costs
+        what the token it may save does), and its catch-up pass would slow every step."""
+        return self._best_k(1.0, 1, self.draft_cost) > 0
 
     def worth_drafting(self, request_id: str, source: str) -> bool:
         """Whether `source` may still draft for this request: not once its drafts for the
