@@ -208,3 +208,27 @@ def test_a_draft_as_large_as_the_target_is_not_run(models, caplog):
     assert "can never pay" in caplog.text and eng.proposer_name == "off"
     ps = prompts(loaded.config.vocab_size, [9, 30])
     assert run(eng, ps, greedy(8)) == run(make_engine(loaded), ps, greedy(8))
+
+
+def test_policy_reads_the_knee_from_measured_steps():
+    """Measured decode steps replace the ridge point's knee once they vary in size: a step whose
+    fixed cost dwarfs its per-token cost makes drafts cheaper than the ridge point says."""
+    pol = SpecPolicy(knee_tokens=16, max_k=8)
+    for i in range(20):
+        pol.observe_step(1 + i % 9, 0.027 + 0.0006 * (1 + i % 9))
+    assert pol.knee() == 16  # too few steps yet
+    for i in range(40):
+        pol.observe_step(1 + i % 9, 0.027 + 0.0006 * (1 + i % 9))
+    assert abs(pol.knee() - 45) < 1
+    flat = SpecPolicy(knee_tokens=16)
+    for _ in range(64):
+        flat.observe_step(16, 0.04)
+    assert flat.knee() == 16  # same-size steps carry no slope
+    wild = SpecPolicy(knee_tokens=16)
+    for i in range(64):
+        wild.observe_step(1 + 8 * (i % 2), 0.03 + 1e-7 * (i % 2))
+    assert wild.knee() == 16 * 8  # kept within range of the ridge point's
+    for _ in range(10):
+        pol.record("r", 4, 1)
+    assert pol.choose_k("r", batch_tokens=1) > SpecPolicy(knee_tokens=16, max_k=8, per_request=pol.per_request,
+                                                          totals=pol.totals).choose_k("r", batch_tokens=1)

@@ -184,6 +184,7 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs, self.pending = self.pending, []
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -199,7 +200,12 @@ class LLMEngine:
             return outputs + self._fail(out, f"{type(e).__name__}: {e}")
         self.scheduler.update(out, tokens)
         self._account(out, tokens)
-        return outputs + self._postprocess(out, tokens, samples)
+        outputs += self._postprocess(out, tokens, samples)
+        if self.spec_policy is not None and all(s.start >= s.request.num_prompt_tokens for s in out.scheduled):
+            # The whole step but its drafting: what a verified token costs against a plain one.
+            self.spec_policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled),
+                                          time.perf_counter() - t0 - self.runner.last_propose_s)
+        return outputs
 
     def _postprocess(self, out: SchedulerOutput, tokens, samples) -> list[RequestOutput]:
         outputs = []

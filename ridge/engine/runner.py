@@ -7,6 +7,8 @@ Drafted tokens are simply more scheduled tokens; their rows are verified.
 Per-step Python work is O(requests); nothing here loops over tokens."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ridge.cache.kv_cache import KVCache
@@ -68,6 +70,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.proposer = proposer
         self.graphs = None
+        self.last_propose_s = 0.0  # the latest step's drafting time, which the policy prices on its own
         if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
             # Pure-decode steps replay captured graphs; on CPU (tests) the same padded buffers run eagerly.
             max_len = max_model_len or model.max_model_len
@@ -89,8 +92,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
         """-> (request id -> new tokens, request id -> sample result) for requests that sampled."""
+        t0 = time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self, out)
+        self.last_propose_s = time.perf_counter() - t0
         batch, logits = self.forward_logits(out)
         plain, spec = [], []
         for s, (first, k) in zip(out.scheduled, batch.sample_spans):

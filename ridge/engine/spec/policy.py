@@ -56,6 +56,42 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 @dataclass
+class StepCost:
+    """A least-squares line through measured decode-step times, seconds = fixed + per_token x T,
+    over recent steps (older ones fade). fixed / per_token is the knee as the whole step shows
+    it: the ridge point prices only the weight reads, while a CPU step also pays a fixed cost
+    in small ops that extra tokens do not add to (SmolLM2 at batch 1: 27 ms for 1 token,
+    33 ms for 9, so drafts are cheaper than the ridge point's knee says)."""
+    decay: float = 0.995
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def knee(self) -> float | None:
+        """fixed / per_token, once enough steps of varied sizes were seen."""
+        if self.n < MIN_STEPS:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var < 1.0:  # every step the same size: no slope to read
+            return None
+        slope = (self.sxy / self.n - mx * my) / var
+        fixed = my - slope * mx
+        return fixed / slope if slope > 0 and fixed > 0 else None
+
+
+MIN_STEPS = 32  # measured decode steps before their knee replaces the ridge point's
+KNEE_RANGE = (0.25, 8.0)  # the measured knee is kept within these multiples of the ridge point's
+
+
+@dataclass
 class SpecPolicy:
     knee_tokens: float  # T*
     max_k: int = 8
@@ -67,6 +103,19 @@ class SpecPolicy:
     by_source: dict[str, dict[str, Acceptance]] = field(default_factory=dict)  # request -> proposer -> figures
     per_proposer: dict[str, Acceptance] = field(default_factory=dict)
     totals: Acceptance = field(default_factory=Acceptance)
+    step_cost: StepCost = field(default_factory=StepCost)
+
+    def knee(self) -> float:
+        """The ridge point's T*, or the measured steps' knee once there is one (within KNEE_RANGE of T*)."""
+        measured = self.step_cost.knee()
+        if measured is None:
+            return self.knee_tokens
+        lo, hi = KNEE_RANGE
+        return min(max(measured, lo * self.knee_tokens), hi * self.knee_tokens)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode step (no prompt tokens) of `tokens` tokens took `seconds`, drafting excluded."""
+        self.step_cost.add(tokens, seconds)
 
     def choose_k(self, request_id: str, batch_tokens: int) -> int:
         """batch_tokens: tokens already in this step (T). -> drafts to propose."""
@@ -93,7 +142,7 @@ class SpecPolicy:
         """Tokens per unit of step cost, without drafts and with k drafts for this
         request: a step of T tokens costs T* + T; each draft pass costs
         draft_cost of a step (T* units), shared by the requests drafting in it."""
-        knee = self.knee_tokens
+        knee = self.knee()
         best_k, best = 0, T / (knee + T)
         for k in range(1, self.max_k + 1):
             value = (T - 1 + expected_tokens(a, k)) / (knee + T + k + k * cost * knee / T)
@@ -128,4 +177,5 @@ class SpecPolicy:
         self.by_source.pop(request_id, None)
 
     def stats(self) -> dict:
-        return {"total": self.totals.as_dict(), **{k: v.as_dict() for k, v in self.per_proposer.items()}}
+        return {"total": self.totals.as_dict(), "knee_tokens": {"ridge": self.knee_tokens, "used": self.knee()},
+                **{k: v.as_dict() for k, v in self.per_proposer.items()}}
