@@ -133,12 +133,12 @@ def part_spec(rep, args, loaded) -> None:
                        "greedy_match": sum(_same_prefix(outs["off"][k], outs[spec][k]) for k in outs[spec])
                        / len(outs[spec])}
                 rows.append(row)
-            if batch == 1 and args.server_url:
-                rows.append(_server_row(args.server_url, name, prompts, [len(v) for v in outs["off"].values()]))
                 print(f"batch {batch:>2} {name:<10} {spec:<8} {row['tok_s']:6.1f} tok/s  x{row['speedup']:.2f} "
                       f"({', '.join(f'{x:.2f}' for x in speedups)})  accept {row['acceptance_rate'] or 0:.2f}  "
                       f"tokens/verify {row['tokens_per_verification'] or 0:.2f}  match {row['greedy_match']:.2f}",
                       file=sys.stderr)
+            if batch == 1 and args.server_url:
+                rows.append(_server_row(args.server_url, name, prompts, [len(v) for v in outs["off"].values()]))
             del engines
     rep.add("speculative", rows)
     _print(rows, rep)

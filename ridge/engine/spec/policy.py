@@ -11,7 +11,9 @@ that the drafts before it were: accepted / (accepted + rejections), not
 accepted / drafted, which counts the drafts after a rejection as failures
 although they were never tried. The policy picks the k that maximises the step's
 tokens per unit of cost, so speculation fades out as the batch pushes the step
-past the knee, and stops for requests whose drafts are rarely accepted."""
+past the knee, and stops for requests whose drafts are rarely accepted. The
+ridge point's knee is where the policy starts; once the engine has timed decode
+steps of varied sizes, the knee those times show takes its place (StepCost)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -26,7 +26,6 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
-        ids = list(ids)
         arr = np.asarray(ids, dtype=np.int64)
         for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every earlier n-gram
