@@ -38,6 +38,8 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for bf16 x and a weight from pack_bf16."""
     if w.is_mkldnn:
+        if x.shape[0] == 2:  # oneDNN's two-row kernel made SmolLM2's step 1.08x slower than three rows
+            return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x[:1])), w, None, "none", [None], "")[:2]
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
     return F.linear(x, w)
 

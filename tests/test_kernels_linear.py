@@ -81,7 +81,7 @@ def test_weight_only_software_fp8_decode(monkeypatch):
     assert_close(fp8_weight_only_triton(x, w8, ws, b), fp8_linear_ref(x, w8, ws, b), atol=1e-4)
 
 
-@pytest.mark.parametrize("M", [1, 3, 9, 64])
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 64])
 def test_cpu_small_step_copy_matches_fp32(M):
     """The CPU's bf16 copy (packed once for oneDNN where torch has it) computes the exact
     e4m3 values with bf16 activations: close to the fp32 path, odd shapes included."""
