@@ -18,6 +18,7 @@ from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
 from .norm import rms_norm_ref
 from .rope import rope_ref
+from .timing import section
 
 _TRITON: dict[str, object] = {}
 _FORCE: bool | None = None  # None: by device; True: Triton for every tensor; False: references only
@@ -65,27 +66,33 @@ def _pick(name: str, ref, x: torch.Tensor):
 
 
 def rms_norm(x, weight, eps, residual=None):
-    return _pick("rms_norm", rms_norm_ref, x)(x, weight, eps, residual)
+    with section("norm"):
+        return _pick("rms_norm", rms_norm_ref, x)(x, weight, eps, residual)
 
 
 def rope(q, k, positions, cos_sin):
-    return _pick("rope", rope_ref, q)(q, k, positions, cos_sin)
+    with section("rope"):
+        return _pick("rope", rope_ref, q)(q, k, positions, cos_sin)
 
 
 def silu_and_mul(x):
-    return _pick("silu_and_mul", silu_and_mul_ref, x)(x)
+    with section("act"):
+        return _pick("silu_and_mul", silu_and_mul_ref, x)(x)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None):
-    return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
+    with section("linear"):
+        return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
 
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-    return _pick("write_kv", write_kv_ref, key)(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    with section("kv_write"):
+        return _pick("write_kv", write_kv_ref, key)(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):
-    return _pick("paged_attention", paged_attention_ref, q)(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+    with section("attention"):
+        return _pick("paged_attention", paged_attention_ref, q)(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
 
 
 if torch.cuda.is_available():

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.kernels import ops
+from ridge.kernels.timing import section
 
 FP8 = torch.float8_e4m3fn
 
@@ -87,6 +88,10 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
             return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        with section("linear"):
+            return self._cpu_forward(x)
+
+    def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowp is not None and x.shape[0] <= self.lowp_max_tokens:
             y = bf16_linear(x.to(torch.bfloat16), self.lowp)
             if self.cpu_scale is not None:

@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -15,7 +15,10 @@ from ridge.cache.kv_cache import KVCache, kv_bytes_per_token
 from ridge.cache.manager import KVCacheManager
 from ridge.quant.loader import LoadedModel, load_model
 
+from ridge.kernels.timing import section
+
 from .budget import default_token_budget
+from .config import EngineConfig
 from .cpu_format import choose_cpu_format, keep_freed_memory
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
@@ -26,34 +29,6 @@ from .sizing import measure_activation_peak, plan_memory
 from .spec.factory import DraftModelProposer, build_speculation
 
 log = logging.getLogger("ridge.engine")
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # path; None = the embedded default model
-    device: str | None = None  # None = cuda if available, else cpu
-    kv_dtype: str | None = None  # fp8 | bf16 | fp16 | fp32; None = fp8 on CUDA, the measured CPU default on CPU
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    prefill_chunk: int | None = None  # None = from the ridge point (engine/budget.py)
-    num_kv_blocks: int | None = None  # fixed pool size instead of sizing from memory
-    kv_memory_gib: float | None = None  # cap on the KV pool
-    gpu_reserve_gib: float = 1.0
-    cpu_kv_cap_gib: float = 4.0
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    quantize: bool = True
-    ridge_point: float | None = None  # FLOPs per byte; None = plan table (GPU) or measured (CPU)
-    speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
-    num_speculative_tokens: int = 8  # the most drafts per request per step
-    cuda_graph: bool | None = None  # replay pure-decode steps as CUDA graphs; None = on CUDA
-    cpu_weight_format: str = "auto"  # auto (measured) | fp32 | bf16:N (bf16 for steps of <= N tokens)
-
-    def resolved_kv_dtype(self, device: torch.device) -> str:
-        # CPU default, measured: reading an FP8 cache through torch costs a slow
-        # fp8 -> fp32 cast every step (docs/benchmarks.md), so CPU serves fp32 KV.
-        return self.kv_dtype or ("fp8" if device.type == "cuda" else "fp32")
 
 
 class LLMEngine:
@@ -186,7 +161,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs, self.pending = self.pending, []
-        out = self.scheduler.schedule()
+        with section("schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
             return outputs
         now = time.monotonic()
@@ -198,9 +174,11 @@ class LLMEngine:
         except Exception as e:  # fail this step's requests; keep serving the rest
             log.exception("step failed")
             return outputs + self._fail(out, f"{type(e).__name__}: {e}")
-        self.scheduler.update(out, tokens)
+        with section("sched_update"):
+            self.scheduler.update(out, tokens)
         self._account(out, tokens)
-        outputs += self._postprocess(out, tokens, samples)
+        with section("outputs"):
+            outputs += self._postprocess(out, tokens, samples)
         if self.spec_policy is not None and all(s.start >= s.request.num_prompt_tokens for s in out.scheduled):
             # The whole step but its drafting: what a verified token costs against a plain one.
             self.spec_policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled),

@@ -14,6 +14,7 @@ import torch
 from ridge.cache.kv_cache import KVCache
 from ridge.kernels.cuda_graph import DecodeGraphRunner
 from ridge.kernels.metadata import AttentionMetadata
+from ridge.kernels.timing import section
 
 from .sampler import Sampler, SampleResult
 from .scheduler import SchedulerOutput
@@ -81,7 +82,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
         """Run the model over the step; -> (batch, logits [num sample rows, V])."""
-        batch = StepBatch(out, self.block_size, self.device)
+        with section("batch_build"):
+            batch = StepBatch(out, self.block_size, self.device)
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
@@ -106,7 +108,8 @@ class ModelRunner:
         tokens, results = {}, {}
         if plain:
             rows = torch.tensor([f for _, f in plain], device=self.device)
-            res = self.sampler.sample(logits[rows], [s.request for s, _ in plain])
+            with section("sample"):
+                res = self.sampler.sample(logits[rows], [s.request for s, _ in plain])
             for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs):
                 tokens[s.request.request_id] = [t]
                 results[s.request.request_id] = SampleResult([t], [lp])

@@ -12,6 +12,7 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
+from ridge.kernels.timing import section
 from ridge.quant.linear import FP8Linear
 
 from .rope import rope_cos_sin
@@ -81,7 +82,8 @@ class CausalLM(nn.Module):
                 kv_caches: list, num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden].
         num_layers runs only the first L layers (the self-draft)."""
-        h = self.embed_tokens(input_ids)
+        with section("embed"):
+            h = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
             h, residual = layer(h, residual, positions, self.cos_sin, meta, kv)
@@ -89,7 +91,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        with section("lm_head"):
+            return self.lm_head(hidden).float()
 
     @property
     def dtype(self) -> torch.dtype:
