@@ -65,16 +65,12 @@ class StepTimer:
 
     def __init__(self, engine):
         self.times: dict[int, list[float]] = {}
-        inner = engine.runner.execute
 
-        def execute(out):
-            t0 = time.perf_counter()
-            res = inner(out)
+        def observe(out, seconds: float) -> None:
             if not any(s.start < s.request.num_prompt_tokens for s in out.scheduled):
                 tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
-                self.times.setdefault(tokens, []).append(time.perf_counter() - t0)
-            return res
-        engine.runner.execute = execute
+                self.times.setdefault(tokens, []).append(seconds)
+        engine.step_observers.append(observe)
 
     def summary(self) -> dict[int, dict]:
         import statistics

@@ -20,7 +20,7 @@ class EngineConfig:
     gpu_reserve_gib: float = 1.0
     cpu_kv_cap_gib: float = 4.0
     enable_prefix_caching: bool = True
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch CPU threads; None = torch's default on CPU, 4 on CUDA
     quantize: bool = True
     ridge_point: float | None = None  # FLOPs per byte; None = plan table (GPU) or measured (CPU)
     speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
@@ -28,6 +28,15 @@ class EngineConfig:
     cuda_graph: bool | None = None  # replay steps as CUDA graphs; None = on CUDA
     async_scheduling: bool | None = None  # overlap: schedule step N+1 while step N runs; None = on CUDA
     cpu_weight_format: str = "auto"  # auto (measured) | fp32 | bf16:N (bf16 for steps of <= N tokens)
+
+    def __post_init__(self):
+        self.speculative_config  # parsed here, so that a bad value fails before any model loads
+
+    @property
+    def speculative_config(self):
+        from .spec.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
         # CPU default, measured: reading an FP8 cache through torch costs a slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import asdict
@@ -22,13 +23,15 @@ from .config import EngineConfig
 from .cpu_format import choose_cpu_format, keep_freed_memory
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
-from .runner import ModelRunner
+from .runner import ModelRunner, StepHandle
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
-from .spec.factory import DraftModelProposer, build_speculation
+from .spec.factory import build_policy, build_proposer, load_draft
+from .step_batch import StepBuffers
 
 log = logging.getLogger("ridge.engine")
+CUDA_HOST_THREADS = 4  # torch CPU threads of a GPU engine unless --threads says otherwise
 
 
 class LLMEngine:
@@ -40,14 +43,21 @@ class LLMEngine:
                                            quantize=config.quantize)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.device = self.loaded.device
+        if self.device.type == "cuda" and not config.num_threads:
+            # The host only plans steps and samples small tensors: torch's default of
+            # one intra-op thread per core kept 10-15 cores busy for nothing.
+            torch.set_num_threads(min(CUDA_HOST_THREADS, os.cpu_count() or 1))
         self.max_model_len = min(config.max_model_len or self.model.max_model_len, self.model.max_model_len)
         self.kv_dtype = config.resolved_kv_dtype(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format)
         self._plan_budget()
-        proposer, self.spec_policy, draft = build_speculation(config.speculative, self, self.budget_info["knee_tokens"],
-                                                              config.num_speculative_tokens)
+        spec = config.speculative_config
+        draft = load_draft(spec, self.device, config.quantize, self.max_model_len, self.tokenizer)
+        self.spec_policy = build_policy(spec, self.budget_info["knee_tokens"], self.model, draft)
+        if self.spec_policy is None:
+            draft = None
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format)
         act = measure_activation_peak(self._profile_forward, self.device)
@@ -59,14 +69,27 @@ class LLMEngine:
                                   kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
                                   max_model_len=self.max_model_len, extra_bytes_per_token=extra)
         self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
-        if draft is not None:
-            draft_cache = KVCache(draft.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
-            proposer = DraftModelProposer(draft, draft_cache)
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv, self.spec_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache, proposer, config.max_num_seqs, self.max_model_len,
-                                  config.cuda_graph)
-        self.proposer_name = proposer.name if proposer is not None else "off"
+        self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
+                                  config.cuda_graph, self.sched_config.max_num_batched_tokens)
+        self.proposer = None
+        if self.spec_policy is not None:
+            draft_cache = draft and KVCache(draft.config, self.memory.num_blocks, config.block_size, self.kv_dtype,
+                                            self.device)
+            bufs = draft and StepBuffers(self.sched_config.max_num_batched_tokens, config.max_num_seqs,
+                                         self.runner.bufs.width, self.device)
+            self.proposer = build_proposer(spec, self.spec_policy, self.model, self.kv_cache, self.runner.sampler,
+                                           draft, draft_cache, bufs)
+        # Overlap needs the device to run apart from the host: on CPU both are the same
+        # cores, so a step would only finish later. Drafting reads the last token on the host.
+        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = overlap and self.proposer is None
+        self.in_flight: StepHandle | None = None  # the launched step not yet read
+        # Called with (the step's plan, seconds from its launch to its tokens read) for each
+        # step read: the explicit hook benchmarks time steps with.
+        self.step_observers: list = []
+        self.proposer_name = self.proposer.name if self.proposer is not None else "off"
         self.requests: dict[str, Request] = {}  # internal id -> request
         self.groups: dict[str, list[Request]] = {}  # client id -> its samples
         self.texts: dict[str, TextState] = {}
@@ -155,34 +178,66 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.groups) or bool(self.pending)
+        return bool(self.groups) or bool(self.pending) or self.in_flight is not None
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        """Plan and launch a step, then read the previous one (overlapped) or this one.
+
+        Overlapped, the host plans step N+1 while the device runs step N, and turns
+        step N's tokens into outputs while the device runs N+1."""
         outputs, self.pending = self.pending, []
+        if self.in_flight is not None and (not self.async_scheduling or self._needs_host_history()):
+            outputs += self._complete(self.in_flight)
         with section("schedule"):
             out = self.scheduler.schedule()
-        if out.is_empty:
-            return outputs
+        launched = self._launch(out, outputs) if not out.is_empty else None
+        if self.in_flight is not None:
+            outputs += self._complete(self.in_flight)
+        self.in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+        return outputs
+
+    def _needs_host_history(self) -> bool:
+        # A repetition penalty reads every earlier token on the host, the latest included.
+        return any(r.params.repetition_penalty != 1.0 for r in self.scheduler.running)
+
+    def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> StepHandle | None:
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now
         try:
-            tokens, samples = self.runner.execute(out)
+            if self.proposer is not None:  # drafts first: the scheduler fits the plan to them
+                self.scheduler.accept_drafts(out, self.proposer.propose(out))
+            return self.runner.launch(out)
         except Exception as e:  # fail this step's requests; keep serving the rest
             log.exception("step failed")
-            return outputs + self._fail(out, f"{type(e).__name__}: {e}")
+            outputs += self._fail(out, f"{type(e).__name__}: {e}")
+            return None
+
+    def _complete(self, handle: StepHandle) -> list[RequestOutput]:
+        """Read a launched step's tokens and turn them into outputs."""
+        if handle is self.in_flight:
+            self.in_flight = None
+        out = handle.out
+        try:
+            tokens, samples = handle.read()
+        except Exception as e:
+            log.exception("step failed")
+            return self._fail(out, f"{type(e).__name__}: {e}")
         with section("sched_update"):
             self.scheduler.update(out, tokens)
         self._account(out, tokens)
         with section("outputs"):
-            outputs += self._postprocess(out, tokens, samples)
+            outputs = self._postprocess(out, tokens, samples)
+        seconds = time.perf_counter() - handle.t0
         if self.spec_policy is not None and all(s.start >= s.request.num_prompt_tokens for s in out.scheduled):
             # The whole step but its drafting: what a verified token costs against a plain one.
-            self.spec_policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled),
-                                          time.perf_counter() - t0 - self.runner.last_propose_s)
+            self.spec_policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled), seconds)
+        for observe in self.step_observers:
+            observe(out, seconds)
         return outputs
 
     def _postprocess(self, out: SchedulerOutput, tokens, samples) -> list[RequestOutput]:
@@ -190,6 +245,8 @@ class LLMEngine:
         now = time.monotonic()
         for s in out.scheduled:
             req = s.request
+            if req.request_id not in self.requests:  # finished (stop, abort) while the step ran
+                continue
             new = tokens.get(req.request_id, [])
             if not new and not req.is_finished:
                 continue

@@ -1,6 +1,10 @@
 """Per-request state. One rule drives it: num_computed_tokens catches up to
 num_tokens (prompt + output + speculative drafts), whatever phase a reader
-might imagine the request to be in."""
+might imagine the request to be in.
+
+An output placeholder is a token sampled on the device whose value the host
+has not read yet (overlapped steps): it counts toward num_tokens, so the next
+step can compute it, but it is not in all_token_ids until it is read."""
 from __future__ import annotations
 
 import enum
@@ -66,6 +70,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafted, not yet verified
     draft_source: str = ""  # the proposer of the current drafts
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0  # sampled, not yet read back
     num_cached_tokens: int = 0  # prefix-cache hit at (last) admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -78,6 +83,10 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

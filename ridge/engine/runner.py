@@ -1,10 +1,16 @@
 """The model runner: a scheduler step -> one flattened batch -> tokens.
 
-It turns the plan into tensors (token ids, positions, block table, slot
-mapping, sequence lengths), runs the model once over every scheduled token of
-every request, and samples from the rows that end a request's known tokens.
-Drafted tokens are simply more scheduled tokens; their rows are verified.
-Per-step Python work is O(requests); nothing here loops over tokens."""
+It plans the step's inputs on the host (step_batch.py), runs the model once
+over every scheduled token of every request (a CUDA graph on a GPU), and
+samples from the rows that end a request's known tokens. Drafted tokens are
+simply more scheduled tokens; their rows are verified.
+
+launch() queues a step and returns without waiting for the device; the
+step's tokens are read with StepHandle.read(). A request whose last input is
+the previous step's sample gets it on the device (the feed), so the engine can
+plan and launch step N+1 before it reads step N. Drafting and verification
+read tokens on the host, so the engine does not overlap steps that speculate
+(the engine asks the proposer for drafts before it launches a step)."""
 from __future__ import annotations
 
 import time
@@ -12,110 +18,110 @@ import time
 import torch
 
 from ridge.cache.kv_cache import KVCache
-from ridge.kernels.cuda_graph import DecodeGraphRunner
-from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 
-from .sampler import Sampler, SampleResult
+from .graphs import StepGraphs
+from .sampler import SampledRows, Sampler, SampleResult
 from .scheduler import SchedulerOutput
 from .spec.verify import verify
+from .step_batch import StepBatch, StepBuffers, plan_step
 
 
-class StepBatch:
-    """The tensors of one step, on the model's device. include_spec=False
-    leaves out drafted tokens (what a draft model must see)."""
+class StepHandle:
+    """A launched step. read() -> (request id -> new tokens, request id -> sample result)."""
 
-    def __init__(self, out: SchedulerOutput, block_size: int, device: torch.device, include_spec: bool = True):
-        qlens, slens, tables, ids, starts = [], [], [], [], []
-        for s in out.scheduled:
-            r = s.request
-            n = s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens)
-            known = r.all_token_ids + r.spec_token_ids if include_spec and s.num_spec_tokens else r.all_token_ids
-            ids.extend(known[s.start: s.start + n])
-            qlens.append(n)
-            slens.append(s.start + n)
-            tables.append(s.block_ids)
-            starts.append(s.start)
-        q = torch.tensor(qlens)
-        seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), q)
-        cu = torch.cumsum(q, 0)
-        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu - q, q) + torch.tensor(starts)[seq_idx]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        slots = table[seq_idx, positions // block_size].long() * block_size + positions % block_size
-        self.input_ids = torch.tensor(ids, device=device)
-        self.positions = positions.to(device)
-        self.meta = AttentionMetadata(
-            slot_mapping=slots.to(device), block_table=table.to(device),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
-            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), cu]).to(torch.int32).to(device),
-            seq_lens_host=slens, query_lens_host=qlens)
-        ends = cu.tolist()
-        self.last_row = {id(s): end - 1 for s, end in zip(out.scheduled, ends)}
-        # Rows whose logits are needed: the last 1 + num_spec tokens of each sampling request.
-        self.sample_rows: list[int] = []
-        self.sample_spans: list[tuple[int, int]] = []  # (first row in logits, count) per scheduled request
-        for s, end in zip(out.scheduled, ends):
-            k = 1 + s.num_spec_tokens if s.samples else 0
-            self.sample_spans.append((len(self.sample_rows), k))
-            self.sample_rows.extend(range(end - k, end))
+    def __init__(self, out: SchedulerOutput, sampled: SampledRows | None, plain: list, spec_tokens: dict,
+                 started: float):
+        self.out = out
+        self.sampled = sampled  # the plain rows' samples, on the device
+        self.plain = plain  # request ids of the plain rows, in order
+        self.rows = {rid: i for i, rid in enumerate(plain)}  # what the next step's feed indexes
+        self.spec_tokens = spec_tokens  # verified drafts, already on the host
+        self.t0 = started  # after drafting, which the policy prices on its own
+        self._result = None
+
+    def read(self) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
+        if self._result is None:
+            tokens, results = dict(self.spec_tokens), {}
+            if self.sampled is not None:
+                res = self.sampled.read()
+                for rid, t, lp in zip(self.plain, res.token_ids, res.logprobs):
+                    tokens[rid] = [t]
+                    results[rid] = SampleResult([t], [lp])
+            self._result = tokens, results
+        return self._result
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, proposer=None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, cuda_graph: bool | None = None):
+    def __init__(self, model, kv_cache: KVCache, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, cuda_graph: bool | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = model.cos_sin.device
         self.sampler = Sampler()
-        self.proposer = proposer
+        max_len = max_model_len or model.max_model_len
+        max_tokens = max(max_num_batched_tokens or max_num_seqs, max_num_seqs)
+        # Drafts and the padded graph shapes never exceed the step budget; a draft model's
+        # own plan (include_spec=False) is smaller still.
+        self.bufs = StepBuffers(max_tokens, max_num_seqs, -(-max_len // self.block_size), self.device)
         self.graphs = None
-        self.last_propose_s = 0.0  # the latest step's drafting time, which the policy prices on its own
         if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
-            # Pure-decode steps replay captured graphs; on CPU (tests) the same padded buffers run eagerly.
-            max_len = max_model_len or model.max_model_len
-            self.graphs = DecodeGraphRunner(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
-                                            max_batch=max_num_seqs, max_blocks_per_seq=-(-max_len // self.block_size),
-                                            max_seq_len=max_len, device=self.device, enabled=True)
+            # On CPU (tests) the same padded buffers run eagerly.
+            self.graphs = StepGraphs(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
+                                     self.bufs, self.block_size, max_num_seqs, max_tokens, max_len, enabled=True)
+            if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
+                self.graphs.capture()
+        self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next
+
+    def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
+        prev = self.last.rows if self.last is not None else None
+        batch = plan_step(out, self.block_size, self.bufs, include_spec, graph, prev)
+        if batch.feed is not None:
+            dst, src = batch.feed
+            batch.input_ids.index_copy_(0, dst, self.last.sampled.token_ids.index_select(0, src))
+        return batch
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
         """Run the model over the step; -> (batch, logits [num sample rows, V])."""
         with section("batch_build"):
-            batch = StepBatch(out, self.block_size, self.device)
-        if self.graphs is not None and self.graphs.can_run(batch.meta):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            shape = None
+            if self.graphs is not None:
+                pure_decode = all(s.num_scheduled_tokens == 1 for s in out.scheduled)
+                num_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
+                shape = self.graphs.shape_for(len(out.scheduled), num_tokens, pure_decode)
+            batch = self.plan(out, graph=shape)
+        if shape is not None:
+            hidden = self.graphs.run(shape, batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
-        rows = torch.tensor(batch.sample_rows, device=self.device, dtype=torch.long)
-        return batch, self.model.compute_logits(hidden[rows])
+        return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
-        """-> (request id -> new tokens, request id -> sample result) for requests that sampled."""
-        t0 = time.perf_counter()
-        if self.proposer is not None:
-            self.proposer.propose(self, out)
-        self.last_propose_s = time.perf_counter() - t0
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        started = time.perf_counter()
         batch, logits = self.forward_logits(out)
-        plain, spec = [], []
+        plain_rows, plain, spec = [], [], {}
         for s, (first, k) in zip(out.scheduled, batch.sample_spans):
             if k == 1:
-                plain.append((s, first))
+                plain_rows.append(first)
+                plain.append(s)
             elif k > 1:
-                spec.append((s, first, k))
-        tokens, results = {}, {}
+                spec[s.request.request_id] = self._verify(s, logits[first:first + k])
+        sampled = None
         if plain:
-            rows = torch.tensor([f for _, f in plain], device=self.device)
             with section("sample"):
-                res = self.sampler.sample(logits[rows], [s.request for s, _ in plain])
-            for (s, _), t, lp in zip(plain, res.token_ids, res.logprobs):
-                tokens[s.request.request_id] = [t]
-                results[s.request.request_id] = SampleResult([t], [lp])
-        for s, first, k in spec:
-            tokens[s.request.request_id] = self._verify(s, logits[first:first + k])
-        return tokens, results
+                rows = logits if len(plain_rows) == logits.shape[0] else \
+                    logits.index_select(0, torch.tensor(plain_rows, device=self.device))
+                sampled = self.sampler.sample(rows, [s.request for s in plain])
+        self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], spec, started)
+        return self.last
+
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
+        """launch() and read(): one step, synchronously."""
+        return self.launch(out).read()
 
     def _verify(self, s, logits: torch.Tensor) -> list[int]:
         req = s.request

@@ -13,11 +13,48 @@ import torch
 from .request import Request
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for it: pageable copies to a
+    GPU synchronize, pinned ones queue."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
     # per row: (sampled token's logprob, [(token, logprob), ...] top-N), or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class SampledRows:
+    """A step's samples, still on the device. The tokens can feed the next step
+    directly; read() is the step's one wait for the device, and by the time the
+    engine calls it the copy it waits for was queued a step ago."""
+
+    def __init__(self, token_ids: torch.Tensor, want: list[int], lp: tuple | None):
+        self.token_ids = token_ids  # [n] int64, on the device
+        self.want = want  # top-N logprobs per row (0 = none)
+        parts = [token_ids] + (list(lp) if lp is not None else [])
+        if token_ids.is_cuda:
+            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
+            for h, d in zip(self._host, parts):
+                h.copy_(d, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = parts, None
+
+    def read(self) -> SampleResult:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host[0].tolist()
+        if len(self._host) == 1:
+            return SampleResult(tokens, [None] * len(tokens))
+        tok_lp, top_idx, top_val = (h.tolist() for h in self._host[1:])
+        lps = [(tok_lp[i], list(zip(top_idx[i][:n], top_val[i][:n]))) if n else None
+               for i, n in enumerate(self.want)]
+        return SampleResult(tokens, lps)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -31,12 +68,14 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
-def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 use_min_p: bool = True, use_top: bool = True) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude; rows keep at least their best token.
-    probs: [n, V]; top_k (0 = off), top_p, min_p: [n]."""
-    if bool((min_p > 0).any()):
+    probs: [n, V]; top_k (0 = off), top_p, min_p: [n]. use_min_p / use_top: whether any
+    row asks for them, known on the host so that nothing here waits for the device."""
+    if use_min_p:
         probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], 0.0)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if use_top:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
@@ -73,40 +112,36 @@ class Sampler:
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from (for sampled rows; greedy rows are ignored)."""
         dev = logits.device
-        temp = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=dev)
+        ps = [r.params for r in reqs]
+        temp = to_device([p.temperature or 1.0 for p in ps], torch.float32, dev)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
-        probs = filter_probs(probs,
-                             torch.tensor([r.params.top_k for r in reqs], device=dev),
-                             torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=probs.dtype),
-                             torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=probs.dtype))
+        probs = filter_probs(probs, to_device([p.top_k for p in ps], torch.int64, dev),
+                             to_device([p.top_p for p in ps], probs.dtype, dev),
+                             to_device([p.min_p for p in ps], probs.dtype, dev),
+                             use_min_p=any(p.min_p > 0 for p in ps),
+                             use_top=any(p.top_k > 0 or p.top_p < 1 for p in ps))
         # Normalised, so that ratios between two distributions (speculation) mean what they say.
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
-        """logits: [n, V] float32, one row per request in reqs."""
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledRows:
+        """logits: [n, V] float32, one row per request in reqs. Queues everything on the
+        device; the result is read later (SampledRows.read)."""
         raw = logits
         logits = apply_penalties(logits.clone(), reqs) if any(r.params.repetition_penalty != 1.0 for r in reqs) else logits
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+        if len(sampled) == len(reqs):
+            p = self.probs(logits, reqs)
+            tokens = (p / self.noise(p, reqs)).argmax(dim=-1)
+        elif sampled:
+            rows = to_device(sampled, torch.int64, logits.device)
             sub = [reqs[i] for i in sampled]
-            p = self.probs(logits[rows], sub)
-            tokens[rows] = (p / self.noise(p, sub)).argmax(dim=-1)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(raw, reqs, token_list))
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, reqs: list[Request], tokens: list[int]):
-        want = [r.params.logprobs for r in reqs]
-        if not any(want):
-            return [None] * len(reqs)
-        lp = torch.log_softmax(raw, dim=-1)
-        out = []
-        for i, n in enumerate(want):
-            if not n:
-                out.append(None)
-                continue
-            top = lp[i].topk(n)
-            out.append((float(lp[i, tokens[i]]), list(zip(top.indices.tolist(), top.values.tolist()))))
-        return out
+            p = self.probs(logits.index_select(0, rows), sub)
+            tokens.index_copy_(0, rows, (p / self.noise(p, sub)).argmax(dim=-1))
+        want = [r.params.logprobs or 0 for r in reqs]
+        lp = None
+        if any(want):
+            logp = torch.log_softmax(raw, dim=-1)
+            top = logp.topk(max(want), dim=-1)
+            lp = (logp.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
+        return SampledRows(tokens, want, lp)

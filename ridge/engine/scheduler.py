@@ -6,7 +6,14 @@ budget. A long prompt therefore runs in chunks beside the decodes (chunked
 prefill); a finished request leaves at once and a waiting one takes its place
 in the same step (continuous batching). When blocks run out, the newest
 running request is preempted by recompute: its blocks are freed and it
-resumes later from its prompt and the output it already has."""
+resumes later from its prompt and the output it already has.
+
+schedule() advances num_computed_tokens as if the step had already run, and
+counts a placeholder for each token it will sample; update() then reads the
+step's tokens in and takes back drafts that were rejected. So the next step
+can be planned while this one runs (overlap): a request's next input may be a
+token that is still on the device, and a stop token takes effect one step
+late (that step's token is dropped)."""
 from __future__ import annotations
 
 from collections import deque
@@ -97,7 +104,7 @@ class Scheduler:
         """Drafts to reserve for a request about to decode one token; 0 = plain decode."""
         p = req.params
         if (self.spec_policy is None or not p.speculative or p.repetition_penalty != 1.0 or p.logprobs
-                or req.num_computed_tokens != req.num_tokens - 1):
+                or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1):
             return 0
         room = min(p.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1, budget - 1)
@@ -105,11 +112,17 @@ class Scheduler:
             return 0
         return min(room, self.spec_policy.choose_k(req.request_id, len(self.running) + spec_so_far))
 
+    def _awaiting_last_token(self, req: Request) -> bool:
+        """Its unread sample is its last (max_tokens or the context): nothing more to compute."""
+        return bool(req.num_output_placeholders) and (
+            len(req.output_token_ids) + req.num_output_placeholders >= req.params.max_tokens
+            or req.num_tokens >= self.config.max_model_len)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i, spec_so_far = 0, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            n = 0 if self._awaiting_last_token(req) else self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -130,14 +143,18 @@ class Scheduler:
         return budget
 
     def _sibling_prefilling(self, req: Request) -> bool:
-        # n > 1: wait until one sample has computed the shared prompt, then hit its blocks.
+        # n > 1: wait until one sample has computed the shared prompt (its first token is
+        # read, so its blocks are published), then hit its blocks.
         return req.group_id is not None and any(
-            r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
+            r.group_id == req.group_id and (r.num_computed_tokens < r.num_prompt_tokens or not r.output_token_ids)
+            for r in self.running)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a sample unread: wait for it
+                break
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -163,36 +180,65 @@ class Scheduler:
         if not out.preempted:  # admitting while evicting would thrash
             budget = self._schedule_waiting(out, budget)
         out.num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        for s in out.scheduled:  # as if the step had run; update() corrects drafts
+            s.request.num_computed_tokens += s.num_scheduled_tokens
+            if s.samples:
+                s.request.num_output_placeholders += 1
         return out
+
+    def accept_drafts(self, out: SchedulerOutput, drafts: dict) -> None:
+        """Fit the plan to the drafts a proposer returned (request id -> Draft): each
+        request keeps at most the slots it reserved; slots left empty are given back
+        to the step (and their blocks at update)."""
+        for s in out.scheduled:
+            if not s.num_spec_tokens:
+                continue
+            req = s.request
+            d = drafts.get(req.request_id)
+            tokens = list(d.token_ids[: s.num_spec_tokens]) if d is not None else []
+            req.spec_token_ids = tokens
+            req.draft_source = d.source if d is not None else ""
+            s.draft_probs = d.probs[: len(tokens)] if d is not None and d.probs is not None else None
+            unused = s.num_spec_tokens - len(tokens)
+            s.num_scheduled_tokens -= unused
+            req.num_computed_tokens -= unused  # schedule() counted the reserved slots as computed
+            out.num_scheduled_tokens -= unused
+            s.num_spec_tokens = len(tokens)
 
     # -- update -----------------------------------------------------------------
     def update(self, out: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[Request]:
-        """Advance num_computed_tokens, append accepted tokens, stop on token
-        rules. new_tokens: request id -> tokens accepted this step (empty for a
-        prefill chunk that did not reach the end); cut here to the tokens kept,
-        since accepted drafts past a stop token are dropped. Returns requests finished now."""
+        """Read a step's tokens in: new_tokens maps request id -> tokens accepted this step
+        (empty for a prefill chunk that did not reach the end); cut here to the tokens kept,
+        since tokens past a stop token are dropped, and dropped whole for a request that
+        finished (or was aborted) while the step ran. Returns requests finished now."""
         finished = []
         for s in out.scheduled:
             req = s.request
-            if req.is_finished:  # aborted or failed while the step ran
+            if s.samples:
+                req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
+            if req.is_finished:
                 new_tokens.pop(req.request_id, None)
                 continue
             accepted = new_tokens.get(req.request_id, [])
-            # Drafted tokens that were rejected were never really computed.
-            num_rejected = s.num_spec_tokens - max(0, len(accepted) - 1)
-            if s.num_spec_tokens and self.spec_policy is not None:
-                self.spec_policy.record(req.request_id, s.num_spec_tokens, len(accepted) - 1, req.draft_source)
-            req.num_computed_tokens += s.num_scheduled_tokens - max(0, num_rejected)
+            live = req.status == RequestStatus.RUNNING  # not preempted since the step was planned
+            if s.num_spec_tokens:
+                num_accepted = max(0, len(accepted) - 1)
+                if self.spec_policy is not None:
+                    self.spec_policy.record(req.request_id, s.num_spec_tokens, num_accepted, req.draft_source)
+                if live:  # drafted tokens that were rejected were never really computed
+                    req.num_computed_tokens -= s.num_spec_tokens - num_accepted
             req.spec_token_ids = []
             for i, t in enumerate(accepted):
                 req.output_token_ids.append(t)
                 if self._check_stop(req, t):
                     new_tokens[req.request_id] = accepted[:i + 1]
                     break
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-            if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
-                self.kv.truncate(req.request_id, req.num_computed_tokens)
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if live:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
+                    self.kv.truncate(req.request_id, req.num_computed_tokens)
+                self.kv.cache_blocks(req.request_id, req.all_token_ids,
+                                     min(req.num_computed_tokens, req.num_known_tokens))
             if req.is_finished:
                 finished.append(req)
         for req in finished:

@@ -42,9 +42,9 @@ def import_ridge() -> None:
     pkg = types.ModuleType("ridge")
     pkg.__path__ = [str(ROOT / "ridge")]
     sys.modules["ridge"] = pkg
-    for sub in ("kernels", "quant", "cache"):
+    for sub in ("kernels", "quant", "cache", "engine"):
         mod = types.ModuleType(f"ridge.{sub}")
-        mod.__path__ = [str(ROOT / sub)]
+        mod.__path__ = [str(ROOT / sub if sub != "engine" else ROOT / "ridge" / sub)]
         sys.modules[f"ridge.{sub}"] = mod
         setattr(pkg, sub, mod)
 
@@ -55,7 +55,9 @@ from ridge.config import ModelConfig  # noqa: E402
 from ridge.kernels import ops  # noqa: E402
 from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from ridge.kernels.attention import paged_attention_ref, paged_attention_triton  # noqa: E402
-from ridge.kernels.cuda_graph import DecodeGraphRunner  # noqa: E402
+from ridge.engine.graphs import StepGraphs  # noqa: E402
+from ridge.engine.step_batch import StepBuffers  # noqa: E402
+from ridge.kernels.cuda_graph import GraphShape  # noqa: E402
 from ridge.kernels.kv_cache import FP8, write_kv_ref, write_kv_triton  # noqa: E402
 from ridge.kernels.linear import (_gemm_candidates, fp8_linear_ref, fp8_linear_triton, fp8_scaled_mm,  # noqa: E402
                                   fp8_w8a8_triton)
@@ -313,12 +315,27 @@ def check_decode_step(model: CausalLM, batch: int, ctx: int, bw: float) -> dict:
         ref = step(ids, pos, meta).clone()
     with ops.use_triton():
         eager = step(ids, pos, meta).clone()
-        runner = DecodeGraphRunner(step, max_batch=batch, sizes=[batch], max_blocks_per_seq=meta.block_table.shape[1],
-                                   max_seq_len=ctx + 1, device=DEV, enabled=True)
-        runner.capture()
-        graph = runner.run(ids, pos, meta).clone()
+        # The engine's graph path: static buffers at capacity, one decode graph of this batch.
+        width = meta.block_table.shape[1]
+        bufs = StepBuffers(batch, batch, width, DEV)
+        graphs = StepGraphs(step, bufs, 16, batch, batch, ctx + 1, enabled=True)
+        shape = GraphShape("decode", batch)
+        d = bufs.dev
+
+        def replay():
+            d["input_ids"][:batch].copy_(ids)
+            d["positions"][:batch].copy_(pos)
+            d["slot_mapping"][:batch].copy_(meta.slot_mapping)
+            d["seq_lens"][:batch].copy_(meta.seq_lens)
+            d["query_start_loc"][:batch + 1].copy_(meta.query_start_loc)
+            d["block_table"][:batch, :width].copy_(meta.block_table)
+            return graphs.pool.replay(shape) if graphs.pool is not None else graphs.run_static(shape)
+
+        if graphs.pool is not None:
+            graphs.capture([shape])
+        graph = replay().clone()
         eager_ms = bench([lambda: step(ids, pos, meta)], 20)
-        graph_ms = bench([lambda: runner.run(ids, pos, meta)], 50)
+        graph_ms = bench([replay], 50)
     linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if hasattr(m, "is_fp8"))
     weight_bytes = linear + batch * cfg.hidden_size * 2 + (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
     kv_bytes = batch * (ctx + 1) * cache.bytes_per_token

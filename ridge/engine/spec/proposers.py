@@ -1,20 +1,25 @@
-"""Draft proposers behind one interface: propose(runner, out) fills each
-speculating request's draft (at most its reserved k tokens) and, for model
-drafters, the draft distribution that the rejection rule needs."""
+"""Draft proposers behind one interface: propose(out) -> request id -> Draft, for
+the scheduled requests that reserved draft slots (ScheduledRequest.num_spec_tokens).
+A proposer never edits the plan; the scheduler fits the plan to the drafts
+(Scheduler.accept_drafts). Model drafters also return the draft distribution
+that the rejection rule needs."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ridge.kernels.metadata import AttentionMetadata
 
+from ..step_batch import plan_step
 
-def _set_drafts(s, drafts: list[int], probs: torch.Tensor | None) -> None:
-    """Shrink the reserved slots to the drafts actually proposed."""
-    s.request.spec_token_ids = list(drafts)
-    s.draft_probs = probs
-    s.num_scheduled_tokens -= s.num_spec_tokens - len(drafts)
-    s.num_spec_tokens = len(drafts)
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [len, V] the distribution they were drawn from (sampled model drafts)
+    source: str  # the proposer's name, for the policy's acceptance figures
 
 
 class NgramProposer:
@@ -41,15 +46,17 @@ class NgramProposer:
                 return out
         return []
 
-    def propose(self, runner, out) -> None:
-        for s in out.scheduled:
-            if s.num_spec_tokens:
-                s.request.draft_source = self.name
-                _set_drafts(s, self.lookup(s.request.all_token_ids, s.num_spec_tokens), None)
+    def propose(self, out) -> dict[str, Draft]:
+        return {s.request.request_id: Draft(self.lookup(s.request.all_token_ids, s.num_spec_tokens), None, self.name)
+                for s in out.scheduled if s.num_spec_tokens}
 
 
 class _ModelDrafter:
     """Autoregressive drafting with a model over paged KV, one token per request per pass."""
+    name: str
+    sampler = None
+    block_size: int
+    device: torch.device
 
     def _single_token_pass(self, model, kv_layers, items, tokens, positions, num_layers=None) -> torch.Tensor:
         bs = self.block_size
@@ -60,22 +67,22 @@ class _ModelDrafter:
                   kv_layers, num_layers=num_layers)
         return model.compute_logits(h)
 
-    def _pick(self, runner, logits: torch.Tensor, items) -> tuple[list[int], torch.Tensor | None]:
+    def _pick(self, logits: torch.Tensor, items) -> tuple[list[int], torch.Tensor | None]:
         reqs = [s.request for s in items]
         if all(r.params.greedy for r in reqs):
             return logits.argmax(-1).tolist(), None
-        q = runner.sampler.probs(logits, reqs)
+        q = self.sampler.probs(logits, reqs)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=q.device)
         q = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), q.shape[-1]).to(q.dtype), q)
-        return (q / runner.sampler.noise(q, reqs)).argmax(-1).tolist(), q
+        return (q / self.sampler.noise(q, reqs)).argmax(-1).tolist(), q
 
-    def _draft(self, runner, model, kv_layers, items, first_logits, num_layers=None) -> None:
+    def _draft(self, model, kv_layers, items, first_logits, num_layers=None) -> dict[str, Draft]:
         """items' first draft comes from first_logits; k - 1 more passes follow."""
         drafts = [[] for _ in items]
         probs = [[] for _ in items]
         logits, live = first_logits, list(range(len(items)))
         while True:
-            toks, q = self._pick(runner, logits, [items[i] for i in live])
+            toks, q = self._pick(logits, [items[i] for i in live])
             for j, i in enumerate(live):
                 drafts[i].append(toks[j])
                 if q is not None:
@@ -86,8 +93,8 @@ class _ModelDrafter:
             logits = self._single_token_pass(model, kv_layers, [items[i] for i in live],
                                              [drafts[i][-1] for i in live],
                                              [items[i].start + len(drafts[i]) for i in live], num_layers)
-        for s, d, p in zip(items, drafts, probs):
-            _set_drafts(s, d, torch.stack(p) if p else None)
+        return {s.request.request_id: Draft(d, torch.stack(p) if p else None, self.name)
+                for s, d, p in zip(items, drafts, probs)}
 
 
 class SelfDraftProposer(_ModelDrafter):
@@ -96,24 +103,22 @@ class SelfDraftProposer(_ModelDrafter):
     the target's cache and costs no memory; the verification pass rewrites the
     drafted positions with all layers."""
 
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
+    def __init__(self, num_layers: int, model, kv_cache, sampler):
+        self.num_layers, self.model, self.sampler = num_layers, model, sampler
+        self.layers = kv_cache.layers[:num_layers]
+        self.block_size, self.device = kv_cache.block_size, model.cos_sin.device
         self.name = f"self:{num_layers}"
 
-    def propose(self, runner, out) -> None:
-        items = [s for s in out.scheduled if s.num_spec_tokens]
-        for s in items:
-            s.request.draft_source = self.name
-        if items:
-            self.propose_items(runner, items)
+    def propose(self, out) -> dict[str, Draft]:
+        return self.propose_items([s for s in out.scheduled if s.num_spec_tokens])
 
-    def propose_items(self, runner, items) -> None:
-        self.block_size, self.device = runner.block_size, runner.device
-        layers = runner.kv_cache.layers[: self.num_layers]
-        first = self._single_token_pass(runner.model, layers, items,
+    def propose_items(self, items) -> dict[str, Draft]:
+        if not items:
+            return {}
+        first = self._single_token_pass(self.model, self.layers, items,
                                         [s.request.all_token_ids[s.start] for s in items],
                                         [s.start for s in items], self.num_layers)
-        self._draft(runner, runner.model, layers, items, first, self.num_layers)
+        return self._draft(self.model, self.layers, items, first, self.num_layers)
 
 
 class DraftModelProposer(_ModelDrafter):
@@ -122,24 +127,21 @@ class DraftModelProposer(_ModelDrafter):
     pool accounts for both). It runs every step's known tokens to stay in step
     with the target, then drafts for the requests that speculate."""
 
-    def __init__(self, loaded, kv_cache):
-        self.loaded, self.kv_cache = loaded, kv_cache
+    def __init__(self, loaded, kv_cache, sampler, step_buffers):
+        self.loaded, self.kv_cache, self.sampler, self.bufs = loaded, kv_cache, sampler, step_buffers
+        self.block_size, self.device = kv_cache.block_size, loaded.model.cos_sin.device
         self.name = f"draft:{loaded.path.name}"
 
-    def propose(self, runner, out) -> None:
-        from ridge.engine.runner import StepBatch
-
-        self.block_size, self.device = runner.block_size, runner.device
-        batch = StepBatch(out, runner.block_size, runner.device, include_spec=False)
-        h = self.loaded.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+    def propose(self, out) -> dict[str, Draft]:
+        model = self.loaded.model
+        batch = plan_step(out, self.block_size, self.bufs, include_spec=False)
+        h = model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
         items = [s for s in out.scheduled if s.num_spec_tokens]
         if not items:
-            return
-        for s in items:
-            s.request.draft_source = self.name
+            return {}
         last = [batch.last_row[id(s)] for s in items]
-        self._draft(runner, self.loaded.model, self.kv_cache.layers, items,
-                    self.loaded.model.compute_logits(h[torch.tensor(last, device=self.device)]))
+        return self._draft(model, self.kv_cache.layers, items,
+                           model.compute_logits(h[torch.tensor(last, device=self.device)]))
 
 
 class AutoProposer:
@@ -152,8 +154,8 @@ class AutoProposer:
     def __init__(self, ngram: NgramProposer, selfdraft: SelfDraftProposer, policy):
         self.ngram, self.selfdraft, self.policy = ngram, selfdraft, policy
 
-    def propose(self, runner, out) -> None:
-        model_items = []
+    def propose(self, out) -> dict[str, Draft]:
+        drafts, model_items = {}, []
         for s in out.scheduled:
             if not s.num_spec_tokens:
                 continue
@@ -162,12 +164,9 @@ class AutoProposer:
             by = self.policy.by_source.get(r.request_id, {})
             ng, sd = by.get(self.ngram.name), by.get(self.selfdraft.name)
             if found and (ng is None or sd is None or ng.rate() >= sd.rate()):
-                r.draft_source = self.ngram.name
-                _set_drafts(s, found, None)
+                drafts[r.request_id] = Draft(found, None, self.ngram.name)
             elif self.policy.worth_drafting(r.request_id, self.selfdraft.name):
-                r.draft_source = self.selfdraft.name
                 model_items.append(s)
-            else:  # the self-draft has shown it rarely lands: this step runs without drafts
-                _set_drafts(s, [], None)
-        if model_items:
-            self.selfdraft.propose_items(runner, model_items)
+            # else the self-draft has shown it rarely lands: this step runs without drafts
+        drafts.update(self.selfdraft.propose_items(model_items))
+        return drafts
