@@ -10,28 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ridge.config import ModelConfig
+from ridge.config import ModelConfig, kv_bytes_per_token
 
+# The same names as ridge.config.KV_DTYPE_BYTES, which counts their bytes without torch.
 KV_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-SCALE_BYTES = 2  # one float16 scale per token per KV head, for K and for V
 
 
 def kv_dtype(name: str) -> torch.dtype:
     if name not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
     return KV_DTYPES[name]
-
-
-def kv_bytes_per_token(cfg: ModelConfig, name: str, num_layers: int | None = None) -> int:
-    """The seed's formula, 2 x layers x kv_heads x head_dim x bytes, plus FP8's scales."""
-    dt = kv_dtype(name)
-    per_head = cfg.head_dim * dt.itemsize + (SCALE_BYTES if dt == torch.float8_e4m3fn else 0)
-    return 2 * (num_layers or cfg.num_layers) * cfg.num_kv_heads * per_head
 
 
 @dataclass
@@ -44,17 +37,17 @@ class LayerKV:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype_name: str,
-                 device: torch.device | str = "cpu", num_layers: int | None = None):
+                 device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size, self.dtype_name = num_blocks, block_size, dtype_name
         dt = kv_dtype(dtype_name)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         fp8 = dt == torch.float8_e4m3fn
         self.layers = []
-        for _ in range(num_layers or cfg.num_layers):
+        for _ in range(cfg.num_layers):
             scales = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(2)] if fp8 else [None, None]
             self.layers.append(LayerKV(torch.zeros(shape, dtype=dt, device=device),
                                        torch.zeros(shape, dtype=dt, device=device), *scales))
-        self.bytes_per_token = kv_bytes_per_token(cfg, dtype_name, num_layers)
+        self.bytes_per_token = kv_bytes_per_token(cfg, dtype_name)
 
     @property
     def total_bytes(self) -> int:

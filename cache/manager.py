@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from .block_pool import BlockPool
 
+# The first block's parent. Not None: before Python 3.12 hash(None) is an address,
+# so the same prompt would hash differently in every process.
+NONE_HASH = 0
 
-def chain_hashes(token_ids: list[int], block_size: int, parent: int | None = None, start: int = 0) -> list[int]:
+
+def chain_hashes(token_ids: list[int], block_size: int, parent: int = NONE_HASH, start: int = 0) -> list[int]:
     """Hashes of the full blocks of token_ids[start:], chained from `parent`.
     Python's tuple-of-int hash is deterministic across runs (no hash seed)."""
     out = []
@@ -58,7 +62,11 @@ class KVCacheManager:
         return self._blocks_needed(req_id, num_tokens, list(computed)) <= self.pool.num_free_blocks
 
     def allocate(self, req_id: str, num_tokens: int, computed: list[int] = ()) -> list[int]:
+        """Blocks for num_tokens tokens in all; refused before anything is touched when
+        can_allocate says no, so a caller that did not ask first still leaks nothing."""
         computed = list(computed)
+        if not self.can_allocate(req_id, num_tokens, computed):
+            raise ValueError(f"no room for {num_tokens} tokens of {req_id}: {self.pool.num_free_blocks} blocks free")
         blocks = self.req_blocks.setdefault(req_id, [])
         if computed:
             assert not blocks, "prefix hits only at admission"
@@ -80,21 +88,22 @@ class KVCacheManager:
         if full <= len(hashes):
             return
         new = chain_hashes(token_ids[: full * self.block_size], self.block_size,
-                           hashes[-1] if hashes else None, len(hashes) * self.block_size)
+                           hashes[-1] if hashes else NONE_HASH, len(hashes) * self.block_size)
         for i, h in enumerate(new, start=len(hashes)):
             self.pool.cache_block(blocks[i], h)
         hashes.extend(new)
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
-        """Keep only the blocks that num_tokens need (rejected speculative tokens)."""
+        """Keep only the blocks that num_tokens need (rejected speculative tokens).
+        Only tokens never published roll back: a published block may be another
+        request's prefix hit, and the tokens recomputed in its place would differ."""
+        published = len(self.req_hashes.get(req_id, ())) * self.block_size
+        assert num_tokens >= published, f"{req_id}: truncating to {num_tokens} tokens cuts published blocks"
         blocks = self.req_blocks.get(req_id, [])
         keep = -(-num_tokens // self.block_size)
         if len(blocks) > keep:
             self.pool.free(blocks[keep:][::-1])
             del blocks[keep:]
-        hashes = self.req_hashes.get(req_id)
-        if hashes is not None and len(hashes) > num_tokens // self.block_size:
-            del hashes[num_tokens // self.block_size:]
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, [])

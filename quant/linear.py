@@ -13,9 +13,8 @@ start-up (engine/cpu_format.py). The copy holds the exact e4m3 values (they
 fit bf16) and applies the per-channel scale to the output; activations and
 outputs are rounded to bf16, as on a GPU. The copy is laid out once in oneDNN's
 blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
-out on every call, and SmolLM2's matrix products at 1 to 9 tokens took 19-24 ms
-that way against 12-14 ms packed (docs/benchmarks.md), so a verification of k
-drafts costs what one token does."""
+out on every call, a cost that grows with the step's token count; packed, a
+verification of k drafts costs about what one token does (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import torch
@@ -39,7 +38,7 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for bf16 x and a weight from pack_bf16."""
     if w.is_mkldnn:
-        if x.shape[0] == 2:  # oneDNN's two-row kernel made SmolLM2's step 1.08x slower than three rows
+        if x.shape[0] == 2:  # oneDNN's two-row kernel is slower than its three-row one (docs/benchmarks.md)
             return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x[:1])), w, None, "none", [None], "")[:2]
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
     return F.linear(x, w)

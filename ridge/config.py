@@ -47,3 +47,35 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         return cls(**d)
+
+    def shape(self, name: str | None = None) -> "ModelShape":
+        """The numbers `ridge plan` needs. The parameter count leaves out norms and biases."""
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
+                          self.num_layers * (attn + mlp) + embeddings)
+
+
+@dataclass
+class ModelShape:
+    """What sizes the KV cache and the weights: a ModelConfig's subset, or the flags of `ridge plan`."""
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int | None = None
+
+
+# Pure Python on purpose: `ridge plan` sizes caches on machines without torch.
+# cache/kv_cache.py maps the same names to torch dtypes.
+KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+FP8_SCALE_BYTES = 2  # our FP8 KV cache keeps one float16 scale per token per KV head, for K and for V
+
+
+def kv_bytes_per_token(shape: ModelConfig | ModelShape, kv_dtype: str) -> int:
+    """The seed's formula, 2 (K and V) x layers x KV heads x head_dim x bytes, plus FP8's scales."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
+    per_head = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (FP8_SCALE_BYTES if kv_dtype == "fp8" else 0)
+    return 2 * shape.num_layers * shape.num_kv_heads * per_head

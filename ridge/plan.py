@@ -8,17 +8,9 @@ import re
 import sys
 from dataclasses import dataclass, replace
 
+from ridge.config import ModelShape, kv_bytes_per_token
+
 GIB = 2**30
-FP8_SCALE_BYTES = 2  # our FP8 KV cache keeps one fp16 scale per token per KV head, for K and for V
-
-
-@dataclass
-class ModelShape:
-    name: str
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    n_params: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,14 +111,8 @@ def local_device_spec() -> GPUSpec | None:
     return replace(spec, memory_gib=round(local[1], 2)) if spec else None
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,
-                       bytes_per_element: float, scale_bytes_per_head: int = 0) -> int:
-    """2 (K and V) x layers x KV heads x (head_dim x bytes + per-head scale bytes)."""
-    return int(2 * n_layers * n_kv_heads * (head_dim * bytes_per_element + scale_bytes_per_head))
-
-
-def kv_tokens_that_fit(memory_bytes: float, kv_bytes_per_token: int) -> int:
-    return max(0, int(memory_bytes // kv_bytes_per_token))
+def kv_tokens_that_fit(memory_bytes: float, bytes_per_token: int) -> int:
+    return max(0, int(memory_bytes // bytes_per_token))
 
 
 def concurrent_requests(tokens: int, context_len: int) -> int:
@@ -183,11 +169,11 @@ def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float 
 
 def _kv_rows(m: ModelShape, kv_memory: float | None, context_len: int) -> list[KVRow]:
     rows = []
-    for dtype, b, scale in (("fp16/bf16", 2, 0), ("fp8", 1, FP8_SCALE_BYTES)):
-        bpt = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.head_dim, b, scale)
+    for label, kv_dtype in (("fp16/bf16", "bf16"), ("fp8", "fp8")):
+        bpt = kv_bytes_per_token(m, kv_dtype)
         tokens = kv_tokens_that_fit(kv_memory, bpt) if kv_memory is not None else None
         reqs = concurrent_requests(tokens, context_len) if tokens is not None else None
-        rows.append(KVRow(dtype, bpt, tokens, reqs))
+        rows.append(KVRow(label, bpt, tokens, reqs))
     return rows
 
 
@@ -209,8 +195,8 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
     if memory_gib is None and spec is not None:
         memory_gib = spec.memory_gib
     memory = memory_gib * GIB if memory_gib is not None else None
-    if weight_bytes is None and model_shape.n_params is not None:
-        weight_bytes = float(model_shape.n_params)  # FP8 weights; per-channel scales are negligible
+    if weight_bytes is None and model_shape.num_params is not None:
+        weight_bytes = float(model_shape.num_params)  # FP8 weights; per-channel scales are negligible
     kv_memory, notes = _kv_budget(memory, weight_bytes)
     ridge, knees = _ridge_and_knees(spec) if spec else ({}, {})
     rows = _kv_rows(model_shape, kv_memory, context_len)
@@ -219,8 +205,8 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
 
 def format_plan(plan: Plan) -> str:
     m = plan.model
-    params = f", {m.n_params / 1e9:.1f}B params" if m.n_params else ""
-    out = [f"model {m.name}: {m.n_layers} layers, {m.n_kv_heads} KV heads, head_dim {m.head_dim}{params}"]
+    params = f", {m.num_params / 1e9:.1f}B params" if m.num_params else ""
+    out = [f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}{params}"]
     if g := plan.gpu:
         out.append(f"gpu   {g.name}: {g.memory_gib:g} GiB, {g.bandwidth_gbs:g} GB/s, "
                    f"{g.bf16_tflops:g} TFLOPS bf16")
@@ -277,14 +263,14 @@ def add_plan_parser(subparsers) -> None:
 
 def _shape_from_args(args) -> ModelShape:
     if args.model_path:
-        from ridge.quant.loader import read_model_shape  # lazy: written separately, may pull heavy deps
-        shape = read_model_shape(args.model_path)
+        from ridge.quant.source import read_config  # lazy: the readers need torch, the arithmetic does not
+        shape = read_config(args.model_path).shape()
     elif None in (args.layers, args.kv_heads, args.head_dim):
         raise ValueError("give a MODEL_PATH or all of --layers, --kv-heads, --head-dim")
     else:
         shape = ModelShape("custom", args.layers, args.kv_heads, args.head_dim)
-    overrides = {"n_layers": args.layers, "n_kv_heads": args.kv_heads,
-                 "head_dim": args.head_dim, "n_params": args.params}
+    overrides = {"num_layers": args.layers, "num_kv_heads": args.kv_heads,
+                 "head_dim": args.head_dim, "num_params": args.params}
     return replace(shape, **{k: v for k, v in overrides.items() if v is not None})
 
 

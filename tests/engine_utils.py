@@ -41,7 +41,7 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def load_tiny(tmp_path_factory, name: str, **kw):
     """A tiny llama written as a GGUF file and loaded on CPU through the real loader."""
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
     from tiny_models import make_tiny
 
     path, _, _ = make_tiny(tmp_path_factory.mktemp(name), "llama", max_position=512, **kw)

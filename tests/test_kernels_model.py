@@ -8,7 +8,7 @@ from tiny_models import make_tiny
 from ridge.kernels import ops
 from ridge.kernels.triton_utils import ConfigCache
 from ridge.models.oneshot import prompt_logits
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 
 
 @pytest.fixture(scope="module")

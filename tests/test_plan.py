@@ -1,14 +1,16 @@
 import argparse
 import sys
-import types
 
 import pytest
 
 from ridge import plan as P
-from ridge.plan import (GIB, GPUS, ModelShape, concurrent_requests, get_gpu, kv_bytes_per_token,
-                        kv_tokens_that_fit, make_plan, match_device_name, token_budget_knee)
+from ridge.config import ModelShape, kv_bytes_per_token
+from ridge.plan import (GIB, GPUS, concurrent_requests, get_gpu, kv_tokens_that_fit, make_plan,
+                        match_device_name, token_budget_knee)
+from tiny_models import make_tiny
 
-SEED = dict(n_layers=80, n_kv_heads=8, head_dim=128)  # the seed's 70B-class model
+SEED = dict(num_layers=80, num_kv_heads=8, head_dim=128)  # the seed's 70B-class model
+SEED_SHAPE = ModelShape("70b", **SEED)
 SEED_BPT = 327_680
 
 
@@ -22,7 +24,7 @@ def _run(argv):
 # --- the seed's worked example -------------------------------------------------------------
 
 def test_seed_fp16_kv_bytes_per_token():
-    bpt = kv_bytes_per_token(**SEED, bytes_per_element=2)
+    bpt = kv_bytes_per_token(SEED_SHAPE, "bf16")
     assert bpt == SEED_BPT
     assert bpt / 1024 == 320  # KiB
 
@@ -39,20 +41,17 @@ def test_seed_8000_token_request_is_about_2_5_gib():
     assert 8000 * SEED_BPT / GIB == pytest.approx(2.44, abs=0.01)
 
 
-def test_fp8_halves_the_cache_without_scale_overhead():
-    assert 2 * kv_bytes_per_token(**SEED, bytes_per_element=1) == SEED_BPT
-
-
 def test_fp8_scale_overhead_is_counted_and_still_nearly_doubles_capacity():
-    assert kv_bytes_per_token(**SEED, bytes_per_element=1, scale_bytes_per_head=2) == 2 * 80 * 8 * 130
-    fp16 = kv_bytes_per_token(32, 8, 64, 2)
-    fp8 = kv_bytes_per_token(32, 8, 64, 1, scale_bytes_per_head=P.FP8_SCALE_BYTES)
+    # Without the scales FP8 would be exactly half; each (token, KV head) adds a float16 for K and for V.
+    assert kv_bytes_per_token(SEED_SHAPE, "fp8") == 2 * 80 * 8 * (128 + 2)
+    fp16 = kv_bytes_per_token(ModelShape("8b", 32, 8, 64), "fp16")
+    fp8 = kv_bytes_per_token(ModelShape("8b", 32, 8, 64), "fp8")
     ratio = kv_tokens_that_fit(10 * GIB, fp8) / kv_tokens_that_fit(10 * GIB, fp16)
     assert 1.9 <= ratio < 2.0
 
 
 def test_make_plan_reproduces_the_seed_80gb_fp8_weights_case():
-    shape = ModelShape("70b", **SEED, n_params=70_000_000_000)
+    shape = ModelShape("70b", **SEED, num_params=70_000_000_000)
     plan = make_plan(shape, memory_gib=80e9 / GIB)  # 80 GB minus 70 GB of FP8 weights = 10 GB
     fp16, fp8 = plan.rows
     assert plan.kv_memory_bytes == pytest.approx(10e9)
@@ -134,7 +133,7 @@ def test_token_budget_knee():
 
 
 def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
-    shape = ModelShape("8b", 32, 8, 128, n_params=8_000_000_000)
+    shape = ModelShape("8b", 32, 8, 128, num_params=8_000_000_000)
     plan = make_plan(shape, gpu="h100")
     assert plan.memory_bytes == 80 * GIB
     assert plan.ridge["bf16"] == pytest.approx(295.3, abs=0.1)
@@ -150,13 +149,13 @@ def test_ampere_knee_is_weight_only_fp8():
 
 
 def test_weights_that_do_not_fit_give_zero_tokens():
-    plan = make_plan(ModelShape("70b", **SEED, n_params=70_000_000_000), gpu="4090")
+    plan = make_plan(ModelShape("70b", **SEED, num_params=70_000_000_000), gpu="4090")
     assert all(r.tokens == 0 and r.requests == 0 for r in plan.rows)
     assert any("do not fit" in n for n in plan.notes)
 
 
 def test_explicit_weight_bytes_override_params():
-    shape = ModelShape("x", **SEED, n_params=70_000_000_000)
+    shape = ModelShape("x", **SEED, num_params=70_000_000_000)
     plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2)  # e.g. 8-bit + overhead
     assert plan.weight_bytes == 70e9
     assert plan.kv_memory_bytes == pytest.approx(100 * GIB - 70e9)
@@ -197,31 +196,29 @@ def test_cli_list_gpus(capsys):
     assert " 295 " in out  # H100 bf16 ridge
 
 
-def test_cli_model_path_reads_shape_lazily(capsys, monkeypatch):
-    seen = []
-
-    def read_model_shape(path):
-        seen.append(path)
-        return ModelShape("llama-70b", **SEED, n_params=70_000_000_000)
-
-    fake = types.ModuleType("ridge.quant.loader")
-    fake.read_model_shape = read_model_shape
-    monkeypatch.setitem(sys.modules, "ridge.quant.loader", fake)
-    rc = _run(["plan", "/models/llama-70b", "--memory-gib", "80", "--head-dim", "128"])
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_cli_model_path_reads_the_shape_from_the_file(capsys, tmp_path, fmt):
+    path, cfg, sd = make_tiny(tmp_path, "qwen2", fmt)  # untied head, attention biases
+    assert _run(["plan", str(path), "--memory-gib", "1"]) == 0
     out = capsys.readouterr().out
-    assert rc == 0 and seen == ["/models/llama-70b"]
-    assert "llama-70b" in out and "327,680" in out
+    assert f"{cfg.name if fmt == 'gguf' else path.name}: 2 layers, 2 KV heads, head_dim 16" in out
+    assert f"{2 * 2 * 2 * 16 * 2:>12,}" in out  # bf16 bytes per token
+    # The count leaves out norms and biases: every tensor with more than one row.
+    assert cfg.shape().num_params == sum(t.numel() for t in sd.values() if t.dim() == 2)
 
 
-def test_cli_unreadable_model_path_is_an_error(capsys, monkeypatch):
-    def read_model_shape(path):
-        raise FileNotFoundError(f"no such model: {path}")
+def test_cli_flags_override_the_model_files_shape(capsys, tmp_path):
+    path, _, _ = make_tiny(tmp_path)
+    assert _run(["plan", str(path), "--layers", "80", "--kv-heads", "8", "--head-dim", "128"]) == 0
+    assert "327,680" in capsys.readouterr().out
 
-    fake = types.ModuleType("ridge.quant.loader")
-    fake.read_model_shape = read_model_shape
-    monkeypatch.setitem(sys.modules, "ridge.quant.loader", fake)
-    assert _run(["plan", "/nope"]) == 2
-    assert "no such model: /nope" in capsys.readouterr().err
+
+def test_cli_unreadable_model_path_is_an_error(capsys, tmp_path):
+    assert _run(["plan", str(tmp_path / "nope.gguf")]) == 2
+    assert "nope.gguf: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    assert _run(["plan", str(tmp_path / "junk.gguf")]) == 2
+    assert "not a readable GGUF file" in capsys.readouterr().err
 
 
 def test_cli_local_without_a_known_cuda_device_is_an_error(capsys, monkeypatch):

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridge.cache.kv_cache import kv_bytes_per_token
+from ridge.config import kv_bytes_per_token
 from ridge.models.llama import CausalLM
 from ridge.models.oneshot import prompt_logits
+from ridge.quant.convert import convert
 from ridge.quant.fp8 import quantize_state_dict
-from ridge.quant.loader import convert, default_model_path
+from ridge.quant.source import default_model_path
 
 pytestmark = pytest.mark.slow
 EVAL_TEXT = (Path(__file__).parent / "data" / "eval_text.txt").read_text()
@@ -95,7 +96,7 @@ def test_greedy_answer_is_paris():
 
 @pytest.fixture(scope="module")
 def smol_loaded():
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
     return load_model(device="cpu")
 
 

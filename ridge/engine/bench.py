@@ -178,7 +178,7 @@ def part_sweep(rep: Report, engine, args):
 
 
 def part_hf(rep: Report, args, engine=None):
-    from ridge.quant.loader import resolve_model_path
+    from ridge.quant.source import resolve_model_path
     from .bench_external import load_hf_model, run_hf
     from .bench_runs import clean_run
 
@@ -213,7 +213,7 @@ def part_hf(rep: Report, args, engine=None):
 def _tokenizer(args, engine=None):
     if engine is not None:
         return engine.tokenizer
-    from ridge.quant.loader import convert
+    from ridge.quant.convert import convert
     return convert(args.model, show_progress=False).tokenizer
 
 

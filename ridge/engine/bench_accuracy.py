@@ -85,7 +85,7 @@ def run_accuracy(args, rep) -> None:
     from ridge.engine.cpu_format import choose_cpu_format
     from ridge.models.oneshot import prompt_logits
     from ridge.quant.fp8 import quantize_state_dict
-    from ridge.quant.loader import convert
+    from ridge.quant.convert import convert
 
     conv = convert(args.model, quantize=False, use_cache=False, show_progress=False)
     ids = conv.tokenizer.encode(Path(args.text).read_text())

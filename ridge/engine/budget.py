@@ -1,14 +1,12 @@
-"""The default token budget of a step, from the seed's arithmetic.
-
-A step over T tokens does about 2*T*P FLOPs and reads P*b bytes of weights, so
-its arithmetic intensity is 2T/b and it turns compute-bound at
-T* = ridge_point * b / 2. Below T* extra tokens ride along almost free; above
-it each token costs full price. The budget is a small multiple of T*."""
+"""The default token budget of a step: a small multiple of the knee T*
+(ridge.plan.token_budget_knee), below which extra tokens ride along almost free."""
 from __future__ import annotations
 
 import time
 
 import torch
+
+from ridge.plan import local_device_spec, token_budget_knee
 
 BUDGET_MULTIPLE = 2  # the prefill chunk, in units of T*
 MIN_BUDGET, MAX_BUDGET = 64, 8192
@@ -35,7 +33,6 @@ def measure_cpu_ridge_point() -> float:
 def ridge_point(device: torch.device, fp8: bool) -> tuple[float, str]:
     """-> (FLOPs per byte, where the figure came from)."""
     if device.type == "cuda":
-        from ridge.plan import local_device_spec
         spec = local_device_spec()
         if spec is not None:
             kind = "fp8" if fp8 and spec.fp8_tflops else "bf16"
@@ -44,14 +41,10 @@ def ridge_point(device: torch.device, fp8: bool) -> tuple[float, str]:
     return measure_cpu_ridge_point(), "measured on this CPU"
 
 
-def knee_tokens(ridge: float, bytes_per_weight: float) -> float:
-    return ridge * bytes_per_weight / 2
-
-
 def default_token_budget(device: torch.device, bytes_per_weight: float, fp8: bool,
                          given_ridge: float | None = None) -> tuple[int, dict]:
     ridge, source = (given_ridge, "configured") if given_ridge else ridge_point(device, fp8)
-    knee = knee_tokens(ridge, bytes_per_weight)
+    knee = token_budget_knee(ridge, bytes_per_weight)
     budget = int(min(max(BUDGET_MULTIPLE * knee, MIN_BUDGET), MAX_BUDGET))
     budget = -(-budget // 16) * 16
     return budget, {"ridge_point": ridge, "ridge_source": source, "knee_tokens": knee, "budget": budget}

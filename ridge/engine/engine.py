@@ -12,9 +12,10 @@ from dataclasses import asdict
 
 import torch
 
-from ridge.cache.kv_cache import KVCache, kv_bytes_per_token
+from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
-from ridge.quant.loader import LoadedModel, load_model
+from ridge.config import kv_bytes_per_token
+from ridge.models.loader import LoadedModel, load_model
 
 from ridge.kernels.timing import section
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ridge.cache.kv_cache import kv_bytes_per_token
+from ridge.config import kv_bytes_per_token
 
 log = logging.getLogger("ridge.engine")
 GIB = 1 << 30

