@@ -45,14 +45,15 @@ def tiny_config(arch: str = "llama", **kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+def random_state_dict(cfg: ModelConfig, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """device: where to draw (a GPU draws a 1B-shaped model in seconds); the values differ by device."""
+    g = torch.Generator(device).manual_seed(seed)
 
     def r(*shape, std=0.08):
-        return torch.randn(*shape, generator=g) * std
+        return torch.randn(*shape, generator=g, device=device) * std
 
     def norm(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
+        return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
 
     H, I = cfg.hidden_size, cfg.intermediate_size
     sd = {"model.embed_tokens.weight": r(cfg.vocab_size, H, std=0.1), "model.norm.weight": norm(H)}
@@ -180,7 +181,7 @@ def write_hf_dir(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtyp
                 s = t.abs().max() / 448.0
                 out[name], out[name + "_scale"] = (t / s).to(torch.float8_e4m3fn), s.reshape(())
         else:
-            out[name] = t.to(dtype).contiguous()
+            out[name] = t.to(device="cpu", dtype=dtype).contiguous()
     save_file(out, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(hf_config_dict(cfg)))
     return path
