@@ -106,7 +106,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
     from ridge.cli import engine_config
     from ridge.engine.engine import LLMEngine
 
-    from .engine_loop import EngineLoop, model_info
+    from .engine_loop import EngineLoop
     from .server import Server, ServerConfig
 
     notifier = Notifier()
@@ -114,7 +114,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
     ns = type("Args", (), {k: c[k] for k in c})
     loop = EngineLoop(lambda: LLMEngine(engine_config(ns)), c["stats_interval"])
     engine = loop.start_engine()  # built on the engine thread: see engine_loop.py
-    model = model_info(engine)
+    model = engine.model_info()
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
                        limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],

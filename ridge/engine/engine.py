@@ -315,6 +315,11 @@ class LLMEngine:
         from .stats import engine_stats
         return engine_stats(self)
 
+    def model_info(self) -> dict:
+        """What the model and its cache are (docs/protocol.md §7.1): the daemon's hello."""
+        from .stats import model_info
+        return model_info(self)
+
     def kv_waste(self) -> tuple[int, int]:
         """-> (reserved slots, filled slots) over running requests."""
         reserved = sum(len(self.kv.block_ids(r.request_id)) for r in self.scheduler.running) * self.config.block_size

@@ -6,6 +6,8 @@ import time
 import psutil
 import torch
 
+from ridge.quant.linear import FP8Linear
+
 from .request import RequestStatus
 
 WINDOW_S = 10.0
@@ -67,4 +69,25 @@ def engine_stats(engine) -> dict:
              "output_tokens": len(r.output_token_ids), "ttft": r.timings.ttft, "tps": r.timings.decode_tps}
             for r in list(sched.running) + list(sched.waiting)[:64]
         ],
+    }
+
+
+def model_info(engine) -> dict:
+    """docs/protocol.md §7.1."""
+    cfg, tok = engine.loaded.config, engine.tokenizer
+    linears = [m for m in engine.model.modules() if isinstance(m, FP8Linear)]
+    budget = engine.budget_info
+    return {
+        "name": cfg.name or engine.loaded.path.stem, "path": str(engine.loaded.path), "arch": cfg.arch,
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "fp8_weights": bool(linears) and all(m.is_fp8 for m in linears),
+        "quantized": bool(engine.config.quantize),
+        "weight_dtype": str(engine.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "kv_dtype": engine.kv_dtype, "block_size": engine.config.block_size, "num_kv_blocks": engine.kv.num_blocks,
+        "ridge_point": float(budget.get("ridge_point", 0.0)), "ridge_source": str(budget.get("ridge_source", "")),
+        "device": str(engine.device), "chat_template": tok.chat_template is not None,
+        "eos_token_ids": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
+        "speculative": str(getattr(engine.config, "speculative", None) or "off"),
     }
