@@ -1,5 +1,5 @@
 """The daemon's subcommands: `ridge serve`, `ridge generate` (through the
-daemon), `ridge chat`, `ridge status`, `ridge bench-daemon`."""
+daemon), `ridge chat`, `ridge status`."""
 from __future__ import annotations
 
 import json
@@ -35,9 +35,6 @@ def add_daemon_parsers(sub) -> None:
     st.add_argument("--json", action="store_true", help="the whole stats reply as JSON")
     add_client_args(st)
     st.set_defaults(func=run_status)
-
-    from .bench import add_bench_daemon_parser
-    add_bench_daemon_parser(sub)
 
 
 def _serve(args) -> int:

@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from ridge.daemon.commands import add_daemon_parsers
     add_daemon_parsers(sub)
-    from ridge.engine.bench import add_bench_parser
+    from ridge.bench.command import add_bench_parser
     add_bench_parser(sub)
+    from ridge.bench.daemon import add_bench_daemon_parser
+    add_bench_daemon_parser(sub)
     from ridge.tui.command import add_top_parser  # textual is imported only when `ridge top` runs
     add_top_parser(sub)
     from ridge.daemon.service import add_service_parser

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ridge.engine.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, make_workload, output_lengths,
+from ridge.bench.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, make_workload, output_lengths,
                                     parse_lengths, percentiles, static_bound, static_steps)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from ridge.engine.sampling import SamplingParams
 from .workloads import QUESTIONS, Workload, continuous_steps, long_prompt, percentiles, static_bound, static_steps
 
 
@@ -99,6 +99,21 @@ def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_fl
     }
 
 
+def _step(engine, live: dict[str, Rec]) -> float:
+    """One engine step: stamp each live request's new tokens, drop the finished; -> the time."""
+    outs = engine.step()
+    now = time.perf_counter()
+    for o in outs:
+        r = live.get(o.request_id)
+        if r is None:
+            continue
+        r.times.extend([now] * len(o.new_token_ids))
+        if o.finished:
+            r.finish_reason, r.error = o.finish_reason, o.error
+            del live[o.request_id]
+    return now
+
+
 def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict:
     """Closed loop: a slot is refilled as soon as its request finishes."""
     engine.scheduler.config.max_num_seqs = in_flight
@@ -119,19 +134,10 @@ def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict
     while nxt < min(in_flight, n):
         submit(t0)
     while live:
-        outs = engine.step()
-        now = time.perf_counter()
+        now = _step(engine, live)
         steps += 1
-        for o in outs:
-            r = live.get(o.request_id)
-            if r is None:
-                continue
-            r.times.extend([now] * len(o.new_token_ids))
-            if o.finished:
-                r.finish_reason, r.error = o.finish_reason, o.error
-                del live[o.request_id]
-                if nxt < n:
-                    submit(now)
+        while len(live) < in_flight and nxt < n:
+            submit(now)
         waste.sample()
     out = _summary("continuous", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
     out["kv_waste"] = waste.result()
@@ -156,17 +162,8 @@ def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
             live[rid] = Rec(i, wl.lengths[i], now)
             recs.append(live[rid])
         while live:
-            outs = engine.step()
-            now = time.perf_counter()
+            _step(engine, live)
             steps += 1
-            for o in outs:
-                r = live.get(o.request_id)
-                if r is None:
-                    continue
-                r.times.extend([now] * len(o.new_token_ids))
-                if o.finished:
-                    r.finish_reason, r.error = o.finish_reason, o.error
-                    del live[o.request_id]
     return _summary("static", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
 
 
@@ -331,7 +328,7 @@ def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: in
 
 
 def _breakdown(fx: DecodeFixture, steps: int) -> dict:
-    from .bench_profile import step_breakdown
+    from .profile import step_breakdown
 
     with step_breakdown(fx.engine) as bd:
         for _ in range(steps):

@@ -1,7 +1,7 @@
 """`ridge bench-daemon`: the daemon against the engine in-process on the same
 workload, and the idle round trip of `health`.
 
-The daemon side is closed-loop like ridge/engine/bench_runs.run_continuous:
+The daemon side is closed-loop like ridge/bench/runs.run_continuous:
 `in_flight` asyncio clients each send a W1 request (chat messages, tokenized
 by the daemon; ignore_eos; the W1 output length), stream it to its final
 frame, then send the next. The in-process side is run_continuous itself, on an
@@ -40,7 +40,7 @@ def add_bench_daemon_parser(sub) -> None:
 
 
 async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) -> dict:
-    from .aio_client import AsyncClient
+    from ridge.daemon.aio_client import AsyncClient
 
     async with AsyncClient(endpoint, timeout=600) as c:
         await c.hello()
@@ -84,7 +84,7 @@ async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) ->
         ping.cancel()
         st1 = await c.stats()
         totals1, cpu1 = st1["stats"]["totals"], st1["daemon"]["cpu_s"]  # totals may lag one snapshot interval
-    from ridge.engine.workloads import percentiles
+    from .workloads import percentiles
     return {"mode": "daemon", "wall_s": wall, "generated_tokens": tokens, "generated_tok_s": tokens / wall,
             "useful_tokens": wl.useful_tokens, "finish_reasons": reasons, "ttft_s": percentiles(ttft),
             "health_under_load_s": percentiles(busy_health), "loadavg_end": list(os.getloadavg()),
@@ -93,7 +93,7 @@ async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) ->
 
 
 def health_latency(endpoint: str, n: int) -> dict:
-    from .client import Client
+    from ridge.daemon.client import Client
 
     with Client(endpoint) as c:
         for _ in range(50):
@@ -111,7 +111,7 @@ def health_latency(endpoint: str, n: int) -> dict:
 def _spawn(args, in_flight: int):
     tmp = tempfile.mkdtemp(prefix="ridge-bench-")
     endpoint = f"ipc://{tmp}/ridge.sock"
-    from .config import engine_options
+    from ridge.daemon.config import engine_options
 
     cmd = [sys.executable, "-m", "ridge.cli", "serve", "--endpoint", endpoint,
            "--max-num-seqs", str(max(args.max_num_seqs, in_flight))]
@@ -121,7 +121,7 @@ def _spawn(args, in_flight: int):
             continue
         cmd += [o.flag] if o.kind is bool else [o.flag, str(value)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    from .endpoint import ipc_path, socket_alive
+    from ridge.daemon.endpoint import ipc_path, socket_alive
     deadline = time.monotonic() + 600
     while not socket_alive(ipc_path(endpoint)):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -178,7 +178,7 @@ def run_bench_daemon(args) -> int:
     elsewhere on the machine falls on both alike; the ratio is taken per round."""
     import statistics
 
-    from ridge.engine.workloads import make_workload
+    from .workloads import make_workload
 
     if args.thread_check:
         res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]), "thread_check": thread_check(args)}
@@ -203,7 +203,7 @@ def run_bench_daemon(args) -> int:
                   f"thread {d['daemon_cpu_s']['socket_thread']:.1f}, daemon {d['daemon_cpu_s']['process']:.1f}, "
                   f"client {d['client_cpu_s']:.1f}", flush=True)
             if engine is not None:
-                from ridge.engine.bench_runs import run_continuous
+                from .runs import run_continuous
                 loc = rnd["local"] = run_continuous(engine, wl, args.in_flight, tag=f"local{r}")
                 rnd["ratio"] = d["generated_tok_s"] / loc["generated_tok_s"]
                 print(f"round {r}: in-process {loc['generated_tok_s']:.1f} tok/s ({loc['generated_tokens']} tokens in "
@@ -232,7 +232,7 @@ def run_bench_daemon(args) -> int:
 def _local_engine(args, wl):
     """The in-process engine, from the same flags as the daemon (built while the daemon idles)."""
     from ridge.cli import engine_config
-    from ridge.engine.bench_runs import warm_up
+    from .runs import warm_up
     from ridge.engine.engine import LLMEngine
 
     cfg = engine_config(args)
