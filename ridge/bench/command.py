@@ -239,7 +239,7 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
 
 
 def part_overhead(rep: Report, engine, args):
-    from .runs import run_overhead
+    from .decode import run_overhead
 
     rows = [run_overhead(engine, b, args.context, args.steps, retries=args.retries) for b in _ints(args.batches)]
     rep.add("overhead", rows)
@@ -250,7 +250,7 @@ def part_kv(rep: Report, args, loaded=None):
     from dataclasses import replace
 
     from ridge.cli import engine_config
-    from .runs import run_kv_dtypes
+    from .decode import run_kv_dtypes
     from ridge.engine.engine import LLMEngine
 
     base = engine_config(args)
