@@ -25,7 +25,7 @@ DEFAULT_LEVELS = "none,low,high,tail"
 
 
 def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
-    from ridge.cli import add_engine_args
+    from ridge.engine.config import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON")
@@ -120,7 +120,7 @@ def command_line(args) -> str:
 
 
 def make_engine(args, max_seqs: int):
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
     cfg = engine_config(args)
@@ -249,7 +249,7 @@ def part_overhead(rep: Report, engine, args):
 def part_kv(rep: Report, args, loaded=None):
     from dataclasses import replace
 
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from .decode import run_kv_dtypes
     from ridge.engine.engine import LLMEngine
 

@@ -27,7 +27,7 @@ import time
 
 
 def add_bench_daemon_parser(sub) -> None:
-    from ridge.cli import add_engine_args
+    from ridge.engine.config import add_engine_args
 
     p = sub.add_parser("bench-daemon", help="daemon vs in-process throughput (W1), and health round trips")
     p.add_argument("--endpoint", default=None, help="measure this running daemon instead of starting one")
@@ -138,15 +138,13 @@ def _pool_blocks(endpoint: str) -> int:
 def _spawn(args, in_flight: int):
     tmp = tempfile.mkdtemp(prefix="ridge-bench-")
     endpoint = f"ipc://{tmp}/ridge.sock"
-    from ridge.daemon.config import engine_options
+    from ridge.engine.config import engine_options
 
     cmd = [sys.executable, "-m", "ridge.cli", "serve", "--endpoint", endpoint,
            "--max-num-seqs", str(max(args.max_num_seqs, in_flight))]
     for o in engine_options():  # the same engine flags as the in-process run
-        value = getattr(args, o.name)
-        if o.name == "max_num_seqs" or value is None or value == o.default:
-            continue
-        cmd += [o.flag] if o.kind is bool else [o.flag, str(value)]
+        if o.name != "max_num_seqs":
+            cmd += o.argv(getattr(args, o.name))
     cmd += _share_the_gpu(args)  # after the user's flags: the last one wins
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     from ridge.daemon.endpoint import ipc_path, socket_alive
@@ -181,7 +179,7 @@ def thread_check(args) -> list[dict]:
     """Why the daemon builds its engine on the engine thread (engine_loop.py)."""
     import threading
 
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
     out: list[dict] = []
@@ -266,7 +264,7 @@ def _ms(seconds: float | None) -> str:
 
 def _local_engine(args, wl, num_kv_blocks: int):
     """The in-process engine: the daemon's flags and KV pool size (built while the daemon idles)."""
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from .runs import warm_up
     from ridge.engine.engine import LLMEngine
 

@@ -100,7 +100,7 @@ def part_spec(rep, args, loaded) -> None:
     import statistics
 
     from ridge.engine.engine import LLMEngine
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
 
     modes = ["off"] + args.proposers.split(",")
     rows = []
@@ -198,7 +198,7 @@ def run_spec(args, rep) -> None:
 
     loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
     from ridge.engine.engine import LLMEngine
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     rep.set_env(LLMEngine(engine_config(args), loaded=loaded))
     part_spec(rep, args, loaded)
     if args.json:
