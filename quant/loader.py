@@ -1,12 +1,12 @@
 """One entry point for every model source: GGUF file, HF directory, FP8 checkpoint.
 
-Offline half: source -> fused FP8 state dict + config + tokenizer, cached on
-disk. Runtime half: that state dict -> a CausalLM on the chosen device."""
+The offline half of loading: source -> fused FP8 state dict + config +
+tokenizer, cached on disk. The runtime half, that state dict -> a CausalLM on
+a device, is ridge/models/loader.py (above the model, which it builds)."""
 from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,41 +106,6 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", use_cache: b
             except OSError as e:
                 log.warning("could not cache the converted model: %s", e)
     return ConvertedModel(cfg, fused, tok, freq, False)
-
-
-@dataclass
-class LoadedModel:
-    config: ModelConfig
-    model: "CausalLM"  # noqa: F821
-    tokenizer: object
-    path: Path
-    device: torch.device
-    load_seconds: float
-    from_cache: bool
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.model.weight_bytes()
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quantize=True,
-               use_cache=True, show_progress=True, rule="mse") -> LoadedModel:
-    from ridge.models.llama import CausalLM
-
-    t0 = time.perf_counter()
-    device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    conv = convert(path, quantize=quantize, rule=rule, use_cache=use_cache, show_progress=show_progress)
-    with torch.device("meta"):
-        model = CausalLM(conv.config, max_model_len)
-    model.load_weights(conv.state_dict, device, dtype, conv.freq_factors)
-    model.eval()
-    return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
-                       time.perf_counter() - t0, conv.from_cache)
 
 
 def read_model_shape(path):

@@ -8,6 +8,11 @@ import os
 import sys
 
 
+def _read_model_shape(path):
+    from ridge.quant.loader import read_model_shape  # the loaders and torch, only for `ridge plan MODEL`
+    return read_model_shape(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ridge.bench.command import add_bench_parser
     from ridge.bench.daemon import add_bench_daemon_parser
@@ -21,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    add_plan_parser(sub)
+    add_plan_parser(sub, _read_model_shape)
     add_daemon_parsers(sub)
     add_bench_parser(sub)
     add_bench_daemon_parser(sub)

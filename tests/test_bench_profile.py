@@ -7,7 +7,7 @@ import torch
 from engine_utils import greedy, make_engine, prompts
 from ridge.bench.profile import Breakdown, step_breakdown
 from ridge.kernels.timing import section, set_timer
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 from tiny_models import make_tiny
 
 ENGINE_SECTIONS = {"norm", "rope", "act", "linear", "kv_write", "attention", "embed", "lm_head",

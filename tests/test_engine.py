@@ -7,7 +7,7 @@ import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
 from ridge.engine.sampling import InvalidRequest, SamplingParams
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 from tiny_models import make_tiny
 
 

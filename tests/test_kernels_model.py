@@ -12,7 +12,7 @@ from ridge.kernels.cuda_graph import DecodeGraphRunner, default_sizes
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.triton_utils import ConfigCache
 from ridge.models.oneshot import prompt_logits
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 
 
 @pytest.fixture(scope="module")

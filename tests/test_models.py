@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ridge.models.oneshot import prompt_logits
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 from tiny_models import random_state_dict, tiny_config, write_hf_dir, write_tokenizer_files
 
 SCALINGS = {

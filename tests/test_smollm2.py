@@ -95,7 +95,7 @@ def test_greedy_answer_is_paris():
 
 @pytest.fixture(scope="module")
 def smol_loaded():
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
     return load_model(device="cpu")
 
 

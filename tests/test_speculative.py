@@ -11,7 +11,7 @@ from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
 from ridge.engine.sampling import SamplingParams
 from ridge.engine.spec.policy import SpecPolicy, expected_tokens
 from ridge.engine.spec.proposers import NgramProposer
-from ridge.quant.loader import load_model
+from ridge.models.loader import load_model
 from tiny_models import make_tiny, random_state_dict, tiny_config, write_gguf
 
 

@@ -194,7 +194,7 @@ def _print_steps(rows, rep) -> None:
 
 
 def run_spec(args, rep) -> None:
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
 
     loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
     from ridge.engine.engine import LLMEngine

@@ -13,7 +13,7 @@ import torch
 
 from ridge.cache.kv_cache import KVCache, kv_bytes_per_token
 from ridge.cache.manager import KVCacheManager
-from ridge.quant.loader import LoadedModel, load_model
+from ridge.models.loader import LoadedModel, load_model
 
 from ridge.kernels.timing import section
 

@@ -34,7 +34,7 @@ def _linear_weights(model) -> int:
 
 
 def load_draft(path: str, engine):
-    from ridge.quant.loader import load_model
+    from ridge.models.loader import load_model
 
     loaded = load_model(path, device=engine.device, quantize=engine.config.quantize,
                         max_model_len=engine.max_model_len)
