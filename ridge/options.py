@@ -72,13 +72,13 @@ class Option:
         """This option as an argparse flag. given_only: its default is None, so that a
         flag not given can fall through to the variable and the file (`ridge serve`)."""
         default = None if given_only else self.default
-        shown = f" (default: {self.default})" if self.default not in (None, False) else ""
         if self.kind is bool and not self.auto:
             p.add_argument(self.flag, action="store_true", default=default, help=self.help)
         elif self.auto:  # kept as typed (on/off/auto); convert() reads it
             p.add_argument(self.flag, type=str.lower, choices=("on", "off", AUTO), default=default,
                            help=f"{self.help} (default: auto)")
         else:
+            shown = "" if self.default is None else f" (default: {self.default})"
             p.add_argument(self.flag, type=self.kind, choices=self.choices, default=default,
                            help=self.help + shown)
 
