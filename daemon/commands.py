@@ -1,5 +1,5 @@
-"""The daemon's subcommands: `ridge serve`, `ridge generate` (through the
-daemon), `ridge chat`, `ridge status`, `ridge bench-daemon`."""
+"""The daemon's subcommands: `ridge serve`, `ridge chat`, `ridge status`, and
+what `ridge generate` shares with them (daemon/generate.py)."""
 from __future__ import annotations
 
 import json
@@ -14,9 +14,25 @@ def add_client_args(p) -> None:
                    help="daemon endpoint (default: $RIDGE_ENDPOINT, then the user socket, then the system socket)")
 
 
-def add_daemon_parsers(sub) -> None:
-    from ridge.cli import add_sampling_args
+def add_sampling_args(p) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
+
+def sampling_fields(args) -> dict:
+    """The sampling flags as a request's fields (the protocol's and SamplingParams' names)."""
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed, "stop": list(args.stop)}
+
+
+def add_daemon_parsers(sub) -> None:
     from .config import add_serve_args
 
     s = sub.add_parser("serve", help="run the daemon: serve a model over ZeroMQ (docs/protocol.md)",
@@ -36,19 +52,10 @@ def add_daemon_parsers(sub) -> None:
     add_client_args(st)
     st.set_defaults(func=run_status)
 
-    from .bench import add_bench_daemon_parser
-    add_bench_daemon_parser(sub)
-
 
 def _serve(args) -> int:
     from .serve import run_serve
     return run_serve(args)
-
-
-def _params(args) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-            "seed": args.seed, "stop": list(args.stop)}
 
 
 def connect(endpoint: str | None):
@@ -63,7 +70,7 @@ def connect(endpoint: str | None):
         return None
 
 
-def _stream_reply(client, **kw) -> tuple[str, object]:
+def stream_reply(client, **kw) -> tuple[str, object]:
     """Print a streamed reply; Ctrl-C aborts it. -> (text, final or None)."""
     s = client.stream(**kw)
     try:
@@ -76,36 +83,6 @@ def _stream_reply(client, **kw) -> tuple[str, object]:
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     return s.text, s.final
-
-
-def run_generate(args) -> int:
-    """`ridge generate` without --local: through the daemon."""
-    from .client import RidgeError
-
-    got = connect(args.endpoint)
-    if got is None:
-        return 1
-    client, hello = got
-    model = hello["model"]
-    if args.model is not None:
-        print(f"ridge: note: --model applies to --local only; the daemon serves {model['name']}", file=sys.stderr)
-    print(f"[ridge daemon at {client.endpoint}, serving {model['name']}]", file=sys.stderr)
-    kw = {"prompt": args.prompt} if args.raw else \
-        {"messages": ([{"role": "system", "content": args.system}] if args.system else []) +
-         [{"role": "user", "content": args.prompt}]}
-    try:
-        _, final = _stream_reply(client, **kw, **_params(args))
-    except RidgeError as e:
-        print(f"ridge: {e.message} ({e.code})", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    if final is None:
-        return 130
-    if final.error:
-        print(f"error: {final.error}", file=sys.stderr)
-        return 1
-    return 0
 
 
 CHAT_HELP = "Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply."
@@ -144,7 +121,7 @@ def run_chat(args) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                reply, final = _stream_reply(client, messages=system + history, **_params(args))
+                reply, final = stream_reply(client, messages=system + history, **sampling_fields(args))
             except RidgeError as e:
                 history.pop()
                 hint = " Try /reset." if e.code == "invalid_request" else ""

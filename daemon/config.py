@@ -9,39 +9,27 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridge.engine.config import add_engine_args, engine_options
+from ridge.options import Option, add_options
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
-
-
-@dataclass
-class Option:
-    name: str  # the config-file key; the flag is --name-with-dashes, the variable RIDGE_NAME
-    kind: type  # str, int, float or bool
-    default: object
-    help: str
-    choices: tuple | None = None
-    engine: bool = False  # passed to EngineConfig through ridge.cli.engine_config
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return "RIDGE_" + self.name.upper()
-
 
 DAEMON_OPTIONS = [
-    Option("endpoint", str, None, "ROUTER endpoint (default: the user socket, or the system one with --system)"),
+    Option("endpoint", str, None, "ROUTER endpoint (default: the user socket, or the system one with --system)",
+           example="ipc:///run/user/1000/ridge/ridge.sock"),
     Option("system", bool, False, "serve on the system socket /run/ridge/ridge.sock (dir 0750, group ridge)"),
-    Option("tcp", str, None, "also listen on tcp://HOST:PORT; loopback only unless CURVE keys are configured"),
-    Option("pub_endpoint", str, None, "stats PUB endpoint (default: beside the socket; 'none' disables)"),
-    Option("curve_secret_key_file", str, None, "the daemon's CURVE certificate (.key_secret), for non-loopback TCP"),
-    Option("curve_clients_dir", str, None, "directory of authorised client CURVE certificates"),
+    Option("tcp", str, None, "also listen on tcp://HOST:PORT; loopback only unless CURVE keys are configured",
+           example="tcp://127.0.0.1:5555"),
+    Option("pub_endpoint", str, None, "stats PUB endpoint (default: beside the socket; 'none' disables)",
+           example="none"),
+    Option("curve_secret_key_file", str, None, "the daemon's CURVE certificate (.key_secret), for non-loopback TCP",
+           example="/etc/ridge/curve/server.key_secret"),
+    Option("curve_clients_dir", str, None, "directory of authorised client CURVE certificates",
+           example="/etc/ridge/curve/clients"),
     Option("max_frame_bytes", int, 1 << 20, "largest client frame"),
     Option("max_prompt_tokens", int, 0, "longest prompt (0: the context length - 1)"),
     Option("max_tokens", int, 0, "largest max_tokens a request may ask (0: the context length)"),
@@ -52,19 +40,6 @@ DAEMON_OPTIONS = [
     Option("drain_grace", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT"),
     Option("stats_interval", float, 0.25, "seconds between stats snapshots (the PUB feed)"),
 ]
-def engine_options() -> list[Option]:
-    """The engine's options exactly as ridge.cli.add_engine_args defines them (whatever it grows)."""
-    from ridge.cli import add_engine_args
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_args(p)
-    out = []
-    for a in p._actions:
-        if a.option_strings:
-            kind = bool if isinstance(a, argparse._StoreTrueAction) else (a.type or str)
-            out.append(Option(a.dest, kind, a.default, a.help or "", tuple(a.choices) if a.choices else None,
-                              engine=True))
-    return out
 
 
 def all_options() -> list[Option]:
@@ -73,16 +48,8 @@ def all_options() -> list[Option]:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Every option as a flag whose default is None, so that 'not given' can fall through."""
-    from ridge.cli import add_engine_args
-
-    add_engine_args(p)
-    p.set_defaults(**{o.name: None for o in engine_options()})
-    g = p.add_argument_group("daemon")
-    for o in DAEMON_OPTIONS:
-        if o.kind is bool:
-            g.add_argument(o.flag, action="store_true", default=None, help=o.help)
-        else:
-            g.add_argument(o.flag, type=o.kind, default=None, help=f"{o.help} (default: {o.default})")
+    add_engine_args(p, given_only=True)
+    add_options(p.add_argument_group("daemon"), DAEMON_OPTIONS, given_only=True)
     p.add_argument("--config", default=None, help="config file (default: $XDG_CONFIG_HOME/ridge/config.toml)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
 
@@ -96,27 +63,6 @@ def config_path(args, environ=os.environ) -> Path:
     return Path(base) / "ridge" / "config.toml"
 
 
-def _convert(o: Option, raw, where: str):
-    if raw is None:
-        return None
-    try:
-        if o.kind is bool:
-            if isinstance(raw, bool):
-                return raw
-            s = str(raw).strip().lower()
-            if s in _TRUE | _FALSE:
-                return s in _TRUE
-            raise ValueError(raw)
-        if o.kind is int and isinstance(raw, (bool, float)):
-            raise ValueError(raw)
-        value = o.kind(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: {o.name} must be {o.kind.__name__}, got {raw!r}") from None
-    if o.choices and value not in o.choices:
-        raise ValueError(f"{where}: {o.name} must be one of {', '.join(map(str, o.choices))}, got {value!r}")
-    return value
-
-
 @dataclass
 class Resolved:
     values: dict
@@ -128,23 +74,13 @@ class Resolved:
 
     def to_toml(self) -> str:
         lines = [f"# effective ridge serve configuration (file: {self.path})"]
-        for name, value in self.values.items():
-            src = self.sources[name]
-            if value is None:
-                lines.append(f"# {name} is unset  # {src}")
+        for o in all_options():
+            value, src = self.values[o.name], self.sources[o.name]
+            if value is None and not o.auto:
+                lines.append(f"# {o.name} is unset  # {src}")
             else:
-                lines.append(f"{name} = {_toml_value(value)}  # {src}")
+                lines.append(f"{o.name} = {o.toml(value)}  # {src}")
         return "\n".join(lines) + "\n"
-
-
-def _toml_value(v) -> str:
-    if v is None:
-        return '""'
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def resolve(args: argparse.Namespace, environ=os.environ) -> Resolved:
@@ -163,11 +99,32 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> Resolved:
     for o in options:
         flag = getattr(args, o.name, None)
         if flag is not None:
-            values[o.name], sources[o.name] = _convert(o, flag, o.flag), "flag"
+            values[o.name], sources[o.name] = o.convert(flag, o.flag), "flag"
         elif environ.get(o.env) is not None:
-            values[o.name], sources[o.name] = _convert(o, environ[o.env], o.env), f"env {o.env}"
+            values[o.name], sources[o.name] = o.convert(environ[o.env], o.env), f"env {o.env}"
         elif o.name in file_values:
-            values[o.name], sources[o.name] = _convert(o, file_values[o.name], str(path)), f"file {path}"
+            values[o.name], sources[o.name] = o.convert(file_values[o.name], str(path)), f"file {path}"
         else:
             values[o.name], sources[o.name] = o.default, "default"
     return Resolved(values, sources, path)
+
+
+def default_config() -> str:
+    """Every `ridge serve` option, commented out, at its default (or its example where it has
+    none). packaging/config.toml is this text; tests/test_service.py keeps the two equal."""
+    lines = ["# ridge serve configuration. Every option is listed, commented out, at its default;",
+             "# uncomment a line to change it. Precedence: command-line flags, then RIDGE_<NAME>",
+             "# environment variables, then this file, then the defaults.",
+             "# Read from $XDG_CONFIG_HOME/ridge/config.toml (user service), /etc/ridge/config.toml",
+             "# (system service), or the file that --config / RIDGE_CONFIG names.",
+             "# Check the result with: ridge serve --print-config", ""]
+    for title, options in (("Engine", engine_options()), ("Daemon", DAEMON_OPTIONS)):
+        lines += [f"# -- {title} " + "-" * (76 - len(title)), ""]
+        for o in options:
+            lines.append(f"# {o.help}" + (f" ({', '.join(map(str, o.choices))})" if o.choices else ""))
+            if o.default is None and not o.auto:
+                lines.append(f"# {o.name} = {o.toml(o.example)}  # unset by default; an example")
+            else:
+                lines.append(f"# {o.name} = {o.toml(o.default)}")
+            lines.append("")
+    return "\n".join(lines)

@@ -103,7 +103,7 @@ def run_serve(args) -> int:
 
 
 def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
     from .engine_loop import EngineLoop
@@ -111,8 +111,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
 
     notifier = Notifier()
     notifier.status("loading the model")
-    ns = type("Args", (), {k: c[k] for k in c})
-    loop = EngineLoop(lambda: LLMEngine(engine_config(ns)), c["stats_interval"])
+    loop = EngineLoop(lambda: LLMEngine(engine_config(c)), c["stats_interval"])
     engine = loop.start_engine()  # built on the engine thread: see engine_loop.py
     model = engine.model_info()
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import default_config, resolve
+
 UNIT = "ridge.service"
 SYSTEM_USER = "ridge"
 GPU_GROUPS = ("video", "render")  # device node groups on most distributions; only those that exist are used
@@ -84,8 +86,6 @@ def _unit_word(text: str) -> str:
 
 
 def drain_grace(config_file: Path) -> float:
-    from .config import resolve
-
     return float(resolve(argparse.Namespace(config=str(config_file)), environ={}).values["drain_grace"])
 
 
@@ -126,41 +126,6 @@ def template(scope: Scope) -> str:
         raise FileNotFoundError(f"the unit template {path} is missing: `ridge service` needs a source checkout "
                                 "of ridge (packaging/ is not part of the wheel)")
     return path.read_text()
-
-
-# -- the default config file ----------------------------------------------------------------
-EXAMPLES = {"model": "/path/to/model.gguf", "device": "cuda", "kv_dtype": "fp8", "max_model_len": 8192,
-            "prefill_chunk": 512, "num_kv_blocks": 4096, "kv_memory_gib": 8.0, "threads": 8,
-            "ridge_point": 295.0, "endpoint": "ipc:///run/user/1000/ridge/ridge.sock",
-            "tcp": "tcp://127.0.0.1:5555", "pub_endpoint": "none",
-            "curve_secret_key_file": "/etc/ridge/curve/server.key_secret",
-            "curve_clients_dir": "/etc/ridge/curve/clients"}
-HELP = {"block_size": "tokens per KV block",
-        "no_prefix_caching": "turn off the prefix cache (KV blocks shared by prompts that start alike)"}
-
-
-def default_config() -> str:
-    """Every `ridge serve` option, commented out, at its default (or an example where it has none).
-    packaging/config.toml is this text; tests/test_service.py keeps the two equal."""
-    from .config import DAEMON_OPTIONS, _toml_value, engine_options
-
-    lines = ["# ridge serve configuration. Every option is listed, commented out, at its default;",
-             "# uncomment a line to change it. Precedence: command-line flags, then RIDGE_<NAME>",
-             "# environment variables, then this file, then the defaults.",
-             "# Read from $XDG_CONFIG_HOME/ridge/config.toml (user service), /etc/ridge/config.toml",
-             "# (system service), or the file that --config / RIDGE_CONFIG names.",
-             "# Check the result with: ridge serve --print-config", ""]
-    for title, options in (("Engine", engine_options()), ("Daemon", DAEMON_OPTIONS)):
-        lines += [f"# -- {title} " + "-" * (76 - len(title)), ""]
-        for o in options:
-            lines.append(f"# {o.help or HELP.get(o.name, o.name)}"
-                         + (f" ({', '.join(map(str, o.choices))})" if o.choices else ""))
-            if o.default is None:
-                lines.append(f"# {o.name} = {_toml_value(EXAMPLES.get(o.name, ''))}  # unset by default; an example")
-            else:
-                lines.append(f"# {o.name} = {_toml_value(o.default)}")
-            lines.append("")
-    return "\n".join(lines)
 
 
 # -- systemd --------------------------------------------------------------------------------

@@ -247,7 +247,9 @@ def _count(text: str) -> int:
     return int(float(t.rstrip("bm")) * scale)
 
 
-def add_plan_parser(subparsers) -> None:
+def add_plan_parser(subparsers, read_model_shape=None) -> None:
+    """read_model_shape(path) -> ModelShape reads a model file's metadata. It is passed in
+    because it needs ridge's loaders, which sit above this module (and bring torch)."""
     p = subparsers.add_parser("plan", help="KV-cache and ridge-point arithmetic for a model on a GPU")
     p.add_argument("model_path", nargs="?", help="a .gguf file or a Hugging Face model directory")
     p.add_argument("--layers", type=int)
@@ -258,13 +260,14 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--memory-gib", type=float)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--list-gpus", action="store_true")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=run_plan, read_model_shape=read_model_shape)
 
 
 def _shape_from_args(args) -> ModelShape:
     if args.model_path:
-        from ridge.quant.source import read_config  # lazy: the readers need torch, the arithmetic does not
-        shape = read_config(args.model_path).shape()
+        if args.read_model_shape is None:
+            raise ValueError("reading a MODEL_PATH needs ridge's model loaders; give --layers, --kv-heads, --head-dim")
+        shape = args.read_model_shape(args.model_path)
     elif None in (args.layers, args.kv_heads, args.head_dim):
         raise ValueError("give a MODEL_PATH or all of --layers, --kv-heads, --head-dim")
     else:

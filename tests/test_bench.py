@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ridge.engine.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, make_workload, output_lengths,
+from ridge.bench.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, make_workload, output_lengths,
                                     parse_lengths, percentiles, static_bound, static_steps)
 
 
@@ -169,3 +169,25 @@ def test_bench_spec_times_a_server_on_the_same_prompts(tmp_path):
     timed = bodies[1:]  # the first request is the warm-up
     assert len(timed) == 6 and all(isinstance(b["prompt"], list) and b["ignore_eos"] for b in timed)
     assert all(b["n_predict"] == 6 for b in timed)  # ridge's plain outputs: the seeded tiny model runs to max_tokens
+
+
+def test_bench_overhead_end_to_end(tmp_path):
+    """Each row: the step against its products alone, both medians, the products run
+    the way the step ran (eagerly on CPU), and the step's breakdown adding up."""
+    from tiny_models import make_tiny
+
+    from ridge.cli import main
+
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "overhead.json"
+    rc = main(["bench", "overhead", "--model", str(path), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64",
+               "--batches", "1,3", "--context", "20", "--steps", "3", "--retries", "0", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["overhead"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["mode"] == "eager" and r["step_ms"] > 0 and r["matmul_ms"] > 0
+        assert r["overhead_pct"] == pytest.approx(100 * (r["step_ms"] / r["matmul_ms"] - 1))
+        bd = r["breakdown_ms"]
+        assert {"linear", "attention", "schedule", "other", "total"} <= set(bd)
+        assert sum(v for k, v in bd.items() if k != "total") == pytest.approx(bd["total"])

@@ -1,4 +1,3 @@
-import argparse
 import sys
 
 import pytest
@@ -15,10 +14,10 @@ SEED_BPT = 327_680
 
 
 def _run(argv):
-    parser = argparse.ArgumentParser(prog="ridge")
-    P.add_plan_parser(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """Through the real CLI, which hands `ridge plan` the real model readers."""
+    from ridge.cli import main
+
+    return main(argv)
 
 
 # --- the seed's worked example -------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_config_precedence_flag_env_file_default(tmp_path):
     assert r.values["max_queue"] == 11 and r.sources["max_queue"] == "env RIDGE_MAX_QUEUE"
     assert r.values["client_timeout"] == 3.5 and r.values["model"] == "/m.gguf" and r.values["system"] is True
     assert r.values["drain_grace"] == 30.0 and r.sources["drain_grace"] == "default"
-    assert r.values["block_size"] == 16  # the engine's own default, from ridge.cli.add_engine_args
+    assert r.values["block_size"] == 16  # the engine's own default, from its EngineConfig field
     text = r.to_toml()
     assert "max_queue = 11  # env RIDGE_MAX_QUEUE" in text and "max_num_seqs = 13  # flag" in text
     cfg.write_text("max_qeue = 1\n")

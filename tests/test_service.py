@@ -18,7 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ridge.daemon import service
-from ridge.daemon.config import all_options, resolve
+from ridge.daemon.config import all_options, default_config, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 RIDGE = Path(sys.executable).parent / "ridge"
@@ -88,7 +88,7 @@ def test_user_install_status_uninstall(home, tmp_path):
     assert unit["Install"]["WantedBy"] == ["default.target"]
     assert unit["Unit"]["Documentation"] == [(ROOT / "docs/service.md").as_uri()]
     assert (config_path.stat().st_mode & 0o777) == 0o600
-    assert config_path.read_text() == service.default_config()
+    assert config_path.read_text() == default_config()
     if ANALYZE:
         verify(unit_path, True, tmp_path)
 
@@ -129,7 +129,7 @@ def test_system_install_staged(home, tmp_path):
     groups = s.get("SupplementaryGroups", [""])[0].split()
     assert set(groups) <= {"video", "render"}
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
-    assert (root / "etc/ridge/config.toml").read_text() == service.default_config()
+    assert (root / "etc/ridge/config.toml").read_text() == default_config()
     assert "u     ridge" in (root / "etc/sysusers.d/ridge.conf").read_text()
     assert "staged under" in r.stdout
     if ANALYZE:
@@ -166,7 +166,7 @@ def test_render_fills_and_drops_empty_settings():
 
 
 def test_default_config_lists_every_option_and_is_the_shipped_file(tmp_path):
-    text = service.default_config()
+    text = default_config()
     assert (ROOT / "packaging/config.toml").read_text() == text, \
         "packaging/config.toml is stale: ridge service config > packaging/config.toml"
     assert tomllib.loads(text) == {}  # all commented out

@@ -1,33 +1,52 @@
-"""The engine's options: one dataclass, one field per option."""
+"""The engine's options: one dataclass, one field per option.
+
+A field with a "help" is also a user option, and this declaration is its only
+one: ridge/options.py generates from it the flag (--field-name, or the
+metadata's "flag"), the RIDGE_* variable and the config-file key of
+`ridge serve`, the flags of `ridge generate --local` and `ridge bench`, and the
+EngineConfig built from their values. Fields without help are set by code."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from ridge.options import Option, add_options, fill, options_of
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # path; None = the embedded default model
-    device: str | None = None  # None = cuda if available, else cpu
-    kv_dtype: str | None = None  # fp8 | bf16 | fp16 | fp32; None = fp8 on CUDA, the measured CPU default on CPU
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    prefill_chunk: int | None = None  # None = from the ridge point (engine/budget.py)
-    num_kv_blocks: int | None = None  # fixed pool size instead of sizing from memory
-    kv_memory_gib: float | None = None  # cap on the KV pool
-    gpu_reserve_gib: float = 1.0
+    model: str | None = _opt(None, "GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
+                             example="/path/to/model.gguf")
+    device: str | None = _opt(None, "cuda or cpu (default: cuda if available)", example="cuda")
+    kv_dtype: str | None = _opt(None, "KV cache dtype (default: fp8 on CUDA, fp32 on CPU, by measurement)",
+                                choices=("fp8", "bf16", "fp16", "fp32"), example="fp8")
+    block_size: int = _opt(16, "tokens per KV block")
+    max_model_len: int | None = _opt(None, "cap the context below the model's own", example=8192)
+    max_num_seqs: int = _opt(64, "requests in flight per step")
+    prefill_chunk: int | None = _opt(None, "largest prefill chunk per step (default: from the ridge point)",
+                                     example=512)  # engine/budget.py
+    num_kv_blocks: int | None = _opt(None, "fixed KV pool size instead of sizing from memory", example=4096)
+    kv_memory_gib: float | None = _opt(None, "cap on the KV pool", example=8.0)
+    gpu_reserve_gib: float = _opt(1.0, "GPU memory left for the desktop and others")
     cpu_kv_cap_gib: float = 4.0
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch CPU threads; None = torch's default on CPU, 4 on CUDA
+    enable_prefix_caching: bool = _opt(True, "turn off the prefix cache (KV blocks shared by prompts that "
+                                             "start alike)", flag="--no-prefix-caching")
+    num_threads: int | None = _opt(None, "CPU threads for torch (default: torch's on CPU, 4 on CUDA)", flag="--threads", example=8)
     quantize: bool = True
-    ridge_point: float | None = None  # FLOPs per byte; None = plan table (GPU) or measured (CPU)
-    speculative: str = "off"  # ngram | draft:PATH | self:L | auto | off
-    num_speculative_tokens: int = 8  # the most drafts per request per step
-    cuda_graph: bool | None = None  # replay steps as CUDA graphs; None = on CUDA
-    async_scheduling: bool | None = None  # overlap: schedule step N+1 while step N runs; None = on CUDA
-    cpu_weight_format: str = "auto"  # auto (measured) | fp32 | bf16:N (bf16 for steps of <= N tokens)
+    ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
+                                     example=295.0)
+    speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off")
+    num_speculative_tokens: int = _opt(8, "most drafts per request per step")
+    cuda_graph: bool | None = _opt(None, "replay pure-decode steps as CUDA graphs (auto: on CUDA)")
+    async_scheduling: bool | None = _opt(None, "overlap scheduling: schedule step N+1 while step N runs "
+                                               "(auto: on CUDA)")
+    cpu_weight_format: str = _opt("auto", "CPU weights: auto (measured at start-up) | fp32 | bf16:N "
+                                          "(bf16 for steps of <= N tokens)")
 
     def __post_init__(self):
         self.speculative_config  # parsed here, so that a bad value fails before any model loads
@@ -42,3 +61,16 @@ class EngineConfig:
         # CPU default, measured: reading an FP8 cache through torch costs a slow
         # fp8 -> fp32 cast every step (docs/benchmarks.md), so CPU serves fp32 KV.
         return self.kv_dtype or ("fp8" if device.type == "cuda" else "fp32")
+
+
+def engine_options() -> list[Option]:
+    return options_of(EngineConfig)
+
+
+def add_engine_args(p, given_only: bool = False) -> None:
+    add_options(p, engine_options(), given_only)
+
+
+def engine_config(values) -> EngineConfig:
+    """The EngineConfig that parsed flags (a namespace) or resolved `ridge serve` values (a dict) describe."""
+    return fill(EngineConfig, engine_options(), values)

@@ -158,11 +158,14 @@ class Report:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",
                 "batch_build", "sched_update", "outputs", "other"]
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
-                   ["batch", "context", "step ms", "matmul ms", "overhead", "tok/s", "cpu util"],
-                   [[r["batch"], _f(r["context"], "{:.0f}"), _f(r["step_ms"]), _f(r["matmul_ms"]),
-                     _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"]), _f(r.get("cpu_util"), "{:.2f}")] for r in rows],
-                   "matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's rows")
-        self.table("where a step's time goes (ms per step, timers around the engine's calls)",
+                   ["batch", "context", "step ran", "step ms", "matmul ms", "overhead", "tok/s", "cpu util"],
+                   [[r["batch"], _f(r["context"], "{:.0f}"), r.get("mode", "eager"), _f(r["step_ms"]),
+                     _f(r["matmul_ms"]), _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"]),
+                     _f(r.get("cpu_util"), "{:.2f}")] for r in rows],
+                   "matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
+                   "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median")
+        self.table("where a step's time goes (ms per step, exclusive, from the engine's timing sections; "
+                   "linear includes the logits' product, and a CUDA graph replay hides the model's sections)",
                    ["batch", "total", "linear"] + keys,
                    [[r["batch"], _f(r["breakdown_ms"].get("total")), _f(r["breakdown_ms"].get("linear"))]
                     + [_f(r["breakdown_ms"].get(k), "{:.2f}") for k in keys] for r in rows])

@@ -19,13 +19,13 @@ import os
 import sys
 import time
 
-from .bench_report import Report
+from .report import Report
 
 DEFAULT_LEVELS = "none,low,high,tail"
 
 
 def _common(p: argparse.ArgumentParser, workload: bool = True) -> None:
-    from ridge.cli import add_engine_args
+    from ridge.engine.config import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON")
@@ -92,8 +92,8 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--label", default=None)
     a.add_argument("--timeout", type=float, default=600.0)
 
-    from .bench_accuracy import add_accuracy_parser
-    from .bench_spec import add_spec_parser
+    from .accuracy import add_accuracy_parser
+    from .spec import add_spec_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
 
@@ -120,8 +120,8 @@ def command_line(args) -> str:
 
 
 def make_engine(args, max_seqs: int):
-    from ridge.cli import engine_config
-    from .engine import LLMEngine
+    from ridge.engine.config import engine_config
+    from ridge.engine.engine import LLMEngine
 
     cfg = engine_config(args)
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_seqs)
@@ -144,7 +144,7 @@ def _ints(s: str) -> list[int]:
 # -- parts ----------------------------------------------------------------------------------
 
 def part_throughput(rep: Report, engine, args, in_flight: int, requests=None, static=True, key="throughput"):
-    from .bench_runs import compare
+    from .runs import compare
 
     wl = workload_for(args, engine, requests=requests)
     res = compare(engine, wl, in_flight, static=static, tag=f"t{in_flight}-", repeat=args.repeat,
@@ -157,7 +157,7 @@ def part_throughput(rep: Report, engine, args, in_flight: int, requests=None, st
 
 
 def part_sweep(rep: Report, engine, args):
-    from .bench_runs import compare
+    from .runs import compare
     from .workloads import SWEEP_LEVELS
 
     levels = dict(SWEEP_LEVELS)
@@ -179,14 +179,14 @@ def part_sweep(rep: Report, engine, args):
 
 def part_hf(rep: Report, args, engine=None):
     from ridge.quant.source import resolve_model_path
-    from .bench_external import load_hf_model, run_hf
-    from .bench_runs import clean_run
+    from .external import load_hf_model, run_hf
+    from .runs import clean_run
 
     res = {}
     if engine is None and not getattr(args, "no_ridge", False):
         engine = make_engine(args, args.in_flight)
     if engine is not None:
-        from .bench_runs import run_continuous, warm_up
+        from .runs import run_continuous, warm_up
         warm_up(engine)
         wl = workload_for(args, engine)
         res["ridge"] = clean_run(lambda a: run_continuous(engine, wl, args.in_flight, tag=f"hfr{a}-"), args.retries)
@@ -218,8 +218,8 @@ def _tokenizer(args, engine=None):
 
 
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
-    from .bench_external import run_server, server_info
-    from .bench_runs import clean_run, run_continuous
+    from .external import run_server, server_info
+    from .runs import clean_run, run_continuous
 
     tok = _tokenizer(args, engine)
     info = server_info(args.url, args.api)
@@ -239,7 +239,7 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
 
 
 def part_overhead(rep: Report, engine, args):
-    from .bench_runs import run_overhead
+    from .decode import run_overhead
 
     rows = [run_overhead(engine, b, args.context, args.steps, retries=args.retries) for b in _ints(args.batches)]
     rep.add("overhead", rows)
@@ -249,9 +249,9 @@ def part_overhead(rep: Report, engine, args):
 def part_kv(rep: Report, args, loaded=None):
     from dataclasses import replace
 
-    from ridge.cli import engine_config
-    from .bench_runs import run_kv_dtypes
-    from .engine import LLMEngine
+    from ridge.engine.config import engine_config
+    from .decode import run_kv_dtypes
+    from ridge.engine.engine import LLMEngine
 
     base = engine_config(args)
     blocks = args.batch * (-(-(args.context + 3 * args.steps + 64) // base.block_size)) + 16
@@ -284,11 +284,11 @@ def run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     engine = None
     if name == "spec":
-        from .bench_spec import run_spec
+        from .spec import run_spec
         run_spec(args, rep)
         return 0
     if name == "accuracy":
-        from .bench_accuracy import run_accuracy
+        from .accuracy import run_accuracy
         rep.set_env(None, args)
         run_accuracy(args, rep)
         return 0
@@ -299,7 +299,7 @@ def run_bench(args) -> int:
                    + ([64] if name == "all" else []))
         engine = make_engine(args, need)
         rep.set_env(engine)
-        from .bench_runs import warm_up
+        from .runs import warm_up
         warm_up(engine)
     else:
         rep.set_env(None, args)

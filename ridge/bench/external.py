@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from .bench_runs import Rec, _summary
+from .runs import Rec, _summary
 from .workloads import Workload
 
 # -- HF transformers ------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def add_spec_parser(sub, common) -> None:
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
-    from .sampling import SamplingParams
+    from ridge.engine.sampling import SamplingParams
 
     outs = {}
     t0 = time.perf_counter()
@@ -95,8 +95,8 @@ def part_spec(rep, args, loaded) -> None:
     round against that round's plain run, and the median over rounds is reported."""
     import statistics
 
-    from .engine import LLMEngine
-    from ridge.cli import engine_config
+    from ridge.engine.engine import LLMEngine
+    from ridge.engine.config import engine_config
 
     modes = ["off"] + args.proposers.split(",")
     rows = []
@@ -144,7 +144,7 @@ def part_spec(rep, args, loaded) -> None:
 def _server_row(url: str, name: str, prompts: list[list[int]], lengths: list[int]) -> dict:
     """llama-server's plain decode of the same prompt tokens, one at a time, each for as many
     tokens as ridge's plain run made (ignore_eos), timed like ridge's runs: tokens / wall."""
-    from .bench_external import run_server
+    from .external import run_server
     from .workloads import Workload
 
     wl = Workload(f"spec-{name}", [""] * len(prompts), lengths, "ridge's plain output lengths", 0)
@@ -193,8 +193,8 @@ def run_spec(args, rep) -> None:
     from ridge.models.loader import load_model
 
     loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
-    from .engine import LLMEngine
-    from ridge.cli import engine_config
+    from ridge.engine.engine import LLMEngine
+    from ridge.engine.config import engine_config
     rep.set_env(LLMEngine(engine_config(args), loaded=loaded))
     part_spec(rep, args, loaded)
     if args.json:

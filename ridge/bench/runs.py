@@ -1,6 +1,6 @@
 """Engine-side runs of `ridge bench`: continuous against static batching on one
-engine (with KV waste sampled at steady state), and pure-decode fixtures for the
-overhead and KV-dtype measurements.
+engine, with KV waste sampled at steady state (pure-decode fixtures are in
+decode.py).
 
 Clients are closed-loop: `in_flight` clients each submit a request, wait for
 it to finish, then submit the next, so a request's TTFT starts at its own
@@ -12,14 +12,13 @@ counts as useful output."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
-from .workloads import QUESTIONS, Workload, continuous_steps, long_prompt, percentiles, static_bound, static_steps
+from ridge.engine.sampling import SamplingParams
+from .workloads import QUESTIONS, Workload, continuous_steps, percentiles, static_bound, static_steps
 
 
 @dataclass
@@ -32,7 +31,7 @@ class Rec:
     error: str | None = None
 
 
-def _params(max_tokens: int) -> SamplingParams:
+def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
 
@@ -99,6 +98,21 @@ def _summary(mode: str, recs: list[Rec], t0: float, t1: float, steps: int, in_fl
     }
 
 
+def _step(engine, live: dict[str, Rec]) -> float:
+    """One engine step: stamp each live request's new tokens, drop the finished; -> the time."""
+    outs = engine.step()
+    now = time.perf_counter()
+    for o in outs:
+        r = live.get(o.request_id)
+        if r is None:
+            continue
+        r.times.extend([now] * len(o.new_token_ids))
+        if o.finished:
+            r.finish_reason, r.error = o.finish_reason, o.error
+            del live[o.request_id]
+    return now
+
+
 def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict:
     """Closed loop: a slot is refilled as soon as its request finishes."""
     engine.scheduler.config.max_num_seqs = in_flight
@@ -111,7 +125,7 @@ def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict
     def submit(now: float) -> None:
         nonlocal nxt
         rid = f"{tag}-{nxt}"
-        engine.add_request(rid, wl.prompt_ids[nxt], _params(wl.lengths[nxt]))
+        engine.add_request(rid, wl.prompt_ids[nxt], greedy_params(wl.lengths[nxt]))
         live[rid] = recs[nxt] = Rec(nxt, wl.lengths[nxt], now)
         nxt += 1
 
@@ -119,19 +133,10 @@ def run_continuous(engine, wl: Workload, in_flight: int, tag: str = "c") -> dict
     while nxt < min(in_flight, n):
         submit(t0)
     while live:
-        outs = engine.step()
-        now = time.perf_counter()
+        now = _step(engine, live)
         steps += 1
-        for o in outs:
-            r = live.get(o.request_id)
-            if r is None:
-                continue
-            r.times.extend([now] * len(o.new_token_ids))
-            if o.finished:
-                r.finish_reason, r.error = o.finish_reason, o.error
-                del live[o.request_id]
-                if nxt < n:
-                    submit(now)
+        while len(live) < in_flight and nxt < n:
+            submit(now)
         waste.sample()
     out = _summary("continuous", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
     out["kv_waste"] = waste.result()
@@ -152,21 +157,12 @@ def run_static(engine, wl: Workload, in_flight: int, tag: str = "s") -> dict:
         live = {}
         for i in idx:
             rid = f"{tag}-{i}"
-            engine.add_request(rid, wl.prompt_ids[i], _params(longest))
+            engine.add_request(rid, wl.prompt_ids[i], greedy_params(longest))
             live[rid] = Rec(i, wl.lengths[i], now)
             recs.append(live[rid])
         while live:
-            outs = engine.step()
-            now = time.perf_counter()
+            _step(engine, live)
             steps += 1
-            for o in outs:
-                r = live.get(o.request_id)
-                if r is None:
-                    continue
-                r.times.extend([now] * len(o.new_token_ids))
-                if o.finished:
-                    r.finish_reason, r.error = o.finish_reason, o.error
-                    del live[o.request_id]
     return _summary("static", recs, t0, time.perf_counter(), steps, in_flight, cpu0)
 
 
@@ -214,161 +210,8 @@ def compare(engine, wl: Workload, in_flight: int, static: bool = True, tag: str 
 
 
 def warm_up(engine, n: int = 2, tokens: int = 8) -> None:
-    ids = [engine.add_request(None, engine.tokenizer.encode_chat([{"role": "user", "content": q}]), _params(tokens))
+    ids = [engine.add_request(None, engine.tokenizer.encode_chat([{"role": "user", "content": q}]), greedy_params(tokens))
            for q in QUESTIONS[:n]]
     while engine.has_unfinished():
         engine.step()
     del ids
-
-
-# -- pure-decode fixtures ------------------------------------------------------------------
-
-class DecodeFixture:
-    """`batch` requests prefilled to about `context` tokens, then stepping in pure
-    decode (every step: one new token per request, nothing else)."""
-
-    def __init__(self, engine, batch: int, context: int, tag: str, max_tokens: int = 4096):
-        self.engine, self.batch, self.tag = engine, batch, tag
-        cfg = engine.scheduler.config
-        cfg.max_num_seqs = batch
-        saved = cfg.max_num_batched_tokens
-        cfg.max_num_batched_tokens = max(saved, 2048)  # a faster set-up; restored before timing
-        room = engine.max_model_len - context - 1
-        self.ids = []
-        for i in range(batch):
-            prompt = long_prompt(engine.tokenizer, QUESTIONS[i % len(QUESTIONS)] + f" ({i})", context)
-            self.ids.append(engine.add_request(f"{tag}-{i}", prompt, _params(max(1, min(max_tokens, room)))))
-        seen: set[str] = set()
-        try:
-            while len(seen) < batch:
-                for o in engine.step():
-                    if o.new_token_ids:
-                        seen.add(o.request_id)
-                    if o.finished:
-                        raise RuntimeError(f"fixture request {o.request_id} finished early ({o.finish_reason}: {o.error})")
-        finally:
-            cfg.max_num_batched_tokens = saved
-        self.context = statistics.mean(len(r.prompt_token_ids) for r in engine.scheduler.running)
-
-    def step(self) -> float:
-        t = time.perf_counter()
-        outs = self.engine.step()
-        dt = time.perf_counter() - t
-        if len(outs) != self.batch or any(len(o.new_token_ids) != 1 for o in outs):
-            raise RuntimeError("the fixture left pure decode (a request finished or was preempted)")
-        return dt
-
-    def close(self) -> None:
-        for rid in self.ids:
-            self.engine.abort_request(rid)
-        while self.engine.has_unfinished():
-            self.engine.step()
-
-
-def linear_modules(model) -> list:
-    from ridge.quant.linear import FP8Linear
-    return [m for m in model.modules() if isinstance(m, FP8Linear)]
-
-
-def matmul_runner(model, tokens: int):
-    """-> fn() running every linear layer's product once over `tokens` rows: the
-    step's matrix products alone (qkv, o, gate_up, down per layer, and the logits)."""
-    mods = linear_modules(model)
-    dev, dt = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    xs = {m.in_features: torch.randn(tokens, m.in_features, device=dev, dtype=dt) for m in mods}
-
-    @torch.inference_mode()
-    def run() -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        for m in mods:
-            m(xs[m.in_features])
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - t
-    return run
-
-
-def _uncontended(timed, retries: int) -> tuple[object, float, int]:
-    """Run timed() -> result until this process had the cores (CPU use >= 90% of the
-    thread count) or retries run out; -> (result, cpu util, attempts)."""
-    want = 0.9 * torch.get_num_threads()
-    for attempt in range(1 + retries):
-        c0, w0 = time.process_time(), time.perf_counter()
-        r = timed()
-        util = (time.process_time() - c0) / (time.perf_counter() - w0)
-        if util >= want:
-            break
-    return r, util, attempt + 1
-
-
-def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4, retries: int = 2) -> dict:
-    """Engine step time against the same step's matrix products alone, interleaved
-    step by step in one run, at pure decode with `batch` sequences."""
-    fx = DecodeFixture(engine, batch, context, tag=f"ovh{batch}",
-                       max_tokens=steps * (1 + retries) + 2 * profile_steps + 40)
-    try:
-        mm = matmul_runner(engine.model, batch)
-        for _ in range(2):
-            fx.step(), mm()
-
-        def timed():
-            st, mt = [], []
-            for _ in range(steps):
-                st.append(fx.step())
-                mt.append(mm())
-            return st, mt
-        (step_t, mm_t), util, tries = _uncontended(timed, retries)
-        (_, bd), _, _ = _uncontended(lambda: (None, _breakdown(fx, profile_steps)), retries)
-        s, m = statistics.median(step_t), statistics.median(mm_t)
-        return {"batch": batch, "context": fx.context, "steps": steps,
-                "step_ms": 1e3 * s, "matmul_ms": 1e3 * m, "overhead_pct": 100 * (s / m - 1),
-                "step_ms_min": 1e3 * min(step_t), "matmul_ms_min": 1e3 * min(mm_t),
-                "tok_s": batch / s, "cpu_util": util, "tries": tries, "breakdown_ms": bd}
-    finally:
-        fx.close()
-
-
-def _breakdown(fx: DecodeFixture, steps: int) -> dict:
-    from .bench_profile import step_breakdown
-
-    with step_breakdown(fx.engine) as bd:
-        for _ in range(steps):
-            bd.step(fx.step)
-    return bd.per_step_ms()
-
-
-def run_kv_dtypes(engines: dict, batch: int, context: int, steps: int, profile_steps: int = 3,
-                  retries: int = 2) -> dict:
-    """W1-like decode step time per KV dtype; engines: dtype -> engine (same weights).
-    Steps are interleaved across dtypes so that drifting machine load hits all alike."""
-    fixtures = {dt: DecodeFixture(e, batch, context, tag=f"kv{dt}",
-                                  max_tokens=steps * (1 + retries) + 2 * profile_steps + 40)
-                for dt, e in engines.items()}
-    try:
-        for fx in fixtures.values():
-            fx.step()
-
-        def timed():
-            times = {dt: [] for dt in fixtures}
-            for _ in range(steps):
-                for dt, fx in fixtures.items():
-                    times[dt].append(fx.step())
-            return times
-        times, util, tries = _uncontended(timed, retries)
-        out = {}
-        for dt, fx in fixtures.items():
-            bd, _, _ = _uncontended(lambda: _breakdown(fx, profile_steps), retries)
-            s = statistics.median(times[dt])
-            e = fx.engine
-            out[dt] = {"kv_dtype": dt, "batch": batch, "context": fx.context, "step_ms": 1e3 * s,
-                       "step_ms_min": 1e3 * min(times[dt]), "tok_s": batch / s, "cpu_util": util, "tries": tries,
-                       "kv_bytes_per_token": e.memory.kv_bytes_per_token, "breakdown_ms": bd}
-        base = out.get("fp32")
-        for r in out.values():
-            r["vs_fp32"] = r["step_ms"] / base["step_ms"] if base else None
-        return out
-    finally:
-        for fx in fixtures.values():
-            fx.close()

@@ -1,11 +1,18 @@
 """`ridge bench-daemon`: the daemon against the engine in-process on the same
 workload, and the idle round trip of `health`.
 
-The daemon side is closed-loop like ridge/engine/bench_runs.run_continuous:
+The daemon side is closed-loop like ridge/bench/runs.run_continuous:
 `in_flight` asyncio clients each send a W1 request (chat messages, tokenized
 by the daemon; ignore_eos; the W1 output length), stream it to its final
 frame, then send the next. The in-process side is run_continuous itself, on an
-engine built from the same flags, after the daemon has stopped."""
+engine built from the same flags and with the daemon's KV pool size, while the
+daemon idles: rounds alternate between the two, so that outside load falls on
+both alike.
+
+Both engines hold their memory at once. On a GPU the daemon would size its pool
+to all free memory and leave the in-process engine none (issue 12), so unless
+the pool is sized by flag the daemon is told to leave half of the free memory
+to this process; the in-process engine then takes the daemon's pool size."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +27,7 @@ import time
 
 
 def add_bench_daemon_parser(sub) -> None:
-    from ridge.cli import add_engine_args
+    from ridge.engine.config import add_engine_args
 
     p = sub.add_parser("bench-daemon", help="daemon vs in-process throughput (W1), and health round trips")
     p.add_argument("--endpoint", default=None, help="measure this running daemon instead of starting one")
@@ -40,7 +47,7 @@ def add_bench_daemon_parser(sub) -> None:
 
 
 async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) -> dict:
-    from .aio_client import AsyncClient
+    from ridge.daemon.aio_client import AsyncClient
 
     async with AsyncClient(endpoint, timeout=600) as c:
         await c.hello()
@@ -84,7 +91,7 @@ async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) ->
         ping.cancel()
         st1 = await c.stats()
         totals1, cpu1 = st1["stats"]["totals"], st1["daemon"]["cpu_s"]  # totals may lag one snapshot interval
-    from ridge.engine.workloads import percentiles
+    from .workloads import percentiles
     return {"mode": "daemon", "wall_s": wall, "generated_tokens": tokens, "generated_tok_s": tokens / wall,
             "useful_tokens": wl.useful_tokens, "finish_reasons": reasons, "ttft_s": percentiles(ttft),
             "health_under_load_s": percentiles(busy_health), "loadavg_end": list(os.getloadavg()),
@@ -93,7 +100,7 @@ async def _daemon_run(endpoint: str, wl, in_flight: int, stream: bool = True) ->
 
 
 def health_latency(endpoint: str, n: int) -> dict:
-    from .client import Client
+    from ridge.daemon.client import Client
 
     with Client(endpoint) as c:
         for _ in range(50):
@@ -108,20 +115,39 @@ def health_latency(endpoint: str, n: int) -> dict:
             "mean_us": 1e6 * sum(times) / n, "min_us": 1e6 * times[0]}
 
 
+def _share_the_gpu(args) -> list[str]:
+    """`ridge serve` flags that leave half of the device's free memory (weights,
+    activations and KV pool alike) to the in-process engine; none where the two
+    do not share a GPU or the user sized the pool."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" or args.no_local or args.num_kv_blocks is not None or args.kv_memory_gib is not None:
+        return []
+    free, _ = torch.cuda.mem_get_info(device)  # this process's CUDA context is already counted out
+    return ["--gpu-reserve-gib", f"{args.gpu_reserve_gib + free / 2 / 2**30:.3f}"]
+
+
+def _pool_blocks(endpoint: str) -> int:
+    from ridge.daemon.client import Client
+
+    with Client(endpoint) as c:
+        return int(c.hello()["model"]["num_kv_blocks"])
+
+
 def _spawn(args, in_flight: int):
     tmp = tempfile.mkdtemp(prefix="ridge-bench-")
     endpoint = f"ipc://{tmp}/ridge.sock"
-    from .config import engine_options
+    from ridge.engine.config import engine_options
 
     cmd = [sys.executable, "-m", "ridge.cli", "serve", "--endpoint", endpoint,
            "--max-num-seqs", str(max(args.max_num_seqs, in_flight))]
     for o in engine_options():  # the same engine flags as the in-process run
-        value = getattr(args, o.name)
-        if o.name == "max_num_seqs" or value is None or value == o.default:
-            continue
-        cmd += [o.flag] if o.kind is bool else [o.flag, str(value)]
+        if o.name != "max_num_seqs":
+            cmd += o.argv(getattr(args, o.name))
+    cmd += _share_the_gpu(args)  # after the user's flags: the last one wins
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    from .endpoint import ipc_path, socket_alive
+    from ridge.daemon.endpoint import ipc_path, socket_alive
     deadline = time.monotonic() + 600
     while not socket_alive(ipc_path(endpoint)):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -153,7 +179,7 @@ def thread_check(args) -> list[dict]:
     """Why the daemon builds its engine on the engine thread (engine_loop.py)."""
     import threading
 
-    from ridge.cli import engine_config
+    from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
     out: list[dict] = []
@@ -178,7 +204,7 @@ def run_bench_daemon(args) -> int:
     elsewhere on the machine falls on both alike; the ratio is taken per round."""
     import statistics
 
-    from ridge.engine.workloads import make_workload
+    from .workloads import make_workload
 
     if args.thread_check:
         res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]), "thread_check": thread_check(args)}
@@ -193,17 +219,20 @@ def run_bench_daemon(args) -> int:
            "rounds": []}
     proc, endpoint = (None, args.endpoint) if args.endpoint else _spawn(args, args.in_flight)
     try:
-        engine = None if args.no_local else _local_engine(args, wl)
+        blocks = res["kv_blocks"] = {"daemon": _pool_blocks(endpoint)}
+        engine = None if args.no_local else _local_engine(args, wl, blocks["daemon"])
+        if engine is not None:
+            blocks["in_process"] = engine.kv.num_blocks
         for r in range(args.rounds):
             rnd = {"daemon": asyncio.run(_daemon_run(endpoint, wl, args.in_flight, not args.no_stream))}
             d = rnd["daemon"]
             print(f"round {r}: daemon     {d['generated_tok_s']:.1f} tok/s ({d['generated_tokens']} tokens in "
-                  f"{d['wall_s']:.1f} s, ~{d['steps']} steps); health while busy: p50 {1e3 * d['health_under_load_s']['p50']:.1f} ms, "
-                  f"p99 {1e3 * d['health_under_load_s']['p99']:.1f} ms; load {d['loadavg_end'][0]:.1f}; cpu s: socket "
+                  f"{d['wall_s']:.1f} s, ~{d['steps']} steps); health while busy: p50 {_ms(d['health_under_load_s']['p50'])}, "
+                  f"p99 {_ms(d['health_under_load_s']['p99'])}; load {d['loadavg_end'][0]:.1f}; cpu s: socket "
                   f"thread {d['daemon_cpu_s']['socket_thread']:.1f}, daemon {d['daemon_cpu_s']['process']:.1f}, "
                   f"client {d['client_cpu_s']:.1f}", flush=True)
             if engine is not None:
-                from ridge.engine.bench_runs import run_continuous
+                from .runs import run_continuous
                 loc = rnd["local"] = run_continuous(engine, wl, args.in_flight, tag=f"local{r}")
                 rnd["ratio"] = d["generated_tok_s"] / loc["generated_tok_s"]
                 print(f"round {r}: in-process {loc['generated_tok_s']:.1f} tok/s ({loc['generated_tokens']} tokens in "
@@ -229,14 +258,19 @@ def run_bench_daemon(args) -> int:
     return 0
 
 
-def _local_engine(args, wl):
-    """The in-process engine, from the same flags as the daemon (built while the daemon idles)."""
-    from ridge.cli import engine_config
-    from ridge.engine.bench_runs import warm_up
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f} ms"  # None: a run too short to sample
+
+
+def _local_engine(args, wl, num_kv_blocks: int):
+    """The in-process engine: the daemon's flags and KV pool size (built while the daemon idles)."""
+    from ridge.engine.config import engine_config
+    from .runs import warm_up
     from ridge.engine.engine import LLMEngine
 
     cfg = engine_config(args)
     cfg.max_num_seqs = max(cfg.max_num_seqs, args.in_flight)
+    cfg.num_kv_blocks = num_kv_blocks
     engine = LLMEngine(cfg)
     wl.tokenize(engine.tokenizer, engine.max_model_len)
     warm_up(engine)

@@ -1,0 +1,25 @@
+"""`ridge bench-daemon` end to end on a tiny model: a real daemon process against the
+engine in this process, on the same trace and the same KV pool."""
+from __future__ import annotations
+
+import json
+
+from ridge.cli import main
+from tiny_models import make_tiny
+
+
+def test_daemon_and_in_process_share_the_pool_size(tmp_path):
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "bench-daemon.json"
+    # The daemon sizes its pool from --kv-memory-gib; the in-process engine must take
+    # the daemon's block count, not size its own from whatever memory is left.
+    rc = main(["bench-daemon", "--model", str(path), "--device", "cpu", "--threads", "1", "--kv-memory-gib", "0.002",
+               "--requests", "4", "--in-flight", "2", "--lengths", "fixed:5", "--rounds", "1", "--health", "20",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["kv_blocks"]["daemon"] == res["kv_blocks"]["in_process"] > 0
+    (rnd,) = res["rounds"]
+    assert rnd["daemon"]["generated_tokens"] == rnd["local"]["generated_tokens"] == 4 * 5
+    assert rnd["daemon"]["finish_reasons"] == {"length": 4}
+    assert rnd["ratio"] > 0 and res["health"]["n"] == 20

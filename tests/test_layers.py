@@ -1,0 +1,128 @@
+"""The import layers, read from the source (every import, inside functions too).
+
+Low to high: kernels < quant, cache < models < engine < daemon < bench, tui < cli.
+A package imports only from layers below it; ridge/config.py, tokenizer.py,
+plan.py and options.py are shared low-level modules that import only each
+other. So no package imports one above it and the package graph has no cycle;
+only the CLI imports ridge.bench. tui talks to the daemon's protocol and never
+reaches torch; nothing outside tui imports textual."""
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = 0
+LAYERS = {
+    "ridge.config": SHARED, "ridge.tokenizer": SHARED, "ridge.plan": SHARED, "ridge.options": SHARED,
+    "ridge.kernels": 1,
+    "ridge.quant": 2, "ridge.cache": 2,
+    "ridge.models": 3,
+    "ridge.engine": 4,
+    "ridge.daemon": 5,
+    "ridge.bench": 6, "ridge.tui": 6,
+    "ridge.cli": 7,
+}
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Import name -> file, through pyproject's package-dir (daemon/ is ridge.daemon, ...)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    out = {}
+    for pkg, folder in dirs.items():
+        base = ROOT / folder
+        for f in base.rglob("*.py"):
+            parts = pkg.split(".") + list(f.relative_to(base).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out.setdefault(name, f)  # ridge/daemon does not exist; the mapped folder wins anyway
+    return out
+
+
+@cache
+def imports(name: str) -> frozenset[str]:
+    """Every module `name` imports, absolute, at module level or in a function."""
+    path = modules()[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules())
+    return frozenset(out)
+
+
+def node(name: str) -> str | None:
+    """A module's layer node: its package under ridge (ridge.engine.spec.x -> ridge.engine), or a top module."""
+    parts = name.split(".")
+    if parts[0] != "ridge" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def edges() -> dict[tuple[str, str], list[str]]:
+    """(from node, to node) -> the modules that make the edge."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for name in modules():
+        src = node(name)
+        for target in imports(name):
+            dst = node(target)
+            if src and dst and dst != src:
+                out.setdefault((src, dst), []).append(f"{name} -> {target}")
+    return out
+
+
+def test_every_module_has_a_layer():
+    missing = {node(m) for m in modules() if node(m) not in LAYERS and m != "ridge"}
+    assert not missing, f"give these a layer in tests/test_layers.py: {sorted(missing)}"
+
+
+def test_imports_only_go_down():
+    bad = [why for (src, dst), whys in edges().items()
+           if not (LAYERS[dst] < LAYERS[src] or LAYERS[src] == LAYERS[dst] == SHARED) for why in whys]
+    assert not bad, "imports that go up or sideways:\n" + "\n".join(sorted(bad))
+
+
+def test_no_cycle_between_packages():
+    graph: dict[str, set[str]] = {}
+    for src, dst in edges():
+        graph.setdefault(src, set()).add(dst)
+
+    def on_cycle(start: str) -> bool:
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            n = todo.pop()
+            if n == start:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo += graph.get(n, ())
+        return False
+    cycles = sorted(n for n in graph if on_cycle(n))
+    assert not cycles, f"packages on an import cycle: {cycles}"
+
+
+def test_tui_never_reaches_torch_and_only_tui_imports_textual():
+    reach, todo = set(), [m for m in modules() if node(m) == "ridge.tui"]
+    while todo:
+        m = todo.pop()
+        if m not in reach:
+            reach.add(m)
+            todo += [t for t in imports(m) if t in modules()]
+    heavy = sorted(f"{m} -> {t}" for m in reach for t in imports(m) if t.split(".")[0] in ("torch", "triton"))
+    assert not heavy, "ridge.tui reaches torch through:\n" + "\n".join(heavy)
+    textual = sorted(m for m in modules() if node(m) != "ridge.tui"
+                     and any(t.split(".")[0] == "textual" for t in imports(m)))
+    assert not textual, f"textual outside ridge.tui: {textual}"
