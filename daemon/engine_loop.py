@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 
-from ridge.engine.sampling import InvalidRequest
+from ridge.engine.sampling_params import InvalidRequest
 
 log = logging.getLogger("ridge.daemon.engine")
 

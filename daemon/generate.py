@@ -33,7 +33,7 @@ def _messages(args) -> list[dict]:
 def run_local(args) -> int:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
-    from ridge.engine.sampling import SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(args))
     ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.tokenizer.encode_chat(_messages(args))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridge.engine.sampling import InvalidRequest, SamplingParams
+from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 
 from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
                        Limits, ProtocolError, chat_messages, check_keys, fail, is_int, is_num, token_list)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ridge.engine.engine import EngineConfig, LLMEngine
-from ridge.engine.sampling import SamplingParams
+from ridge.engine.sampling_params import SamplingParams
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
@@ -25,8 +25,8 @@ def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
 
 def assert_no_leak(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
-    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks, "KV blocks leaked"
+    assert all(b.ref_cnt == 0 for b in engine.kv_cache_manager.pool.blocks)
 
 
 def greedy(n: int, **kw) -> SamplingParams:

@@ -14,7 +14,7 @@ from ridge.bench.workloads import (QUESTIONS, SWEEP_LEVELS, continuous_steps, ma
 def test_w1_lengths_are_seeded_and_in_range():
     a = make_workload("W1")
     b = make_workload("W1")
-    assert a.lengths == b.lengths and a.num_requests == 64 and a.spec == "uniform:16-256"
+    assert a.lengths == b.lengths and a.num_requests == 64 and a.law == "uniform:16-256"
     assert min(a.lengths) >= 16 and max(a.lengths) <= 256
     assert len(set(a.lengths)) > 30  # really drawn, not constant
     assert output_lengths("uniform:16-256", 64, seed=1) != a.lengths

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
-from ridge.engine.sampling import InvalidRequest, SamplingParams
+from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.models.loader import load_model
 from tiny_models import make_tiny
 
@@ -79,7 +79,7 @@ def test_prefix_hit_same_tokens_and_skips_compute(loaded, reference):
             cached = o.num_cached_tokens
     assert toks == ref[3]
     assert cached == 128 and eng.totals["prefill_tokens"] - before == 1
-    assert eng.kv.prefix_hit_rate > 0
+    assert eng.kv_cache_manager.prefix_hit_rate > 0
     assert_no_leak(eng)
 
 
@@ -125,11 +125,11 @@ def test_abort_mid_stream_frees_blocks(loaded):
         eng.add_request(f"a{i}", p, greedy(100))
     for _ in range(5):
         eng.step()
-    used = eng.kv.num_used_blocks
+    used = eng.kv_cache_manager.num_used_blocks
     assert eng.abort_request("a1")
     finals = [o for o in eng.step() if o.request_id == "a1"]
     assert finals and finals[0].finished and finals[0].finish_reason == "abort"
-    assert eng.kv.num_used_blocks < used
+    assert eng.kv_cache_manager.num_used_blocks < used
     assert not eng.abort_request("a1")  # already gone
     eng.abort_request("a0"), eng.abort_request("a2")
     eng.step()

@@ -65,7 +65,7 @@ def imports(name: str) -> frozenset[str]:
 
 
 def node(name: str) -> str | None:
-    """A module's layer node: its package under ridge (ridge.engine.spec.x -> ridge.engine), or a top module."""
+    """A module's layer node: its package under ridge (ridge.engine.speculative.x -> ridge.engine), or a top module."""
     parts = name.split(".")
     if parts[0] != "ridge" or len(parts) < 2:
         return None

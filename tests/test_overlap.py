@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, load_tiny, make_engine, prompts, run
-from ridge.engine.sampling import SamplingParams
+from ridge.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,7 @@ def test_fp8_kv_fits_at_least_1_9x_bf16(smol):
 
 def test_greedy_answer_is_paris():
     from ridge.engine.engine import EngineConfig, LLMEngine
-    from ridge.engine.sampling import SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=64))
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -102,7 +102,7 @@ def smol_loaded():
 
 def _greedy_run(loaded, spec: str, prompts: list[list[int]], logprobs: int = 0, **kw) -> dict:
     from ridge.engine.engine import EngineConfig, LLMEngine
-    from ridge.engine.sampling import SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
 
     # fp32 weights and KV: batch shape changes only the fp32 summation order.
     cfg = EngineConfig(device="cpu", kv_dtype="fp32", cpu_weight_format="fp32", num_kv_blocks=256,
@@ -115,7 +115,7 @@ def _greedy_run(loaded, spec: str, prompts: list[list[int]], logprobs: int = 0, 
             toks[o.request_id] += o.new_token_ids
             for _, top in o.logprobs or []:
                 margins[o.request_id].append(top[0][1] - top[1][1])
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     return {"tokens": toks, "margins": margins, "stats": eng.stats()["speculative"]}
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
-from ridge.engine.sampling import SamplingParams
-from ridge.engine.spec.policy import SpecPolicy, expected_tokens
-from ridge.engine.spec.proposers import NgramProposer
+from ridge.engine.sampling_params import SamplingParams
+from ridge.engine.speculative.policy import SpecPolicy, expected_tokens
+from ridge.engine.speculative.proposers import NgramProposer
 from ridge.models.loader import load_model
 from tiny_models import make_tiny, random_state_dict, tiny_config, write_gguf
 

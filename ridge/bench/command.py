@@ -93,7 +93,7 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--timeout", type=float, default=600.0)
 
     from .accuracy import add_accuracy_parser
-    from .spec import add_spec_parser
+    from .speculative import add_spec_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
 
@@ -284,7 +284,7 @@ def run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     engine = None
     if name == "spec":
-        from .spec import run_spec
+        from .speculative import run_spec
         run_spec(args, rep)
         return 0
     if name == "accuracy":

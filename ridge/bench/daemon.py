@@ -158,7 +158,7 @@ def _spawn(args, in_flight: int):
 
 def _timed_steps(engine, tag: str, batch: int = 32, steps: int = 40) -> dict:
     """ms per decode step and cores used (this process's CPU time over wall time) at `batch`."""
-    from ridge.engine.sampling import SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
 
     for i in range(batch):
         engine.add_request(f"{tag}{i}", engine.tokenizer.encode_chat([{"role": "user", "content": f"Question {i}"}]),
@@ -214,7 +214,7 @@ def run_bench_daemon(args) -> int:
         return 0
     wl = make_workload("W1", args.requests, args.lengths, args.seed)
     res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]),
-           "workload": {"name": wl.name, "requests": wl.num_requests, "lengths": wl.spec, "seed": wl.seed,
+           "workload": {"name": wl.name, "requests": wl.num_requests, "lengths": wl.law, "seed": wl.seed,
                         "useful_tokens": wl.useful_tokens}, "in_flight": args.in_flight, "cpu_count": os.cpu_count(),
            "rounds": []}
     proc, endpoint = (None, args.endpoint) if args.endpoint else _spawn(args, args.in_flight)
@@ -222,7 +222,7 @@ def run_bench_daemon(args) -> int:
         blocks = res["kv_blocks"] = {"daemon": _pool_blocks(endpoint)}
         engine = None if args.no_local else _local_engine(args, wl, blocks["daemon"])
         if engine is not None:
-            blocks["in_process"] = engine.kv.num_blocks
+            blocks["in_process"] = engine.kv_cache_manager.num_blocks
         for r in range(args.rounds):
             rnd = {"daemon": asyncio.run(_daemon_run(endpoint, wl, args.in_flight, not args.no_stream))}
             d = rnd["daemon"]

@@ -62,7 +62,7 @@ class Report:
                        block_size=c.block_size, prefix_caching=c.enable_prefix_caching,
                        prefill_chunk=engine.budget_info.get("prefill_chunk"),
                        max_num_batched_tokens=engine.sched_config.max_num_batched_tokens,
-                       kv_pool_blocks=engine.kv.num_blocks, max_model_len=engine.max_model_len,
+                       kv_pool_blocks=engine.kv_cache_manager.num_blocks, max_model_len=engine.max_model_len,
                        cpu_lowp_max_tokens=max((getattr(m, "lowp_max_tokens", 0) for m in engine.model.modules()),
                                                default=0))
             if engine.device.type == "cuda":

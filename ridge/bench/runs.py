@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ridge.engine.sampling import SamplingParams
+from ridge.engine.sampling_params import SamplingParams
 from .workloads import QUESTIONS, Workload, continuous_steps, percentiles, static_bound, static_steps
 
 

@@ -90,7 +90,7 @@ QUESTIONS = [
 DOCUMENT = ("The river town kept its old stone bridge, its market square and a clock that ran four minutes "
             "late. Every morning the baker opened first, then the bookshop, then the cafe by the water. ")
 
-SWEEP_LEVELS = [  # (name, length spec): all mean 136, increasing spread
+SWEEP_LEVELS = [  # (name, length law): all mean 136, increasing spread
     ("none", "fixed:136"),
     ("low", "uniform:96-176"),
     ("high", "uniform:16-256"),
@@ -143,10 +143,10 @@ def _lognormal_lengths(n: int, mean: float, lo: int, hi: int, rng: np.random.Gen
     return lengths(best).tolist()
 
 
-def parse_lengths(spec: str) -> tuple[str, tuple]:
+def parse_lengths(law: str) -> tuple[str, tuple]:
     """'fixed:136' | 'uniform:16-256' | 'lognormal:136:16-512' -> (kind, numbers)."""
     try:
-        kind, _, rest = spec.partition(":")
+        kind, _, rest = law.partition(":")
         if kind == "fixed":
             return kind, (int(rest),)
         if kind == "uniform":
@@ -159,17 +159,17 @@ def parse_lengths(spec: str) -> tuple[str, tuple]:
         else:
             raise ValueError(kind)
     except ValueError:
-        raise ValueError(f"bad length spec {spec!r}: use fixed:N, uniform:LO-HI or lognormal:MEAN:LO-HI") from None
+        raise ValueError(f"bad length law {law!r}: use fixed:N, uniform:LO-HI or lognormal:MEAN:LO-HI") from None
     if kind == "uniform" and not 1 <= args[0] <= args[1]:
-        raise ValueError(f"bad length spec {spec!r}: need 1 <= LO <= HI")
+        raise ValueError(f"bad length law {law!r}: need 1 <= LO <= HI")
     if kind == "lognormal" and not 1 <= args[1] <= args[0] <= args[2]:
-        raise ValueError(f"bad length spec {spec!r}: need 1 <= LO <= MEAN <= HI")
+        raise ValueError(f"bad length law {law!r}: need 1 <= LO <= MEAN <= HI")
     return kind, args
 
 
-def output_lengths(spec: str, n: int, seed: int = 0) -> list[int]:
-    """n output lengths drawn by `spec`, reproducible from `seed`."""
-    kind, args = parse_lengths(spec)
+def output_lengths(law: str, n: int, seed: int = 0) -> list[int]:
+    """n output lengths drawn by `law`, reproducible from `seed`."""
+    kind, args = parse_lengths(law)
     if kind == "fixed":
         if args[0] < 1:
             raise ValueError("fixed length must be >= 1")
@@ -185,7 +185,7 @@ class Workload:
     name: str
     questions: list[str]  # one user message per request
     lengths: list[int]  # target output tokens per request (ignore_eos)
-    spec: str
+    law: str  # how output lengths are drawn: fixed:N, uniform:LO-HI or lognormal:MEAN:LO-HI
     seed: int
     clamped: int = 0  # targets lowered to fit the context (tiny test models only)
     prompt_ids: list[list[int]] = field(default_factory=list)  # chat-formatted token ids, once tokenized
@@ -217,7 +217,7 @@ class Workload:
 
     def describe(self) -> dict:
         a = np.array(self.lengths)
-        return {"name": self.name, "requests": self.num_requests, "lengths": self.spec, "seed": self.seed,
+        return {"name": self.name, "requests": self.num_requests, "lengths": self.law, "seed": self.seed,
                 "mean_output": float(a.mean()), "min_output": int(a.min()), "max_output": int(a.max()),
                 "useful_tokens": int(a.sum()), "clamped": self.clamped,
                 "mean_prompt": float(np.mean([len(p) for p in self.prompt_ids])) if self.prompt_ids else None}
@@ -230,11 +230,11 @@ def make_workload(name: str = "W1", requests: int | None = None, lengths: str | 
     if base is None:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     n = requests or base["requests"]
-    spec = lengths or base["lengths"]
+    law = lengths or base["lengths"]
     seed = base["seed"] if seed is None else seed
-    draws = output_lengths(spec, max(n, base["requests"]), seed)[:n]
+    draws = output_lengths(law, max(n, base["requests"]), seed)[:n]
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
-    return Workload(name if (lengths is None and requests is None) else f"{name}*", questions, draws, spec, seed)
+    return Workload(name if (lengths is None and requests is None) else f"{name}*", questions, draws, law, seed)
 
 
 # -- the arithmetic of static against continuous batching ----------------------------------

@@ -53,7 +53,7 @@ class EngineConfig:
 
     @property
     def speculative_config(self):
-        from .spec.config import SpeculativeConfig
+        from .speculative.config import SpeculativeConfig
 
         return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 

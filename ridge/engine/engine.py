@@ -25,10 +25,10 @@ from .cpu_format import choose_cpu_format, keep_freed_memory
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
-from .sampling import InvalidRequest, SamplingParams
+from .sampling_params import InvalidRequest, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
-from .spec.factory import build_policy, build_proposer, load_draft
+from .speculative.factory import build_policy, build_proposer, load_draft
 from .step_batch import StepBuffers
 
 log = logging.getLogger("ridge.engine")
@@ -70,8 +70,8 @@ class LLMEngine:
                                   kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
                                   max_model_len=self.max_model_len, extra_bytes_per_token=extra)
         self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
-        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.sched_config, self.kv, self.spec_policy)
+        self.kv_cache_manager = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.spec_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                   config.cuda_graph, self.sched_config.max_num_batched_tokens)
         self.proposer = None
@@ -140,8 +140,8 @@ class LLMEngine:
         if params.max_tokens > room:
             params = SamplingParams.from_dict({**asdict(params), "max_tokens": room})
         need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
-        if need > self.kv.num_blocks:
-            raise InvalidRequest(f"the request needs {need} KV blocks and the pool has {self.kv.num_blocks}; "
+        if need > self.kv_cache_manager.num_blocks:
+            raise InvalidRequest(f"the request needs {need} KV blocks and the pool has {self.kv_cache_manager.num_blocks}; "
                                  "it can never fit (lower max_tokens)")
         return params
 
@@ -322,6 +322,6 @@ class LLMEngine:
 
     def kv_waste(self) -> tuple[int, int]:
         """-> (reserved slots, filled slots) over running requests."""
-        reserved = sum(len(self.kv.block_ids(r.request_id)) for r in self.scheduler.running) * self.config.block_size
+        reserved = sum(len(self.kv_cache_manager.block_ids(r.request_id)) for r in self.scheduler.running) * self.config.block_size
         filled = sum(r.num_computed_tokens for r in self.scheduler.running)
         return reserved, filled

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -23,7 +23,7 @@ from ridge.kernels.timing import section
 from .graphs import StepGraphs
 from .sampler import SampledRows, Sampler, SampleResult
 from .scheduler import SchedulerOutput
-from .spec.verify import verify
+from .speculative.verify import verify
 from .step_batch import StepBatch, StepBuffers, plan_step
 
 

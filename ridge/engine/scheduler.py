@@ -65,9 +65,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, spec_policy=None):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, spec_policy=None):
         self.config = config
-        self.kv = kv
+        self.kv_cache_manager = kv_cache_manager
         self.spec_policy = spec_policy  # None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,7 +91,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        self.kv_cache_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -129,14 +129,14 @@ class Scheduler:
             k = self._num_drafts(req, budget, spec_so_far) if n == 1 else 0
             n += k
             spec_so_far += k
-            while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+            while not self.kv_cache_manager.can_allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status == RequestStatus.PREEMPTED:
                 break
-            blocks = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            blocks = self.kv_cache_manager.allocate(req.request_id, req.num_computed_tokens + n)
             out.scheduled.append(ScheduledRequest(req, n, blocks, k))
             budget -= n
             i += 1
@@ -158,14 +158,14 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            hits, cached = self.kv_cache_manager.get_computed_blocks(req.request_id, req.all_token_ids)
             req.num_computed_tokens = cached
             n = self._chunk(req, budget)
-            if not self.kv.can_allocate(req.request_id, cached + n, hits):
+            if not self.kv_cache_manager.can_allocate(req.request_id, cached + n, hits):
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            blocks = self.kv.allocate(req.request_id, cached + n, hits)
+            blocks = self.kv_cache_manager.allocate(req.request_id, cached + n, hits)
             req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -236,8 +236,8 @@ class Scheduler:
             if live:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
-                    self.kv.truncate(req.request_id, req.num_computed_tokens)
-                self.kv.cache_blocks(req.request_id, req.all_token_ids,
+                    self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
+                self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids,
                                      min(req.num_computed_tokens, req.num_known_tokens))
             if req.is_finished:
                 finished.append(req)
@@ -264,6 +264,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
+        self.kv_cache_manager.free(req.request_id)
         if self.spec_policy is not None:
             self.spec_policy.forget(req.request_id)

@@ -37,7 +37,7 @@ def memory_stats(engine) -> dict:
 
 def engine_stats(engine) -> dict:
     now = time.monotonic()
-    sched, kv = engine.scheduler, engine.kv
+    sched, kv = engine.scheduler, engine.kv_cache_manager
     prefill_tps, decode_tps = _rates(engine.history, now)
     reserved, filled = engine.kv_waste()
     return {
@@ -85,7 +85,7 @@ def model_info(engine) -> dict:
         "fp8_weights": bool(linears) and all(m.is_fp8 for m in linears),
         "quantized": bool(engine.config.quantize),
         "weight_dtype": str(engine.model.embed_tokens.weight.dtype).removeprefix("torch."),
-        "kv_dtype": engine.kv_dtype, "block_size": engine.config.block_size, "num_kv_blocks": engine.kv.num_blocks,
+        "kv_dtype": engine.kv_dtype, "block_size": engine.config.block_size, "num_kv_blocks": engine.kv_cache_manager.num_blocks,
         "ridge_point": float(budget.get("ridge_point", 0.0)), "ridge_source": str(budget.get("ridge_source", "")),
         "device": str(engine.device), "chat_template": tok.chat_template is not None,
         "eos_token_ids": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,

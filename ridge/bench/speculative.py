@@ -44,7 +44,7 @@ def add_spec_parser(sub, common) -> None:
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int, batch: int):
-    from ridge.engine.sampling import SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
 
     outs = {}
     t0 = time.perf_counter()
