@@ -8,14 +8,16 @@ with the same quantized numbers.
 CPU small-batch format: a step of few tokens is bandwidth-bound, and a bf16
 GEMV reads half the bytes of an fp32 one, while bf16 GEMMs are slower than
 fp32 at large batch on AVX2. So the engine may enable a bf16 copy used for
-steps of at most `lowp_max_tokens` tokens, with the crossover measured at
-start-up (engine/cpu_format.py). The copy holds the exact e4m3 values (they
+the step sizes where it is faster, measured per matrix shape at start-up
+(engine/cpu_format.py). The copy holds the exact e4m3 values (they
 fit bf16) and applies the per-channel scale to the output; activations and
 outputs are rounded to bf16, as on a GPU. The copy is laid out once in oneDNN's
 blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
 out on every call, a cost that grows with the step's token count; packed, a
 verification of k drafts costs about what one token does (docs/benchmarks.md)."""
 from __future__ import annotations
+
+import bisect
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +54,11 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
         self.cpu_scale: torch.Tensor | None = None  # per-channel scale of an upcast FP8 weight
-        self.lowp: torch.Tensor | None = None  # bf16 copy for small CPU steps
-        self.lowp_max_tokens = 0
+        self.lowp: torch.Tensor | None = None  # bf16 copy for the CPU step sizes where it is faster
+        # Step sizes (ascending bounds) and whether bf16 runs at each: a step of n rows takes the
+        # choice of the first bound >= n, the last one's past the end.
+        self.lowp_bounds: list[int] = []
+        self.lowp_use: list[bool] = []
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
@@ -73,16 +78,26 @@ class FP8Linear(nn.Module):
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
 
-    def enable_lowp(self, max_tokens: int) -> None:
-        """Keep a bf16 copy for CPU steps of at most max_tokens tokens (0 drops it)."""
-        if max_tokens <= 0 or self.is_fp8:
-            self.lowp, self.lowp_max_tokens = None, 0
+    def enable_lowp(self, plan: int | list[tuple[int, bool]]) -> None:
+        """Keep a bf16 copy for the CPU step sizes where it runs: plan is [(size bound, use bf16)]
+        ascending, or N for "steps of at most N rows" (0 drops the copy)."""
+        if isinstance(plan, int):
+            plan = [(plan, True), (plan + 1, False)] if plan > 0 else []
+        if not any(use for _, use in plan) or self.is_fp8:
+            self.lowp, self.lowp_bounds, self.lowp_use = None, [], []
             return
         if self.cpu_scale is not None:  # recover the exact e4m3 values
             lowp = (self.weight / self.cpu_scale[:, None]).to(FP8).to(torch.bfloat16)
         else:
             lowp = self.weight.to(torch.bfloat16)
-        self.lowp, self.lowp_max_tokens = pack_bf16(lowp), max_tokens
+        self.lowp = pack_bf16(lowp)
+        self.lowp_bounds, self.lowp_use = [b for b, _ in plan], [u for _, u in plan]
+
+    def uses_lowp(self, rows: int) -> bool:
+        if self.lowp is None:
+            return False
+        i = bisect.bisect_left(self.lowp_bounds, rows)
+        return self.lowp_use[min(i, len(self.lowp_use) - 1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
@@ -91,7 +106,7 @@ class FP8Linear(nn.Module):
             return self._cpu_forward(x)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lowp is not None and x.shape[0] <= self.lowp_max_tokens:
+        if self.lowp is not None and self.uses_lowp(x.shape[0]):
             y = bf16_linear(x.to(torch.bfloat16), self.lowp)
             if self.cpu_scale is not None:
                 y = y * self.cpu_scale  # bf16 * fp32 promotes: the upcast and the scale in one op

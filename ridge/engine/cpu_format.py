@@ -1,13 +1,20 @@
-"""The CPU weight format per step size, chosen by measurement at start-up.
+"""The CPU weight format per matrix shape and step size, chosen by measurement at start-up.
 
-bf16 halves the bytes a bandwidth-bound small step reads, but AVX2 CPUs run
-bf16 GEMMs far slower than fp32 at larger batch (machine-facts: 795 ms vs 124 ms
-at 256 x 4096 x 4096). So both are timed on the model's own largest matrix and
-bf16 is used up to the largest step size where it wins by a clear margin."""
+bf16 halves the bytes a bandwidth-bound small step reads, but on AVX2 CPUs bf16
+GEMMs run far slower than fp32 at larger batch, while on CPUs with AMX bf16
+wins at every size (machine-facts). Neither can be assumed, and the crossover
+differs per matrix shape, so every shape class of the model is timed in both
+formats at every step size the scheduler makes (powers of two up to the step
+budget, and the budget), and each size takes the faster format with a margin.
+The timings are cached per CPU model, torch version and thread count, so only
+the first start on a machine pays for them."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +22,9 @@ import torch.nn.functional as F
 from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
 
 log = logging.getLogger("ridge.engine")
-SIZES = (1, 2, 4, 8, 16, 32, 64)
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
-MARGIN = 0.85  # bf16 must take at most this fraction of fp32's time
+MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
+CACHE_VERSION = 1
 
 
 def keep_freed_memory() -> bool:
@@ -38,42 +45,131 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
 
 
-def _time(fn, reps: int = 5) -> float:
+def _time(fn, budget_s: float = 0.02) -> float:
+    """Best of a few runs after a warm-up; large products get fewer runs."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    best = time.perf_counter() - t0
+    for _ in range(min(4, int(budget_s / max(best, 1e-6)))):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_crossover(model) -> tuple[int, dict]:
-    """-> (largest step size that runs bf16, {size: (fp32 s, bf16 s)})."""
-    layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.weight.numel()]
-    w = max(layers, key=lambda m: m.weight.numel()).weight
-    wb = pack_bf16(w.to(torch.bfloat16))
-    times, best = {}, 0
-    for n in SIZES:
-        x = torch.randn(n, w.shape[1])
+def step_sizes(max_tokens: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_tokens]
+
+
+def _cpu_key() -> str:
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"v{CACHE_VERSION}|{name or os.uname().machine}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ridge" / "cpu-format.json"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(data: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home only costs the next start its measurement
+        log.warning("could not cache the CPU format timings in %s: %s", path, e)
+
+
+def measure_shape(weight: torch.Tensor, sizes: list[int]) -> dict[int, tuple[float, float]]:
+    """{size: (fp32 seconds, bf16 seconds)} for x @ weight.T at each step size."""
+    wb = pack_bf16(weight.to(torch.bfloat16))
+    times = {}
+    for n in sizes:
+        x = torch.randn(n, weight.shape[1])
         xb = x.to(torch.bfloat16)
-        t32 = _time(lambda: F.linear(x, w))
-        t16 = _time(lambda: bf16_linear(xb, wb))
-        times[n] = (t32, t16)
-        if t16 > MARGIN * t32:
-            break
-        best = n
-    return best, times
+        times[n] = (_time(lambda: F.linear(x, weight)), _time(lambda: bf16_linear(xb, wb)))
+    return times
 
 
-def choose_cpu_format(model, weight_bytes: int, mode: str = "auto") -> int:
-    """Enable the bf16 small-step copy on every linear layer; -> its token limit (0 = off)."""
+def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bool]]:
+    """-> [(size bound, use bf16)]: each measured size takes the faster format."""
+    return [(n, t16 <= MARGIN * t32) for n, (t32, t16) in sorted(times.items())]
+
+
+def measure_plans(model, max_tokens: int, max_head_rows: int) -> dict[tuple[int, int], list[tuple[int, bool]]]:
+    """One plan per weight shape, from timings cached on disk where this machine has them. The head
+    sees only the rows that sample (at most max_head_rows), the other products every token."""
+    head = tuple(model.lm_head.weight.shape)
+    shapes = {}
+    for m in model.modules():
+        if isinstance(m, FP8Linear) and m.weight.numel():
+            shapes.setdefault(tuple(m.weight.shape), m.weight)
+    cache, key, dirty = _load_cache(), _cpu_key(), False
+    mine = cache.setdefault(key, {})
+    plans = {}
+    for shape, w in shapes.items():
+        sizes = step_sizes(min(max_head_rows, max_tokens) if shape == head else max_tokens)
+        name = f"{shape[0]}x{shape[1]}"
+        known = {int(n): tuple(t) for n, t in mine.get(name, {}).items()}
+        todo = [n for n in sizes if n not in known]
+        if todo:
+            known.update(measure_shape(w, todo))
+            mine[name] = {str(n): list(t) for n, t in sorted(known.items())}
+            dirty = True
+        plans[shape] = plan_from_times({n: known[n] for n in sizes})
+    if dirty:
+        _save_cache(cache)
+    return plans
+
+
+def describe(plan: list[tuple[int, bool]]) -> str:
+    """[(1, T), (2, T), (4, F)] -> "bf16 <= 2, fp32 4+"-style runs."""
+    runs, start = [], 0
+    for i, (n, use) in enumerate(plan):
+        if i + 1 == len(plan) or plan[i + 1][1] != use:
+            lo = plan[start][0] if start == 0 else plan[start - 1][0] + 1
+            runs.append(f"{'bf16' if use else 'fp32'} {lo}-{n}")
+            start = i + 1
+    return ", ".join(runs)
+
+
+def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: int = 64,
+                      max_head_rows: int = 64) -> int:
+    """Enable the bf16 copy where it is faster, per linear layer; -> the largest step size that
+    runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to N rows)."""
     if mode == "fp32" or model.cos_sin.device.type != "cpu" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         return 0
-    limit, times = measure_crossover(model) if mode == "auto" else (int(mode.split(":")[1]), {})
+    if mode != "auto":
+        limit = int(mode.split(":")[1])
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.enable_lowp(limit)
+        log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (set)", limit)
+        return limit
+    t0 = time.perf_counter()
+    plans = measure_plans(model, max_tokens, max_head_rows)
     for m in model.modules():
-        if isinstance(m, FP8Linear):
-            m.enable_lowp(limit)
-    log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (%s)", limit,
-             ", ".join(f"{n}: {a * 1e3:.1f}/{b * 1e3:.1f} ms" for n, (a, b) in times.items()))
-    return limit
+        if isinstance(m, FP8Linear) and m.weight.numel():
+            m.enable_lowp(plans[tuple(m.weight.shape)])
+    log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
+             "; ".join(f"{o}x{i}: {describe(p)}" for (o, i), p in plans.items()))
+    return max((n for p in plans.values() for n, use in p if use), default=0)

@@ -52,15 +52,19 @@ class LLMEngine:
         self.kv_dtype = config.resolved_kv_dtype(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format)
         self._plan_budget()
+        budget = self.sched_config.max_num_batched_tokens
+        head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens
+                                                            if config.speculative_config.enabled else 0)))
+        self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format,
+                                                 budget, head_rows)
         spec = config.speculative_config
         draft = load_draft(spec, self.device, config.quantize, self.max_model_len, self.tokenizer)
         self.spec_policy = build_policy(spec, self.budget_info["knee_tokens"], self.model, draft)
         if self.spec_policy is None:
             draft = None
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
-            choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format)
+            choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)
         # A draft model's KV lives in the same blocks as the target's: one pool accounts for both.
         extra = kv_bytes_per_token(draft.config, self.kv_dtype) if draft else 0

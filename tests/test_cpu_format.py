@@ -1,0 +1,58 @@
+"""The CPU weight format is chosen per matrix shape and step size, by measurement,
+at every size the scheduler makes, and the timings are cached per machine."""
+from __future__ import annotations
+
+import torch
+
+from ridge.engine import cpu_format
+from ridge.quant.fp8 import quantize_fp8
+from ridge.quant.linear import FP8Linear
+
+
+def _linear(out_f=48, in_f=32):
+    q, s = quantize_fp8(torch.randn(out_f, in_f))
+    lin = FP8Linear(in_f, out_f)
+    lin.load(q, s, None, torch.device("cpu"), torch.float32)
+    return lin
+
+
+def test_sizes_cover_the_step_budget():
+    assert cpu_format.step_sizes(1) == [1]
+    assert cpu_format.step_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_each_size_takes_the_faster_format_and_a_loss_does_not_end_the_search():
+    # bf16 slower at one row (as measured on an AMX machine) but faster at 16 and 64 rows.
+    times = {1: (5.1e-3, 5.3e-3), 2: (5.2e-3, 5.0e-3), 16: (26e-3, 12e-3), 64: (60e-3, 12e-3), 128: (1.0, 2.0)}
+    plan = cpu_format.plan_from_times(times)
+    assert plan == [(1, False), (2, False), (16, True), (64, True), (128, False)]
+    assert cpu_format.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
+
+
+def test_a_layer_follows_its_plan_by_step_size():
+    lin = _linear()
+    lin.enable_lowp([(1, False), (4, True), (8, False)])
+    assert [lin.uses_lowp(n) for n in (1, 2, 4, 5, 8, 100)] == [False, True, True, False, False, False]
+    x = torch.randn(3, 32)
+    ref = torch.nn.functional.linear(x, lin.weight)
+    torch.testing.assert_close(lin(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    lin.enable_lowp(0)
+    assert lin.lowp is None and not lin.uses_lowp(1)
+
+
+def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.lm_head = _linear(48, 32), _linear(48, 32), _linear(96, 32)
+
+    m = Model()
+    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4)
+    assert set(plans) == {(48, 32), (96, 32)}
+    assert [n for n, _ in plans[(48, 32)]] == [1, 2, 4, 8, 16, 20]
+    assert [n for n, _ in plans[(96, 32)]] == [1, 2, 4]  # the head only sees sampled rows
+    cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
+    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4)  # from the cache: the same plans
+    assert again == plans and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
