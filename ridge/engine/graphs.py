@@ -23,9 +23,10 @@ from .step_batch import StepBatch, StepBuffers
 
 class StepGraphs:
     def __init__(self, forward, bufs: StepBuffers, block_size: int, max_num_seqs: int, max_tokens: int,
-                 max_seq_len: int, enabled: bool):
+                 max_seq_len: int, enabled: bool, num_kv_blocks: int | None = None):
         """forward(input_ids, positions, meta) -> hidden: the model over the KV cache."""
         self.forward, self.bufs, self.block_size = forward, bufs, block_size
+        self.num_kv_blocks = num_kv_blocks or bufs.width  # warm-up reads stay inside the pool
         self.max_seq_len = min(max_seq_len, bufs.width * block_size)
         self.enabled = enabled
         self.decode_sizes = ladder(max_num_seqs, (1, 2, 4), 8)
@@ -67,7 +68,8 @@ class StepGraphs:
         """Valid inputs at the largest context for an eager warm-up that writes nothing."""
         d, bs = self.bufs.dev, self.block_size
         width = self.bufs.width
-        d["block_table"].copy_(torch.arange(width, dtype=torch.int32, device=self.device).expand_as(d["block_table"]))
+        blocks = torch.arange(width, dtype=torch.int32, device=self.device) % self.num_kv_blocks
+        d["block_table"].copy_(blocks.expand_as(d["block_table"]))
         d["slot_mapping"].fill_(-1)
         d["input_ids"].zero_()
         d["positions"].zero_()

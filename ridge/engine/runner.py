@@ -70,7 +70,8 @@ class ModelRunner:
         if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
             # On CPU (tests) the same padded buffers run eagerly.
             self.graphs = StepGraphs(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
-                                     self.bufs, self.block_size, max_num_seqs, max_tokens, max_len, enabled=True)
+                                     self.bufs, self.block_size, max_num_seqs, max_tokens, max_len, enabled=True,
+                                     num_kv_blocks=kv_cache.num_blocks)
             if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
                 self.graphs.capture()
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next

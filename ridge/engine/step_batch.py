@@ -24,7 +24,7 @@ import torch
 
 from ridge.kernels.metadata import AttentionMetadata
 
-_FIELDS = (  # name, dtype, shape in (tokens, seqs, width) capacities
+_FIELDS = (  # name, dtype, shape in (tokens, seqs, width) capacities; the block table last (send())
     ("input_ids", np.int64, lambda t, s, w: (t,)),
     ("positions", np.int64, lambda t, s, w: (t,)),
     ("slot_mapping", np.int64, lambda t, s, w: (t,)),
@@ -68,10 +68,13 @@ class StepBuffers:
         self._turn = (self._turn + 1) % len(self.host)
         return self.host[self._turn]
 
-    def send(self) -> None:
-        """One non-blocking copy of the staging buffer just filled."""
+    def send(self, num_seqs: int) -> None:
+        """One non-blocking copy of the staging buffer just filled, up to the block table's
+        last used row (the table is the last field and the only large one)."""
         if self.device_buf is not self.staging[self._turn]:
-            self.device_buf.copy_(self.staging[self._turn], non_blocking=True)
+            off, _, _, _ = self.layout["block_table"]
+            n = off + num_seqs * self.width * 4
+            self.device_buf[:n].copy_(self.staging[self._turn][:n], non_blocking=True)
 
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
@@ -148,7 +151,7 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
     nf = len(feed_dst)
     h["feed_dst"][:nf] = feed_dst
     h["feed_src"][:nf] = feed_src
-    bufs.send()
+    bufs.send(S)
     d = bufs.dev
     width = bufs.width
     meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], block_table=d["block_table"][:S, :width],
