@@ -30,6 +30,8 @@ DAEMON_OPTIONS = [
            example="/etc/ridge/curve/server.key_secret"),
     Option("curve_clients_dir", str, None, "directory of authorised client CURVE certificates",
            example="/etc/ridge/curve/clients"),
+    Option("served_model_name", str, None, "the model's name in hello and the HTTP API (default: the model "
+           "file's name without .gguf and its quantization tag)", example="SmolLM2-135M-Instruct"),
     Option("max_frame_bytes", int, 1 << 20, "largest client frame"),
     Option("max_prompt_tokens", int, 0, "longest prompt (0: the context length - 1)"),
     Option("max_tokens", int, 0, "largest max_tokens a request may ask (0: the context length)"),
