@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import resolve
 from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_tcp, ipc_path,
                        load_curve, prepare_dir, pub_endpoint_for, system_endpoint, user_endpoint)
+from .gateway.settings import gateway_settings
 from .notify import Notifier
 from .protocol import Limits
 
@@ -106,24 +107,30 @@ def run_serve(args) -> int:
     _check(c)
     endpoint = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
     system = bool(c["system"]) and not c["endpoint"]
-    lock = None
+    lock = http = None
     try:
         curve = load_curve(c["curve_secret_key_file"], c["curve_clients_dir"])
         if c["tcp"]:
             check_tcp(c["tcp"], curve)
         if (c["pub_endpoint"] or "").startswith("tcp://"):
             check_tcp(c["pub_endpoint"], None)  # the stats feed has no CURVE: loopback only
+        gateway = gateway_settings(c, default_http=None)
         lock = claim_endpoint(endpoint, system)
-        return _serve(c, endpoint, system, curve)
+        if gateway is not None:
+            from .gateway.run import listen
+            http = (gateway, listen(gateway))  # bound now: a port in use fails before the model loads
+        return _serve(c, endpoint, system, curve, http)
     except EndpointError as e:
         log.error("%s", e)
         return 1
     finally:
+        if http is not None:
+            http[1].close()
         if lock is not None:
             lock.release()
 
 
-def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
+def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
@@ -142,8 +149,13 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600)
     server = Server(cfg, engine, loop, model, notifier, _version())
+    gateway = None
     try:
         server.bind()
+        if http is not None:
+            from .gateway.run import GatewayThread
+            gateway = GatewayThread(http[0], endpoint, http[1])
+            gateway.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_drain())
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
@@ -155,6 +167,8 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
         log.info("stopped (exit %d)", code)
         return code
     finally:
+        if gateway is not None:  # after the drain: every request's final frame is out
+            gateway.stop()
         loop.stop()
         server.close()
         if (path := cfg.pub_endpoint and ipc_path(cfg.pub_endpoint)) and path.exists():
