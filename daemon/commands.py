@@ -33,7 +33,10 @@ def sampling_fields(args) -> dict:
 
 
 def add_daemon_parsers(sub) -> None:
+    from ridge.options import add_options
+
     from .config import add_serve_args
+    from .gateway.settings import GATEWAY_OPTIONS
 
     s = sub.add_parser("serve", help="run the daemon: serve a model over ZeroMQ (docs/protocol.md)",
                        description="Options come from flags, then RIDGE_* variables, then "
@@ -51,8 +54,6 @@ def add_daemon_parsers(sub) -> None:
                        description="An HTTP server (OpenAI's /v1/chat/completions, /v1/completions, /v1/models; "
                                    "/health, /metrics) that is a client of the daemon. Options come from flags, "
                                    "then RIDGE_* variables, then the daemon's config file.")
-    from .gateway.settings import GATEWAY_OPTIONS
-    from ridge.options import add_options
     add_options(g, GATEWAY_OPTIONS, given_only=True)
     add_client_args(g)
     g.add_argument("--config", default=None, help="config file (default: $XDG_CONFIG_HOME/ridge/config.toml)")

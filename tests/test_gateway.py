@@ -18,6 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ridge.daemon.endpoint import EndpointError
+from ridge.daemon.gateway.settings import gateway_settings
 from test_daemon_harness import ROOT, Daemon, Raw, stats, wait_idle
 from tiny_models import make_tiny
 
@@ -38,7 +40,7 @@ def daemon(tmp_path_factory):
     port = free_port()
     d = Daemon(tmp, str(model), "--num-kv-blocks", 1024, "--max-num-seqs", MAX_SEQS, "--max-queue", MAX_QUEUE,
                "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny")
-    d.url = f"http://127.0.0.1:{port}"
+    d.url, d.model = f"http://127.0.0.1:{port}", str(model)
     wait_http(d.url)
     yield d
     d.stop()
@@ -73,6 +75,28 @@ def post(url: str, path: str, body: dict, headers: dict | None = None) -> http.c
     resp = conn.getresponse()
     resp.conn = conn  # to hang up: resp.close(), then resp.conn.close()
     return resp
+
+
+# -- who may connect (no daemon needed) ----------------------------------------------------------------
+def test_settings_loopback_unless_a_key(tmp_path):
+    s = gateway_settings({})
+    assert (s.host, s.port, s.api_key, s.url) == ("127.0.0.1", 8000, None, "http://127.0.0.1:8000")
+    assert gateway_settings({}, default_http=None) is None  # ridge serve without --http: no gateway
+    assert gateway_settings({"http": "[::1]:8001"}).url == "http://[::1]:8001"
+    assert gateway_settings({"http": "localhost:9", "cors_allow_origins": "http://a, http://b"}).cors_allow_origins \
+        == ("http://a", "http://b")
+    for addr in ("0.0.0.0:8000", "[::]:8000", "192.168.1.5:8000", "example.com:80"):
+        with pytest.raises(EndpointError, match="API key"):
+            gateway_settings({"http": addr})
+    key = tmp_path / "key"
+    key.write_text("s3cret\nignored\n")
+    assert gateway_settings({"http": "0.0.0.0:8000", "api_key_file": str(key)}).api_key == "s3cret"
+    assert gateway_settings({"http": "0.0.0.0:8000", "api_key": "k"}).api_key == "k"
+    key.write_text("\n")
+    for bad in ({"http": "no-port"}, {"http": "h:99999"}, {"api_key_file": str(key)},
+                {"api_key_file": str(tmp_path / "missing")}):
+        with pytest.raises(EndpointError):
+            gateway_settings(bad)
 
 
 # -- the API ---------------------------------------------------------------------------------------
@@ -163,6 +187,8 @@ def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
                 {"messages": []}, {"response_format": {"type": "json_object"}}):
         with pytest.raises(openai.BadRequestError):
             oai.chat.completions.create(**{"model": "tiny", "messages": chat("x"), **bad})
+    resp = post(daemon.url, "/v1/completions", {"prompt": "x" * (3 << 20)})
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
     resp = post(daemon.url, "/v1/completions", {})  # no prompt at all
     assert resp.status == 400 and set(json.loads(resp.read())["error"]) == {"message", "type", "param", "code"}
     host, port = daemon.url.removeprefix("http://").split(":")
@@ -272,9 +298,11 @@ def ridge(env, *argv, **kw):
 
 
 def test_standalone_gateway_key_and_cors(daemon, tmp_path):
-    r = ridge(daemon.env, "gateway", "--http", f"0.0.0.0:{free_port()}")
-    out, _ = r.communicate(timeout=60)
-    assert r.returncode == 1 and "not a loopback address" in out and "API key" in out, out
+    refused = [ridge(daemon.env, "gateway", "--http", f"0.0.0.0:{free_port()}"),  # both, before any model loads
+               ridge(daemon.env, "serve", "--endpoint", f"ipc://{tmp_path}/x.sock", "--http", f"0.0.0.0:{free_port()}")]
+    for r in refused:
+        out, _ = r.communicate(timeout=60)
+        assert r.returncode == 1 and "not a loopback address" in out and "API key" in out, out
     key = tmp_path / "key"
     key.write_text("s3cret\n")
     port = free_port()
@@ -308,6 +336,22 @@ def test_standalone_gateway_key_and_cors(daemon, tmp_path):
     resp = conn.getresponse()
     resp.read()
     assert resp.getheader("access-control-allow-origin") is None
+
+
+# -- the figure's command ------------------------------------------------------------------------------------
+def test_bench_server_openai_reports_the_ratio_and_gateway_cpu(daemon, tmp_path):
+    out = tmp_path / "bench.json"
+    r = ridge(daemon.env, "bench", "server", "--api", "openai", "--url", daemon.url, "--model", daemon.model,
+              "--device", "cpu", "--threads", "1", "--requests", "4", "--in-flight", "2", "--lengths", "fixed:6",
+              "--retries", "0", "--num-kv-blocks", "256", "--json", str(out))
+    text, _ = r.communicate(timeout=300)
+    assert r.returncode == 0, text
+    (res,) = json.loads(out.read_text())["results"]["server"]
+    assert res["server"]["useful_tokens"] == res["ridge"]["useful_tokens"] == 24 and not res["server"]["errors"]
+    assert res["server_over_ridge"] == pytest.approx(1 / res["ratio"])
+    cpu = res["server"]["server_cpu"]
+    assert cpu["gateway_s"] > 0 and "daemon_socket_thread_s" in cpu and cpu["gateway_cores"] < 2
+    assert "CPU while serving" in text, text
 
 
 # -- last: draining ---------------------------------------------------------------------------------------
