@@ -112,7 +112,8 @@ def test_models_and_health(oai, daemon):
 
 
 def test_chat_whole_and_streamed_agree(oai, daemon):
-    kw = dict(model="tiny", messages=chat("hello"), max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny", messages=chat("hello"), max_completion_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
     whole = oai.chat.completions.create(**kw)
     (ch,) = whole.choices
     assert ch.finish_reason == "length" and ch.message.role == "assistant" and ch.message.content
@@ -156,7 +157,7 @@ def test_stop_strings(oai):
 
 def test_n_samples_seeded(oai):
     kw = dict(model="tiny", messages=chat("pick"), max_tokens=8, temperature=1.0, seed=7, n=2,
-              extra_body={"ignore_eos": True, "top_k": 20})
+              top_p=0.95, extra_body={"ignore_eos": True, "top_k": 20, "min_p": 0.01})
     a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1] and a.usage.completion_tokens == 16
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # the seed holds

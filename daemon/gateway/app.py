@@ -75,9 +75,7 @@ def _model_card(request: Request) -> dict:
 
 
 async def models(request: Request) -> Response:
-    link = request.app.state.link
-    await link.connect()
-    link.hello = await link.client.hello()  # the daemon may have been restarted on another model
+    await request.app.state.link.refresh()
     return JSONResponse({"object": "list", "data": [_model_card(request)]})
 
 

@@ -43,6 +43,14 @@ class DaemonLink:
         log.info("connected to the daemon at %s: %s", client.endpoint, self.model["name"])
         return client
 
+    async def refresh(self) -> None:
+        """Ask `hello` again: the daemon may have been restarted on another model."""
+        client = await self.connect()
+        try:
+            self.hello = await client.hello()
+        except RidgeError as e:
+            raise self.failed(e) from None
+
     @property
     def model(self) -> dict:
         return self.hello.get("model", {})
