@@ -62,12 +62,21 @@ class AsyncClient:
         await self.sock.send(pack(msg))
 
     async def _reader(self) -> None:
+        # One await per wake-up, then every frame already there through a plain socket on the same
+        # connection: a future per frame costs more than the frame (the gateway reads one per token).
+        now_or_never = zmq.Socket.shadow(self.sock.underlying)
         while True:
-            msg = unpack(await self.sock.recv())
+            frame = await self.sock.recv()
+            while frame is not None:
+                msg = unpack(frame)
+                q = self._queues.get(msg.get("id"))
+                if q is not None:
+                    q.put_nowait(msg)
+                try:
+                    frame = now_or_never.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    frame = None
             self._last_frame = time.monotonic()
-            q = self._queues.get(msg.get("id"))
-            if q is not None:
-                q.put_nowait(msg)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -77,6 +86,8 @@ class AsyncClient:
 
     async def _next(self, rid: str) -> dict:
         q = self._queues[rid]
+        if not q.empty():  # the common case while streaming: no timer
+            return q.get_nowait()
         while True:
             try:
                 return await asyncio.wait_for(q.get(), self.heartbeat_interval)

@@ -33,7 +33,10 @@ def sampling_fields(args) -> dict:
 
 
 def add_daemon_parsers(sub) -> None:
+    from ridge.options import add_options
+
     from .config import add_serve_args
+    from .gateway.settings import GATEWAY_OPTIONS
 
     s = sub.add_parser("serve", help="run the daemon: serve a model over ZeroMQ (docs/protocol.md)",
                        description="Options come from flags, then RIDGE_* variables, then "
@@ -47,6 +50,15 @@ def add_daemon_parsers(sub) -> None:
     add_sampling_args(c)
     c.set_defaults(func=run_chat, max_tokens=512)
 
+    g = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API for the running daemon",
+                       description="An HTTP server (OpenAI's /v1/chat/completions, /v1/completions, /v1/models; "
+                                   "/health, /metrics) that is a client of the daemon. Options come from flags, "
+                                   "then RIDGE_* variables, then the daemon's config file.")
+    add_options(g, GATEWAY_OPTIONS, given_only=True)
+    add_client_args(g)
+    g.add_argument("--config", default=None, help="config file (default: $XDG_CONFIG_HOME/ridge/config.toml)")
+    g.set_defaults(func=run_gateway)
+
     st = sub.add_parser("status", help="the daemon's model, load, KV cache and memory")
     st.add_argument("--json", action="store_true", help="the whole stats reply as JSON")
     add_client_args(st)
@@ -56,6 +68,23 @@ def add_daemon_parsers(sub) -> None:
 def _serve(args) -> int:
     from .serve import run_serve
     return run_serve(args)
+
+
+def run_gateway(args) -> int:
+    from .config import resolve
+    from .endpoint import EndpointError, system_endpoint
+    from .gateway.run import run_foreground
+    from .gateway.settings import gateway_settings
+    from .serve import setup_logging
+
+    values = resolve(args).values  # the daemon's config file too: the endpoint it serves, the gateway's keys
+    setup_logging()
+    endpoint = values["endpoint"] or (system_endpoint() if values["system"] else None)
+    try:
+        return run_foreground(gateway_settings(values), endpoint)
+    except EndpointError as e:
+        print(f"ridge: {e}", file=sys.stderr)
+        return 1
 
 
 def connect(endpoint: str | None):

@@ -12,6 +12,8 @@ from pathlib import Path
 from ridge.engine.config import add_engine_args, engine_options
 from ridge.options import Option, add_options
 
+from .gateway.settings import GATEWAY_OPTIONS
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -30,6 +32,8 @@ DAEMON_OPTIONS = [
            example="/etc/ridge/curve/server.key_secret"),
     Option("curve_clients_dir", str, None, "directory of authorised client CURVE certificates",
            example="/etc/ridge/curve/clients"),
+    Option("served_model_name", str, None, "the model's name in hello and the HTTP API (default: the model "
+           "file's name without .gguf and its quantization tag)", example="SmolLM2-135M-Instruct"),
     Option("max_frame_bytes", int, 1 << 20, "largest client frame"),
     Option("max_prompt_tokens", int, 0, "longest prompt (0: the context length - 1)"),
     Option("max_tokens", int, 0, "largest max_tokens a request may ask (0: the context length)"),
@@ -43,13 +47,15 @@ DAEMON_OPTIONS = [
 
 
 def all_options() -> list[Option]:
-    return engine_options() + DAEMON_OPTIONS
+    return engine_options() + DAEMON_OPTIONS + GATEWAY_OPTIONS
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Every option as a flag whose default is None, so that 'not given' can fall through."""
     add_engine_args(p, given_only=True)
     add_options(p.add_argument_group("daemon"), DAEMON_OPTIONS, given_only=True)
+    add_options(p.add_argument_group("HTTP gateway (OpenAI-compatible API, in the daemon's process)"),
+                GATEWAY_OPTIONS, given_only=True)
     p.add_argument("--config", default=None, help="config file (default: $XDG_CONFIG_HOME/ridge/config.toml)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
 
@@ -118,7 +124,8 @@ def default_config() -> str:
              "# Read from $XDG_CONFIG_HOME/ridge/config.toml (user service), /etc/ridge/config.toml",
              "# (system service), or the file that --config / RIDGE_CONFIG names.",
              "# Check the result with: ridge serve --print-config", ""]
-    for title, options in (("Engine", engine_options()), ("Daemon", DAEMON_OPTIONS)):
+    for title, options in (("Engine", engine_options()), ("Daemon", DAEMON_OPTIONS),
+                           ("Gateway: the OpenAI-compatible HTTP API", GATEWAY_OPTIONS)):
         lines += [f"# -- {title} " + "-" * (76 - len(title)), ""]
         for o in options:
             lines.append(f"# {o.help}" + (f" ({', '.join(map(str, o.choices))})" if o.choices else ""))

@@ -100,16 +100,16 @@ def socket_alive(path: Path) -> bool:
 
 
 # -- the directory ------------------------------------------------------------------
-def prepare_dir(path: Path, mode: int, group: str | None = None, enforce: bool = True) -> None:
-    """Create `path` with `mode`. enforce: the directory is ridge's own (the user or system default),
-    so an existing one gets `mode` too, and one owned by somebody else is refused."""
-    created = not path.exists()
+def prepare_dir(path: Path, mode: int, group: str | None = None) -> None:
+    """Create the socket directory `path` with `mode`, or put an existing one right. The rule holds
+    for every ipc endpoint, the default ones and an explicit --endpoint alike (docs/protocol.md §1):
+    a directory another user owns is refused (they could replace the socket, or read the lock),
+    and the mode is set to `mode`, so that the directory alone decides who may connect."""
     path.mkdir(mode=mode, parents=True, exist_ok=True)
     st = path.stat()
-    if not created and not enforce:
-        return
     if st.st_uid != os.geteuid():
-        raise EndpointError(f"{path} belongs to uid {st.st_uid}, not to this user; refusing to listen there")
+        raise EndpointError(f"{path} belongs to uid {st.st_uid}, not to this user; refusing to listen there "
+                            "(give the socket a directory of its own)")
     if stat.S_IMODE(st.st_mode) != mode:
         os.chmod(path, mode)
     if group:

@@ -81,21 +81,44 @@ def _no_ext(code, data):
     raise ValueError("extension types are not part of the protocol")
 
 
+def _unpackb(frame: bytes, max_frame_bytes: int, raw: bool):
+    return msgpack.unpackb(frame, raw=raw, strict_map_key=True, use_list=True, ext_hook=_no_ext,
+                           max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
+                           max_array_len=max_frame_bytes, max_map_len=max_frame_bytes, max_ext_len=0)
+
+
 def unpack(frame: bytes, max_frame_bytes: int) -> dict:
-    """One client frame -> a map (check_plain then vets its contents). Raises ProtocolError."""
+    """One client frame -> a map (check_plain then vets its contents). Raises ProtocolError, carrying
+    the frame's id when one can still be read (salvage_id)."""
     if len(frame) > max_frame_bytes:
         raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes; the limit is {max_frame_bytes}")
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, ext_hook=_no_ext,
-                              max_str_len=max_frame_bytes, max_bin_len=max_frame_bytes,
-                              max_array_len=max_frame_bytes, max_map_len=max_frame_bytes, max_ext_len=0)
+        obj = _unpackb(frame, max_frame_bytes, raw=False)
     except UnicodeDecodeError as e:
-        raise ProtocolError(BAD_UTF8, f"a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise ProtocolError(BAD_UTF8, f"a string is not valid UTF-8 ({e.reason} at byte {e.start})",
+                            salvage_id(frame, max_frame_bytes)) from None
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
-        raise ProtocolError(BAD_MSGPACK, f"not msgpack: {type(e).__name__}: {e}"[:300]) from None
+        raise ProtocolError(BAD_MSGPACK, f"not msgpack: {type(e).__name__}: {e}"[:300],
+                            salvage_id(frame, max_frame_bytes)) from None
     if not isinstance(obj, dict):
         raise ProtocolError(BAD_MSGPACK, f"the top level must be a map, got {_kind(obj)}")
     return obj
+
+
+def salvage_id(frame: bytes, max_frame_bytes: int) -> str | None:
+    """The `id` of a frame that failed to decode, if it still reads as a UTF-8 string: a bad string
+    elsewhere in the map, or bytes after it, must not hide which request the error belongs to."""
+    try:
+        obj = _unpackb(frame, max_frame_bytes, raw=True)  # strings stay bytes: nothing is decoded
+    except msgpack.ExtraData as e:
+        obj = e.unpacked
+    except Exception:
+        return None
+    rid = obj.get(b"id") if isinstance(obj, dict) else None
+    try:
+        return rid.decode() if isinstance(rid, bytes) and rid else None
+    except UnicodeDecodeError:
+        return None
 
 
 def check_plain(msg: dict, rid: str | None = None) -> None:
@@ -133,11 +156,18 @@ def _kind(x) -> str:
 
 
 def request_id_of(msg: dict) -> str | None:
-    """The message's id if it is a usable one (for error replies), else None."""
+    """The message's id if it is a valid one (1-MAX_ID_BYTES bytes), else None."""
     rid = msg.get("id")
     if isinstance(rid, str) and 0 < len(rid.encode()) <= MAX_ID_BYTES:
         return rid
     return None
+
+
+def reply_id_of(msg: dict) -> str | None:
+    """The id an error reply echoes: any non-empty string id, even an invalid (too long) one, so
+    that a client with several requests on one socket can tell which one failed."""
+    rid = msg.get("id")
+    return rid if isinstance(rid, str) and rid else None
 
 
 # -- field checks ----------------------------------------------------------------
@@ -190,7 +220,7 @@ class Envelope:
 
 def envelope(msg: dict) -> Envelope:
     """Checks v, type and id. Raises ProtocolError."""
-    rid = request_id_of(msg)
+    rid = reply_id_of(msg)
     if "v" not in msg:
         raise ProtocolError(MISSING_FIELD, "v (the protocol version) is required", rid)
     if not is_int(msg["v"]):
@@ -205,8 +235,8 @@ def envelope(msg: dict) -> Envelope:
         raise fail("type", "a string", rid)
     if t not in CLIENT_TYPES:
         raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {t[:64]!r}; known: {', '.join(CLIENT_TYPES)}", rid)
-    if "id" in msg and rid is None:
-        raise fail("id", f"a string of 1-{MAX_ID_BYTES} bytes", None)
+    if "id" in msg and request_id_of(msg) is None:
+        raise fail("id", f"a string of 1-{MAX_ID_BYTES} bytes", rid)
     if t in ("generate", "abort") and rid is None:
         raise ProtocolError(MISSING_FIELD, f"id is required on {t}", None)
     body = {k: v for k, v in msg.items() if k not in ("v", "type", "id")}

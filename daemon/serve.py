@@ -5,12 +5,15 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
+from pathlib import Path
 
 from .config import resolve
-from .endpoint import (SYSTEM_DIR, SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_tcp,
-                       ipc_path, load_curve, pub_endpoint_for, system_endpoint, user_dir, user_endpoint)
+from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_tcp, ipc_path,
+                       load_curve, prepare_dir, pub_endpoint_for, system_endpoint, user_endpoint)
+from .gateway.settings import gateway_settings
 from .notify import Notifier
 from .protocol import Limits
 
@@ -48,6 +51,19 @@ def _version() -> str:
         return "dev"
 
 
+_QUANT_TAG = re.compile(r"[.\-_](?:I?Q\d\w*|B?F16|F32|FP8)$", re.IGNORECASE)
+
+
+def served_name(model: dict) -> str:
+    """A GGUF's file name is the name people know it by (SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct); its general.name is often a converter's rendering of it ("Smollm2
+    135M 8k Lc100K Mix1 Ep2"). Other models keep the name the engine read."""
+    path = Path(model.get("path") or "")
+    if path.suffix.lower() == ".gguf":
+        return _QUANT_TAG.sub("", path.stem) or model["name"]
+    return model["name"]
+
+
 def _limits(c: dict, max_model_len: int) -> Limits:
     return Limits(max_frame_bytes=c["max_frame_bytes"],
                   max_prompt_tokens=min(c["max_prompt_tokens"] or max_model_len - 1, max_model_len - 1),
@@ -66,6 +82,17 @@ def _check(c: dict) -> None:
         raise ValueError("drain_grace must be >= 0")
 
 
+def claim_endpoint(endpoint: str, system: bool) -> EndpointLock | None:
+    """The socket's directory, checked and given its mode, then the endpoint's lock (§1)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    prepare_dir(path.parent, SYSTEM_MODE if system else USER_MODE, SYSTEM_GROUP if system else None)
+    lock = EndpointLock(path)
+    lock.acquire()
+    return lock
+
+
 def run_serve(args) -> int:
     res = resolve(args)
     if args.print_config:
@@ -80,29 +107,30 @@ def run_serve(args) -> int:
     _check(c)
     endpoint = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
     system = bool(c["system"]) and not c["endpoint"]
-    lock = None
+    lock = http = None
     try:
         curve = load_curve(c["curve_secret_key_file"], c["curve_clients_dir"])
         if c["tcp"]:
             check_tcp(c["tcp"], curve)
         if (c["pub_endpoint"] or "").startswith("tcp://"):
             check_tcp(c["pub_endpoint"], None)  # the stats feed has no CURVE: loopback only
-        if path := ipc_path(endpoint):
-            ours = path.parent in (user_dir(), SYSTEM_DIR)
-            from .endpoint import prepare_dir
-            prepare_dir(path.parent, SYSTEM_MODE if system else USER_MODE, SYSTEM_GROUP if system else None, ours)
-            lock = EndpointLock(path)
-            lock.acquire()
-        return _serve(c, endpoint, system, curve)
+        gateway = gateway_settings(c, default_http=None)
+        lock = claim_endpoint(endpoint, system)
+        if gateway is not None:
+            from .gateway.run import listen
+            http = (gateway, listen(gateway))  # bound now: a port in use fails before the model loads
+        return _serve(c, endpoint, system, curve, http)
     except EndpointError as e:
         log.error("%s", e)
         return 1
     finally:
+        if http is not None:
+            http[1].close()
         if lock is not None:
             lock.release()
 
 
-def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
+def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
@@ -114,14 +142,20 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
     loop = EngineLoop(lambda: LLMEngine(engine_config(c)), c["stats_interval"])
     engine = loop.start_engine()  # built on the engine thread: see engine_loop.py
     model = engine.model_info()
+    model["name"] = c["served_model_name"] or served_name(model)
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
                        limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600)
     server = Server(cfg, engine, loop, model, notifier, _version())
+    gateway = None
     try:
         server.bind()
+        if http is not None:
+            from .gateway.run import GatewayThread
+            gateway = GatewayThread(http[0], endpoint, http[1])
+            gateway.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_drain())
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
@@ -133,6 +167,8 @@ def _serve(c: dict, endpoint: str, system: bool, curve) -> int:
         log.info("stopped (exit %d)", code)
         return code
     finally:
+        if gateway is not None:  # after the drain: every request's final frame is out
+            gateway.stop()
         loop.stop()
         server.close()
         if (path := cfg.pub_endpoint and ipc_path(cfg.pub_endpoint)) and path.exists():

@@ -155,7 +155,7 @@ class Server:
             if len(frames) != 1:
                 raise ProtocolError(P.BAD_FRAME, f"a message is exactly one frame; got {len(frames)}")
             msg = P.unpack(frames[0], self.cfg.limits.max_frame_bytes)
-            rid = P.request_id_of(msg)
+            rid = P.reply_id_of(msg)
             P.check_plain(msg, rid)
             env = P.envelope(msg)
             self.handlers[env.type](peer, env)
@@ -303,6 +303,17 @@ class Server:
             self.aborts[why] += len(live)
             log.info("client %s %s: aborted %d request(s)", peer.ident.hex(), why, len(live))
 
+    def _time_out(self, peer: Peer) -> None:
+        """A client that went silent but may still be reading: abort its requests and send their
+        finals (`detail: "timeout"`), so that it learns why its streams ended (§4.4)."""
+        live = [inf for inf in peer.requests.values() if not inf.done and inf.detail is None]
+        for inf in live:
+            inf.detail = "timeout"
+            self.loop.abort(inf.engine_id)
+        if live:
+            self.aborts["timeout"] += len(live)
+            log.info("client %s timeout: aborted %d request(s)", peer.ident.hex(), len(live))
+
     # -- timers: liveness, stats feed, systemd ---------------------------------------
     def _timers(self, now: float) -> None:
         if self.pub is not None and self.loop.snapshot[0] != self._published_seq:
@@ -330,9 +341,10 @@ class Server:
             if peer.gone:
                 continue
             if peer.requests:
-                stalled = peer.stalled_since is not None and now - peer.stalled_since > c.client_timeout
-                if stalled or now - peer.last_recv > c.client_timeout:
-                    self._peer_gone(peer, "timeout")
+                if peer.stalled_since is not None and now - peer.stalled_since > c.client_timeout:
+                    self._peer_gone(peer, "timeout")  # not reading: nothing more can reach it
+                elif now - peer.last_recv > c.client_timeout:
+                    self._time_out(peer)
                 elif now - peer.last_send >= c.heartbeat_interval and not peer.outq:
                     self._send(peer, message("heartbeat", time=time.time()))
             elif not peer.outq and now - peer.last_recv > PEER_FORGET_S:
@@ -353,7 +365,7 @@ class Server:
         if self._forced_at is None and (self._hurry or now >= self._drain_deadline or self.state == "error"):
             self._forced_at = now
             for inf in self.inflight.values():
-                if not inf.done:
+                if not inf.done and inf.detail is None:  # not already aborted for a timeout
                     inf.detail = "shutdown"
                     self.aborts["shutdown"] += 1
                     self.loop.abort(inf.engine_id)

@@ -89,7 +89,25 @@ def drain_grace(config_file: Path) -> float:
     return float(resolve(argparse.Namespace(config=str(config_file)), environ={}).values["drain_grace"])
 
 
-def values(scope: Scope) -> dict[str, str]:
+def exec_start(scope: Scope, http: str | None = None) -> str:
+    words = [_unit_word(str(ridge_executable())), "serve"] + (["--system"] if scope.system else [])
+    return " ".join(words + (["--http", _unit_word(http)] if http else []))
+
+
+def check_http(scope: Scope, http: str) -> str | None:
+    """Why the daemon would refuse to serve HTTP on `http` with this scope's config file, or None."""
+    from .endpoint import EndpointError
+    from .gateway.settings import gateway_settings
+
+    vals = resolve(argparse.Namespace(config=str(scope.config_path)), environ={}).values
+    try:
+        gateway_settings({**vals, "http": http}, None)
+    except EndpointError as e:
+        return str(e)
+    return None
+
+
+def values(scope: Scope, http: str | None = None) -> dict[str, str]:
     groups = []
     for g in GPU_GROUPS:
         try:
@@ -98,7 +116,7 @@ def values(scope: Scope) -> dict[str, str]:
         except KeyError:
             pass
     grace = drain_grace(scope.config_path)
-    return {"RIDGE": _unit_word(str(ridge_executable())),
+    return {"EXEC_START": exec_start(scope, http),
             "CONFIG_ENV": _unit_word(f"RIDGE_CONFIG={scope.target(scope.config_path)}"),
             "TIMEOUT_STOP": f"{int(grace + STOP_MARGIN_S)}s",
             "GROUPS": " ".join(groups),
@@ -171,16 +189,19 @@ def _ensure_user(scope: Scope) -> int:
 
 
 # -- the subcommands --------------------------------------------------------------------------
-def install(scope: Scope, enable: bool = True) -> int:
+def install(scope: Scope, enable: bool = True, http: str | None = None) -> int:
     if scope.system and not scope.staged and os.geteuid() != 0:
         print(f"ridge: the system service is installed as root: sudo {ridge_executable()} service install --system",
               file=sys.stderr)
+        return 1
+    if http and (why := check_http(scope, http)):
+        print(f"ridge: {why}", file=sys.stderr)
         return 1
     if not scope.config_path.exists():
         _write(scope.config_path, default_config(), 0o640 if scope.system else 0o600)
     else:
         print(f"kept {scope.config_path}")
-    _write(scope.unit_path, render(template(scope), values(scope)))
+    _write(scope.unit_path, render(template(scope), values(scope, http)))
     if scope.system and _ensure_user(scope) != 0:
         return 1
     manage = " ".join(scope.systemctl())
@@ -191,8 +212,7 @@ def install(scope: Scope, enable: bool = True) -> int:
     why = systemd_missing()
     if why is not None:
         print(f"{why}, so the service was written but not enabled. On a machine with systemd:\n  "
-              + "\n  ".join(then) + f"\nHere, run the daemon directly: {ridge_executable()} serve"
-              + (" --system" if scope.system else ""))
+              + "\n  ".join(then) + f"\nHere, run the daemon directly: {exec_start(scope, http)}")
         return 0
     if _run(scope.systemctl("daemon-reload")) != 0:
         return 1
@@ -241,12 +261,32 @@ def status(scope: Scope) -> int:
     endpoint = system_endpoint() if scope.system else user_endpoint()
     listening = socket_alive(ipc_path(endpoint))
     print(f"daemon: {'listening' if listening else 'not listening'} on {endpoint}")
+    if unit.exists() and (http := _unit_http(unit.read_text())):
+        print(f"gateway: {'answering' if _http_alive(http) else 'not answering'} on http://{http}/v1")
     why = systemd_missing()
     if why is not None:
         print(f"systemd: {why}; no service state to show")
         return 0
     _run(scope.systemctl("status", "--no-pager", "--lines=5", UNIT))
     return 0
+
+
+def _unit_http(unit_text: str) -> str | None:
+    """The --http address on the unit's ExecStart line, if any."""
+    m = re.search(r"^ExecStart=.* --http (\S+)", unit_text, re.MULTILINE)
+    return m.group(1) if m else None
+
+
+def _http_alive(addr: str) -> bool:
+    import socket
+
+    from .gateway.settings import parse_address
+    host, port = parse_address(addr)
+    try:
+        socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port), 1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def add_service_parser(sub) -> None:
@@ -267,6 +307,9 @@ def add_service_parser(sub) -> None:
                            help="write under DIR instead of / (staging for a package), without systemctl")
         if name == "install":
             a.add_argument("--no-enable", action="store_true", help="write the files but do not enable the service")
+            a.add_argument("--http", metavar="HOST:PORT", default=None,
+                           help="also serve the OpenAI-compatible HTTP API there (ridge serve --http); a "
+                                "non-loopback HOST needs api_key_file in the config file")
     acts.add_parser("config", help="print the default config file (every option, commented out)")
     p.set_defaults(func=run_service)
 
@@ -277,7 +320,7 @@ def run_service(args) -> int:
         return 0
     scope = Scope(bool(args.system), Path(getattr(args, "root", None) or "/").absolute())
     if args.service_action == "install":
-        return install(scope, enable=not args.no_enable)
+        return install(scope, enable=not args.no_enable, http=args.http)
     if args.service_action == "uninstall":
         return uninstall(scope)
     return status(scope)

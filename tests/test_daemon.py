@@ -21,6 +21,8 @@ from test_daemon_harness import HEARTBEAT, ROOT, Daemon, Raw, pack, pump_all, st
 from tiny_models import make_tiny
 
 MAX_PER_CLIENT, MAX_QUEUE = 128, 200
+CLIENT_TIMEOUT = 3.0
+PROTOCOL_MD = (ROOT / "docs" / "protocol.md").read_text()
 
 
 def free_port() -> int:
@@ -48,7 +50,7 @@ def notify(tmp_path_factory):
 def daemon(tmp_path_factory, model, notify):
     tmp = tmp_path_factory.mktemp("daemon")
     d = Daemon(tmp, model, "--num-kv-blocks", 1024, "--max-num-seqs", 64, "--max-requests-per-client", MAX_PER_CLIENT,
-               "--max-queue", MAX_QUEUE, "--tcp", f"tcp://127.0.0.1:{free_port()}",
+               "--max-queue", MAX_QUEUE, "--tcp", f"tcp://127.0.0.1:{free_port()}", "--client-timeout", CLIENT_TIMEOUT,
                env_extra={"NOTIFY_SOCKET": notify[1], "WATCHDOG_USEC": 400_000})
     d.tcp = next(a for a in d.proc.args if str(a).startswith("tcp://"))
     yield d
@@ -242,7 +244,11 @@ BAD = [  # (name, frames, code, id in the reply)
     ("missing type", [pack({"v": 1, "id": "m"})], "missing_field", "m"),
     ("type not str", [pack({"v": 1, "type": 7, "id": "m"})], "invalid_field", "m"),
     ("unknown op", [pack({"v": 1, "type": "launch_missiles", "id": "m"})], "unknown_type", "m"),
-    ("id too long", [pack({"v": 1, "type": "health", "id": "x" * 200})], "invalid_field", None),
+    ("id too long", [pack({"v": 1, "type": "health", "id": "x" * 200})], "invalid_field", "x" * 200),
+    ("id of 129 bytes on generate", [pack(gen(id="y" * 129))], "invalid_field", "y" * 129),
+    ("bad UTF-8 beside a valid id", [b"\x84\xa1v\x01\xa4type\xa8generate\xa2id\xa2u8\xa6prompt\xa2\xff\xfe"],
+     "bad_utf8", "u8"),
+    ("heartbeat with a field", [pack({"v": 1, "type": "heartbeat", "id": "hb", "x": 1})], "invalid_field", "hb"),
     ("id not str", [pack({"v": 1, "type": "health", "id": 5})], "invalid_field", None),
     ("unknown field", [pack({"v": 1, "type": "health", "id": "m", "verbose": True})], "invalid_field", "m"),
     ("generate without id", [pack({"v": 1, "type": "generate", "prompt": "hi"})], "missing_field", None),
@@ -272,6 +278,7 @@ BAD = [  # (name, frames, code, id in the reply)
     ("seed too big", [with_params(seed=2**64 - 1)], "invalid_field", "g"),
     ("stop too many", [with_params(stop=["x"] * 100)], "invalid_field", "g"),
     ("stop ids out of vocab", [with_params(stop_token_ids=[10**6])], "invalid_field", "g"),
+    ("65 stop ids", [with_params(stop_token_ids=[1] * 65)], "invalid_field", "g"),
     ("speculative not bool", [with_params(speculative="yes")], "invalid_field", "g"),
     ("tokenize both", [pack({"v": 1, "type": "tokenize", "id": "t", "text": "a", "messages": []})],
      "invalid_field", "t"),
@@ -508,6 +515,95 @@ def test_cli_without_a_daemon_says_so(daemon, tmp_path):
     r = _ridge(env, "generate", "hello")
     assert r.returncode == 1
     assert "no ridge daemon is running" in r.stderr and "ridge serve" in r.stderr and "--local" in r.stderr
+
+
+# -- what an outside client found (issue 15) -------------------------------------------------------
+def test_a_silent_client_gets_finals_when_it_times_out(daemon):
+    """Defect 1: a client that keeps reading but sends nothing for client_timeout has its requests
+    aborted and is told so (final, detail "timeout"), rather than seeing its streams just stop."""
+    c = Raw(daemon.endpoint)
+    before = stats(daemon.endpoint)["daemon"]["aborts"]["timeout"]
+    for i in range(4):  # 4 x 64 samples x 240 tokens, 64 samples at a time: more than CLIENT_TIMEOUT of work
+        c.generate(f"t{i}", prompt=f"silent {i}", params={"max_tokens": 240, "n": 64, "ignore_eos": True})
+    sent = time.monotonic()
+    finals = {}
+    while len(finals) < 4:  # read, never send: no heartbeats
+        msg = c.recv(CLIENT_TIMEOUT + 5)
+        if msg["type"] in ("final", "error"):
+            finals[msg["id"]] = (msg, time.monotonic() - sent)
+    assert all(msg["type"] == "final" for msg, _ in finals.values())  # every request got its final
+    timed_out = [(msg, elapsed) for msg, elapsed in finals.values() if msg.get("detail") == "timeout"]
+    assert len(timed_out) >= 2  # 64 samples run at a time: t2 and t3 cannot have started by then
+    for msg, elapsed in timed_out:
+        assert "abort" in {ch["finish_reason"] for ch in msg["choices"]}, msg  # the samples still running
+        assert CLIENT_TIMEOUT <= elapsed < CLIENT_TIMEOUT + 0.25 + 1.5, elapsed  # §4.4's bound, plus slack
+    assert stats(daemon.endpoint)["daemon"]["aborts"]["timeout"] == before + len(timed_out)
+    c.close()
+    wait_idle(daemon.endpoint)
+
+
+def test_reply_order_on_one_connection(raw):
+    """Defect 6: §1 now states the order. One request's frames keep their order; replies to the
+    small operations come in the order asked, without waiting for a generate sent before them."""
+    raw.generate("o", prompt="order", params={"max_tokens": 40, "ignore_eos": True})
+    for k, msg in enumerate([{"type": "health"}, {"type": "tokenize", "text": "a"}, {"type": "stats"},
+                             {"type": "detokenize", "token_ids": [5]}, {"type": "hello"}]):
+        raw.send({**msg, "id": f"q{k}"})
+    seen = []
+    while raw.open:
+        raw.pump()
+        seen += [m for m in raw.other if m.get("id", "").startswith("q")]
+        raw.other.clear()
+        time.sleep(0.01)
+    assert [m["id"] for m in seen] == [f"q{k}" for k in range(5)]
+    assert [m["type"] for m in seen] == ["health", "tokenize", "stats", "detokenize", "hello"]
+    s = raw.streams["o"]
+    assert len(s["tokens"]) == 40 == s["final"]["usage"]["completion_tokens"]
+    assert "in the order they were asked" in PROTOCOL_MD
+
+
+def test_chat_roles_any_name_the_template_takes(raw):
+    """Defect 6: §3.2 now says which roles are allowed: any non-empty string, and the model's chat
+    template decides (this tiny model's ChatML template takes any role)."""
+    roles = ["system", "user", "assistant", "tool", "narrator"]
+    ok = raw.call({"type": "tokenize", "id": "r", "messages": [{"role": r, "content": "x"} for r in roles]})
+    assert ok["type"] == "tokenize" and ok["count"] > 10
+    bad = raw.call({"type": "tokenize", "id": "r2", "messages": [{"role": "", "content": "x"}]})
+    assert bad["code"] == "invalid_field" and bad["id"] == "r2"
+    assert "the model's chat template decides" in PROTOCOL_MD
+
+
+def test_heartbeat_has_no_reply_unless_it_breaks_a_rule(raw):
+    """Defect 6: a heartbeat is never answered, except by an error when it breaks §2 (as every message)."""
+    raw.send({"type": "heartbeat"})
+    raw.send({"type": "heartbeat", "id": "h-ok"})
+    raw.send({"type": "heartbeat", "id": "h-bad", "extra": 1})
+    raw.send({"type": "health", "id": "after"})
+    replies = [raw.recv(5), raw.recv(5)]
+    assert [(m["type"], m["id"]) for m in replies] == [("error", "h-bad"), ("health", "after")]
+    assert replies[0]["code"] == "invalid_field"
+
+
+def test_token_ids_out_of_the_vocabulary_are_invalid_field_as_documented(raw):
+    """Defect 3: every token id field (prompt, stop ids, detokenize) answers invalid_field, and §5 says so."""
+    vocab = raw.call({"type": "hello", "id": "h"})["model"]["vocab_size"]
+    for msg in ({"type": "generate", "prompt_token_ids": [1, vocab]},
+                {"type": "generate", "prompt": "x", "params": {"stop_token_ids": [vocab]}},
+                {"type": "detokenize", "token_ids": [vocab]}):
+        reply = raw.call({**msg, "id": "oov"})
+        assert (reply["type"], reply["code"]) == ("error", "invalid_field"), reply
+    rows = {line.split("|")[1].strip(" `"): line for line in PROTOCOL_MD.splitlines() if line.startswith("| `")}
+    assert "vocabulary" in rows["invalid_field"] and "vocabulary" not in rows["invalid_request"]
+
+
+def test_stop_token_ids_take_at_most_64_as_documented(raw):
+    """Defect 2: the cap is in §3.2."""
+    f = raw.call({"type": "generate", "id": "s64", "prompt": "x", "stream": False,
+                  "params": {"max_tokens": 2, "stop_token_ids": list(range(64))}})
+    assert f["type"] == "final"
+    assert raw.call({"type": "generate", "id": "s65", "prompt": "x",
+                     "params": {"stop_token_ids": list(range(65))}})["code"] == "invalid_field"
+    assert "≤ 64 ids" in PROTOCOL_MD
 
 
 # -- last: nothing leaked ----------------------------------------------------------------------

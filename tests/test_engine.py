@@ -289,3 +289,27 @@ def test_one_model_step_through_the_triton_kernels(loaded, reference):
         got = run(eng, [ps[0], ps[2]], greedy(3))
     assert got["r0"] == ref[0][:3] and got["r1"] == ref[2][:3]
     assert_no_leak(eng)
+
+
+def test_request_histograms_count_each_finished_sample(loaded):
+    """The monitoring figures (docs/protocol.md §7.2): one observation per finished sample, one
+    inter-token latency per token after the first, prefix-cache queries and hits in tokens."""
+    eng = make_engine(loaded)
+    ps = prompts(loaded.config.vocab_size, [20, 20])
+    run(eng, ps, [greedy(10), SamplingParams(max_tokens=6, ignore_eos=True, n=2, seed=1)])
+    eng.add_request("gone", ps[0], greedy(50))
+    gone = sum(len(o.new_token_ids) for o in eng.step())
+    eng.abort_request("gone")
+    while eng.has_unfinished():
+        eng.step()
+    st = eng.stats()
+    h = st["histograms"]
+    assert st["finished"] == {"stop": 0, "length": 3, "abort": 1, "error": 0}
+    assert h["e2e_s"]["count"] == h["prompt_tokens"]["count"] == h["queue_s"]["count"] == 4
+    assert h["ttft_s"]["count"] == 3 + (gone > 0)
+    assert h["generation_tokens"]["sum"] == 10 + 6 + 6 + gone
+    assert h["itl_s"]["count"] == 9 + 5 + 5 + max(0, gone - 1)
+    for hist in h.values():
+        assert len(hist["counts"]) == len(hist["bounds"]) + 1 and sum(hist["counts"]) == hist["count"]
+    assert st["prefix_cache"]["queries"] >= 3 * 20 and st["prefix_cache"]["hits"] >= 16  # "gone" reuses ps[0]
+    assert_no_leak(eng)

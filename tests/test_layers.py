@@ -5,7 +5,8 @@ A package imports only from layers below it; ridge/config.py, tokenizer.py,
 plan.py and options.py are shared low-level modules that import only each
 other. So no package imports one above it and the package graph has no cycle;
 only the CLI imports ridge.bench. tui talks to the daemon's protocol and never
-reaches torch; nothing outside tui imports textual."""
+reaches torch; nothing outside tui imports textual. The HTTP gateway
+(daemon/gateway) is a protocol client too: it never reaches the engine."""
 from __future__ import annotations
 
 import ast
@@ -114,15 +115,30 @@ def test_no_cycle_between_packages():
     assert not cycles, f"packages on an import cycle: {cycles}"
 
 
-def test_tui_never_reaches_torch_and_only_tui_imports_textual():
-    reach, todo = set(), [m for m in modules() if node(m) == "ridge.tui"]
+def reach(start: list[str]) -> set[str]:
+    """Every module of ours that `start` imports, directly or not."""
+    seen, todo = set(), list(start)
     while todo:
         m = todo.pop()
-        if m not in reach:
-            reach.add(m)
+        if m not in seen:
+            seen.add(m)
             todo += [t for t in imports(m) if t in modules()]
-    heavy = sorted(f"{m} -> {t}" for m in reach for t in imports(m) if t.split(".")[0] in ("torch", "triton"))
+    return seen
+
+
+def test_tui_never_reaches_torch_and_only_tui_imports_textual():
+    tui = reach([m for m in modules() if node(m) == "ridge.tui"])
+    heavy = sorted(f"{m} -> {t}" for m in tui for t in imports(m) if t.split(".")[0] in ("torch", "triton"))
     assert not heavy, "ridge.tui reaches torch through:\n" + "\n".join(heavy)
     textual = sorted(m for m in modules() if node(m) != "ridge.tui"
                      and any(t.split(".")[0] == "textual" for t in imports(m)))
     assert not textual, f"textual outside ridge.tui: {textual}"
+
+
+def test_the_gateway_is_a_protocol_client_only():
+    """daemon/gateway speaks the ZeroMQ protocol: it never reaches the engine, the models or torch."""
+    gateway = reach([m for m in modules() if m.startswith("ridge.daemon.gateway")])
+    bad = sorted(f"{m} -> {t}" for m in gateway for t in imports(m)
+                 if t.split(".")[0] in ("torch", "triton") or node(t) in ("ridge.engine", "ridge.models",
+                                                                          "ridge.kernels", "ridge.quant", "ridge.cache"))
+    assert not bad, "the gateway reaches the engine through:\n" + "\n".join(bad)

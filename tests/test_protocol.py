@@ -70,6 +70,28 @@ def test_envelope_checks_version_type_and_id():
     assert code_of(P.envelope, {"v": 1, "type": "stats", "id": "é" * 100}) == P.INVALID_FIELD  # 200 bytes
 
 
+def error_id(fn, *a):
+    with pytest.raises(P.ProtocolError) as e:
+        fn(*a)
+    return e.value.request_id
+
+
+def test_errors_carry_every_id_the_daemon_can_read():
+    """Issue 15, defect 5: a client with several requests on one socket must learn which one failed."""
+    long_id = "x" * 129
+    assert error_id(P.envelope, {"v": 1, "type": "generate", "id": long_id, "prompt": "p"}) == long_id
+    assert error_id(P.envelope, {"v": 7, "type": "generate", "id": long_id}) == long_id
+    assert error_id(P.envelope, {"v": 1, "type": "health", "id": 5}) is None  # not a string: nothing to echo
+    # A valid id beside a string that is not UTF-8 (the prompt), and beside trailing bytes.
+    frame = b"\x84\xa1v\x01\xa4type\xa8generate\xa2id\xa2u8\xa6prompt\xa2\xff\xfe"
+    with pytest.raises(P.ProtocolError) as e:
+        P.unpack(frame, 1 << 20)
+    assert e.value.code == P.BAD_UTF8 and e.value.request_id == "u8"
+    assert error_id(P.unpack, P.pack({"v": 1, "type": "health", "id": "tr"}) + b"\x00", 100) == "tr"
+    assert error_id(P.unpack, b"\x82\xa2id\xa2\xff\xfe\xa1v\x01", 100) is None  # the id itself is broken
+    assert error_id(P.unpack, P.pack({"v": 1, "id": "cut", "type": "health"})[:-3], 100) is None
+
+
 # -- validation -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def validator(tmp_path_factory):
@@ -221,6 +243,42 @@ def test_socket_directories_get_their_modes(tmp_path):
     os.chmod(user, 0o755)
     prepare_dir(user, 0o700)  # ridge's own directory is put right
     assert stat.S_IMODE(user.stat().st_mode) == 0o700
+
+
+def test_an_explicit_endpoint_directory_follows_the_same_rule(tmp_path):
+    """Issue 15, defect 4: --endpoint's directory is checked and given its mode like the default one."""
+    from ridge.daemon.serve import claim_endpoint
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    os.chmod(mine, 0o755)
+    lock = claim_endpoint(f"ipc://{mine}/r.sock", system=False)
+    try:
+        assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    finally:
+        lock.release()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, -1)  # root can hand it to `nobody`
+    else:
+        theirs = Path("/")  # owned by root
+    with pytest.raises(EndpointError, match="belongs to uid"):
+        claim_endpoint(f"ipc://{theirs}/r.sock", system=False)
+    assert claim_endpoint("tcp://127.0.0.1:5555", system=False) is None
+
+
+def test_served_model_name_is_the_gguf_file_name():
+    """Issue 15, defect 6: the embedded model is called what the README calls it."""
+    from ridge.daemon.serve import served_name
+    from ridge.quant.source import default_model_path
+
+    readme = (DAEMON_DIR.parent / "README.md").read_text()
+    name = served_name({"path": str(default_model_path()), "name": "Smollm2 135M 8k Lc100K Mix1 Ep2"})
+    assert name == "SmolLM2-135M-Instruct" and name in readme
+    assert served_name({"path": "/m/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf", "name": "x"}) == "Qwen2.5-0.5B-Instruct"
+    assert served_name({"path": "/m/tiny-llama-F32.gguf", "name": "x"}) == "tiny-llama"
+    assert served_name({"path": "/m/some-hf-dir", "name": "some-hf-dir"}) == "some-hf-dir"
     assert user_dir({"XDG_RUNTIME_DIR": "/x"}) == Path("/x/ridge")
     assert pub_endpoint_for("ipc:///x/ridge.sock") == "ipc:///x/ridge-pub.sock"
     assert client_candidates({"RIDGE_ENDPOINT": "tcp://127.0.0.1:5"}) == ["tcp://127.0.0.1:5"]

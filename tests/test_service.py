@@ -110,6 +110,29 @@ def test_user_install_status_uninstall(home, tmp_path):
     assert r.returncode == 0 and "not installed" in r.stdout
 
 
+def test_install_with_the_http_gateway(home, tmp_path):
+    """`--http ADDR` puts the gateway on the unit's command line; a non-loopback address is refused
+    unless the config file names an API key, so a unit that could not start is never written."""
+    root = tmp_path / "root"
+    r = ridge("service", "install", "--system", "--root", str(root), "--http", "0.0.0.0:8000", env=home)
+    assert r.returncode == 1 and "API key" in r.stderr and not (root / "etc/systemd/system/ridge.service").exists()
+    r = ridge("service", "install", "--system", "--root", str(root), "--http", "127.0.0.1:8000", env=home)
+    assert r.returncode == 0, r.stderr
+    unit_path = root / "etc/systemd/system/ridge.service"
+    assert parse_unit(unit_path.read_text())["Service"]["ExecStart"] == [f"{RIDGE} serve --system --http 127.0.0.1:8000"]
+    if ANALYZE:
+        verify(unit_path, False, tmp_path)
+    key = tmp_path / "api_key"
+    key.write_text("k\n")
+    (root / "etc/ridge/config.toml").write_text(f'api_key_file = "{key}"\n')
+    r = ridge("service", "install", "--system", "--root", str(root), "--http", "0.0.0.0:8000", env=home)
+    assert r.returncode == 0, r.stderr
+    r = ridge("service", "install", "--user", "--http", "127.0.0.1:8001", env=home)
+    assert r.returncode == 0, r.stderr
+    r = ridge("service", "status", "--user", env=home)
+    assert "serve --http 127.0.0.1:8001" in r.stdout and "gateway: not answering on http://127.0.0.1:8001/v1" in r.stdout
+
+
 def test_system_install_staged(home, tmp_path):
     root = tmp_path / "root"
     r = ridge("service", "install", "--system", "--root", str(root), env=home)

@@ -183,6 +183,36 @@ def run_server(url: str, api: str, wl: Workload, texts: list[str], in_flight: in
     return out
 
 
+# CPU counters an OpenAI-style server may export on /metrics (ridge's gateway exports all three)
+CPU_METRICS = {"ridge:gateway_cpu_seconds_total": "gateway_s",
+               "ridge:daemon_socket_thread_cpu_seconds_total": "daemon_socket_thread_s",
+               "process_cpu_seconds_total": "process_s"}
+
+
+def server_cpu(url: str) -> dict:
+    """The server's CPU seconds so far, from its Prometheus /metrics (best effort: {} without)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    u = urlparse(url if "://" in url else f"http://{url}")
+    try:
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=10)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        text = resp.read().decode() if resp.status == 200 else ""
+        conn.close()
+        families = list(text_string_to_metric_families(text))
+    except (OSError, http.client.HTTPException, ValueError):
+        return {}
+    return {CPU_METRICS[s.name]: s.value for f in families for s in f.samples if s.name in CPU_METRICS}
+
+
+def cpu_used(before: dict, after: dict, wall_s: float) -> dict:
+    """CPU seconds each counter moved over a run, and as cores (seconds per wall second)."""
+    out = {k: after[k] - before[k] for k in after if k in before}
+    out.update({k.removesuffix("_s") + "_cores": v / wall_s for k, v in list(out.items()) if wall_s > 0})
+    return out
+
+
 def server_info(url: str, api: str) -> dict:
     """What the server says about itself (llama-server: /props), best effort."""
     u = urlparse(url if "://" in url else f"http://{url}")

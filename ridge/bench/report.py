@@ -149,9 +149,19 @@ class Report:
             if m:
                 rows.append([name, m["requests"], m["in_flight"], _f(m["wall_s"]), m["useful_tokens"],
                              _f(m["useful_tok_s"]), _lat(m["ttft_s"]), _lat(m["itl_s"])])
-        note = f"ridge / {label}: {res['ratio']:.2f}x" if res.get("ratio") else None
+        notes = []
+        if res.get("ratio"):
+            notes.append(f"ridge / {label}: {res['ratio']:.2f}x ({label} / ridge: {1 / res['ratio']:.3f})")
+        if len(res.get("rounds", ())) > 1:
+            notes.append("rounds (tok/s): " + "; ".join(", ".join(f"{k} {v:.1f}" for k, v in r.items())
+                                                      for r in res["rounds"]) + "; best of each kept")
+        cpu = (res.get(key) or {}).get("server_cpu")
+        if cpu:
+            notes.append(f"{label} CPU while serving: " + ", ".join(
+                f"{k.removesuffix('_s')} {v:.2f} s ({cpu[k.removesuffix('_s') + '_cores']:.3f} cores)"
+                for k, v in cpu.items() if k.endswith("_s")))
         self.table(title, ["engine", "reqs", "in-flight", "wall s", "useful tok", "useful tok/s",
-                           "TTFT ms p50/p99", "ITL ms p50/p99"], rows, note)
+                           "TTFT ms p50/p99", "ITL ms p50/p99"], rows, "\n".join(notes) or None)
 
     def overhead_table(self, rows: list[dict]) -> None:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",

@@ -22,6 +22,7 @@ from ridge.kernels.timing import section
 from .budget import default_token_budget
 from .config import EngineConfig
 from .cpu_format import choose_cpu_format, keep_freed_memory
+from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
@@ -103,6 +104,7 @@ class LLMEngine:
         self.started = time.monotonic()
         self.history: deque[tuple[float, int, int]] = deque(maxlen=4096)  # (time, prefill tok, decode tok)
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "requests": 0, "errors": 0}
+        self.metrics = RequestMetrics()  # histograms of finished requests, for monitoring
 
     # -- set-up -----------------------------------------------------------------
     def _plan_budget(self) -> None:
@@ -273,7 +275,8 @@ class LLMEngine:
         return o
 
     def _forget(self, req: Request) -> None:
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.metrics.observe(req)
         self.texts.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         group = self.groups.get(req.client_id)

@@ -1,0 +1,149 @@
+"""The gateway's HTTP application (Starlette): its routes, the API key, CORS,
+and errors in OpenAI's shape."""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import responses as R
+from .generation import ClientGone, generate
+from .link import DaemonLink
+from .metrics import CONTENT_TYPE, Metrics
+from .openai_api import ApiError
+from .settings import GatewaySettings
+
+log = logging.getLogger("ridge.gateway")
+OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, headers=e.headers())
+
+
+class Guard:
+    """ASGI middleware: the API key (Bearer) on every route but /health, and the count of
+    answers by route and status for /metrics."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.collector.count(route, message["status"])
+            await send(message)
+
+        if self.expected is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                e = ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error",
+                             code="invalid_api_key")
+                return await error_response(e)(scope, receive, counted_send)
+        await self.app(scope, receive, counted_send)
+
+
+# -- routes ------------------------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    try:
+        h = await request.app.state.link.call("health")
+    except ApiError as e:
+        return JSONResponse({"status": "unavailable", "error": e.message}, 503, headers=e.headers())
+    body = {k: h[k] for k in ("status", "model", "running", "waiting")}
+    return JSONResponse(body, 200 if h["status"] == "ok" else 503)
+
+
+def _model_card(request: Request) -> dict:
+    m = request.app.state.link.model
+    return {"id": m["name"], "object": "model", "created": request.app.state.started, "owned_by": "ridge",
+            "max_model_len": m["max_model_len"]}
+
+
+async def models(request: Request) -> Response:
+    await request.app.state.link.refresh()
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    link = request.app.state.link
+    await link.connect()
+    if request.path_params["model"] != link.model["name"]:
+        raise ApiError(404, f"the model {request.path_params['model']!r} does not exist; this daemon serves "
+                       f"{link.model['name']!r}", "not_found_error", "model", "model_not_found")
+    return JSONResponse(_model_card(request))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, R.CHAT)
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, R.COMPLETION)
+
+
+async def metrics(request: Request) -> Response:
+    reply = await request.app.state.link.call("stats")
+    return Response(request.app.state.metrics.render(reply), media_type=CONTENT_TYPE)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+async def _api_error(request: Request, e: ApiError) -> Response:
+    return error_response(e)
+
+
+async def _http_error(request: Request, e: HTTPException) -> Response:
+    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return error_response(ApiError(e.status_code, str(e.detail), type_, code=str(e.status_code)))
+
+
+async def _client_gone(request: Request, e: ClientGone) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+async def _internal(request: Request, e: Exception) -> Response:
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"[:500], "server_error",
+                                   code="internal"))
+
+
+def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time) -> Starlette:
+    """The app; `link` reaches the daemon (default: found as every client finds it)."""
+    link = link or DaemonLink()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            await link.connect()
+        except ApiError as e:  # serve anyway: requests get 503 until the daemon is there
+            log.warning("%s", e.message)
+        yield
+        await link.close()
+
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", model),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics)]
+    metrics_ = Metrics(gateway_cpu)
+    middleware = [Middleware(Guard, api_key=settings.api_key, metrics=metrics_, routes={r.path for r in routes})]
+    if settings.cors_allow_origins:  # outside the key check: a browser's preflight carries no key
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                                        Exception: _internal})
+    app.state.link, app.state.metrics, app.state.started = link, metrics_, int(time.time())
+    return app

@@ -1,0 +1,215 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: one daemon
+`generate` per prompt, whole or streamed as server-sent events.
+
+A request's fate is settled before its HTTP status is: a streamed one waits
+for each prompt's first frame, so that a refusal (400, 429 busy, 503
+draining) is an HTTP error and not a broken stream. A client that goes away
+has its daemon requests aborted, whether it is still waiting (the wait races
+the disconnect) or already streaming (the response's end aborts whatever is
+left), so their KV blocks are freed at once."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..client import RidgeError
+from . import responses as R
+from .openai_api import ApiError, Generation, bad, chat_request, completion_request
+
+DEFAULT_BODY_LIMIT = 2 << 20
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response began."""
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    size, parts = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        parts.append(chunk)
+    try:
+        body = json.loads(b"".join(parts))
+    except ValueError as e:
+        raise bad(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, aw):
+    """Await `aw`, unless the client disconnects first: then cancel it (which aborts its daemon
+    requests: daemon/aio_client.py) and raise ClientGone."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise ClientGone()
+    return work.result()
+
+
+async def _all_or_none(coros: list):
+    """Run them together; if one fails, cancel (abort) the rest and raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def generate(request: Request, kind: str) -> Response:
+    link = request.app.state.link
+    client = await link.connect()
+    body = await read_json(request, 2 * link.limits.get("max_frame_bytes", DEFAULT_BODY_LIMIT // 2))
+    gen = chat_request(body, link.limits.get("max_tokens")) if kind == R.CHAT else completion_request(body)
+    if gen.stream:
+        return await _streamed(request, link, client, kind, gen)
+    try:
+        finals = await until_disconnect(request, _all_or_none(
+            [client.generate(**p, **gen.params) for p in gen.prompts]))
+    except RidgeError as e:
+        raise link.failed(e) from None
+    choices = []
+    for pi, f in enumerate(finals):
+        for ch in f.choices:
+            if ch["finish_reason"] == "error":
+                raise ApiError(500, f"the engine failed: {ch.get('error')}", "server_error", code="internal")
+            lp = None
+            if gen.top_logprobs is not None:
+                lp = await _logprobs(link, kind, gen.top_logprobs, ch.get("logprobs") or [], ch["token_ids"])
+            choices.append(R.choice(kind, pi * gen.n + ch["index"], ch["text"], ch["finish_reason"], lp))
+    out = R.response(kind, R.new_id(kind), link.model["name"], int(time.time()), choices, R.sum_usage(finals))
+    return JSONResponse(out)
+
+
+async def _logprobs(link, kind: str, top: int, entries: list, token_ids: list[int], offset: int = 0) -> dict:
+    strings = await link.token_text(R.logprob_ids(entries, token_ids, top))
+    if kind == R.CHAT:
+        return R.chat_logprobs(entries, token_ids, strings, top)
+    return R.completion_logprobs(entries, token_ids, strings, top, offset)
+
+
+# -- streaming ------------------------------------------------------------------------------------
+async def _first(stream):
+    """A stream's first delta, or None when it ended without one (its final is then set)."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _streamed(request: Request, link, client, kind: str, gen: Generation) -> Response:
+    streams = [client.stream(**p, **gen.params) for p in gen.prompts]
+    try:
+        firsts = await until_disconnect(request, _all_or_none([_first(s) for s in streams]))
+    except RidgeError as e:
+        for s in streams:
+            await s.aclose()
+        raise link.failed(e) from None
+    chunks = R.Chunks(kind, link.model["name"], gen.include_usage)
+    chunks.created = int(time.time())
+    return SSEResponse(_events(link, kind, gen, chunks, streams, firsts), streams)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; however the response ends (done, or the client gone), the daemon
+    requests still running are aborted."""
+
+    def __init__(self, content, streams: list):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            for s in self.streams:
+                await s.aclose()
+
+
+async def _merged(streams: list, firsts: list):
+    """(prompt index, delta) from every stream, as they come."""
+    if len(streams) == 1:
+        if firsts[0] is not None:
+            yield 0, firsts[0]
+            async for d in streams[0]:
+                yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s, first):
+        try:
+            if first is not None:
+                q.put_nowait((i, first))
+                async for d in s:
+                    q.put_nowait((i, d))
+            q.put_nowait((i, None))
+        except Exception as e:  # a RidgeError: handed to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _events(link, kind: str, gen: Generation, chunks: R.Chunks, streams: list, firsts: list):
+    n = gen.n
+    if kind == R.CHAT:
+        yield chunks.event([chunks.piece(i, None, role=True) for i in range(len(streams) * n)])
+    offsets: dict[int, int] = {}
+    try:
+        async for pi, d in _merged(streams, firsts):
+            index = pi * n + d.index
+            lp = None
+            if gen.top_logprobs is not None and d.logprobs:
+                lp = await _logprobs(link, kind, gen.top_logprobs, d.logprobs, d.token_ids, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(d.text)
+            yield chunks.event([chunks.piece(index, d.text, lp)])
+    except (RidgeError, ApiError) as e:
+        err = link.failed(e) if isinstance(e, RidgeError) else e
+        yield R.error_event(err.message, err.type, err.code)
+        yield R.DONE
+        return
+    finals = [s.final for s in streams]
+    pieces, failed = [], None
+    for pi, f in enumerate(finals):
+        for ch in f.choices:
+            pieces.append(chunks.piece(pi * n + ch["index"], None, finish_reason=ch["finish_reason"]))
+            failed = failed or ch.get("error")
+    if failed:
+        yield R.error_event(f"the engine failed: {failed}", "server_error", "internal")
+    yield chunks.event(pieces)
+    if gen.include_usage:
+        yield chunks.usage_event(R.sum_usage(finals))
+    yield R.DONE

@@ -1,0 +1,76 @@
+"""The gateway's server: uvicorn on a socket bound here first (so that a port in
+use is an error at start-up, before anything says it is ready), either in the
+foreground (`ridge gateway`) or on its own thread and event loop inside the
+daemon (`ridge serve --http`), talking to the daemon's own socket."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from ..endpoint import EndpointError
+from .app import build_app
+from .link import DaemonLink
+from .settings import GatewaySettings
+
+log = logging.getLogger("ridge.gateway")
+
+
+def listen(settings: GatewaySettings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise EndpointError(f"cannot serve HTTP on {settings.url}: {e.strerror}") from None
+    return sock
+
+
+def _server(app) -> uvicorn.Server:
+    # log_config=None: ridge's logging stays as it is; no access log (one line per request costs
+    # more than the request's own work here).
+    return uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
+                                         timeout_graceful_shutdown=5, server_header=False))
+
+
+def _describe(settings: GatewaySettings) -> str:
+    return (f"OpenAI-compatible API on {settings.url}/v1 (metrics on /metrics"
+            f"{'; API key required' if settings.api_key else ''})")
+
+
+def run_foreground(settings: GatewaySettings, endpoint: str | None = None) -> int:
+    """`ridge gateway`: until SIGINT or SIGTERM."""
+    sock = listen(settings)
+    server = _server(build_app(settings, DaemonLink(endpoint), time.process_time))
+    log.info("%s", _describe(settings))
+    server.run(sockets=[sock])
+    return 0
+
+
+class GatewayThread(threading.Thread):
+    """`ridge serve --http`: the gateway on a thread of the daemon, a client of its socket."""
+
+    def __init__(self, settings: GatewaySettings, endpoint: str, sock: socket.socket):
+        super().__init__(name="ridge-gateway", daemon=True)
+        self.settings, self.sock = settings, sock  # bound by the caller before the model loads: listen()
+        # thread_time: read on this thread's event loop, it is the gateway's own CPU time
+        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time))
+
+    def run(self) -> None:
+        log.info("%s", _describe(self.settings))
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException:  # uvicorn exits with SystemExit on a failed start
+            log.exception("the HTTP gateway stopped")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self.is_alive():
+            self.join(timeout)
+        self.sock.close()

@@ -1,0 +1,77 @@
+"""The gateway's options, declared once (flags, RIDGE_* variables, config.toml
+keys: ridge/options.py), and the rule for who may reach it: loopback by
+default, any other address only with an API key."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ridge.options import Option
+
+from ..endpoint import EndpointError, is_loopback
+
+DEFAULT_HTTP = "127.0.0.1:8000"
+
+GATEWAY_OPTIONS = [
+    Option("http", str, None, f"serve the OpenAI-compatible HTTP API on HOST:PORT (`ridge gateway`: default "
+           f"{DEFAULT_HTTP}); a non-loopback HOST needs an API key", example=DEFAULT_HTTP),
+    Option("api_key", str, None, "require `Authorization: Bearer KEY` on /v1 and /metrics (prefer "
+           "RIDGE_API_KEY or api_key_file to a flag, which other users can see)", example="change-me"),
+    Option("api_key_file", str, None, "read the API key from this file (its first line)",
+           example="/etc/ridge/api_key"),
+    Option("cors_allow_origins", str, None, "comma-separated origins allowed to call the API from a browser "
+           "(CORS is off unless set; * allows any)", example="http://localhost:3000"),
+]
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str
+    port: int
+    api_key: str | None = None
+    cors_allow_origins: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def parse_address(addr: str) -> tuple[str, int]:
+    """HOST:PORT, [V6]:PORT or :PORT (loopback) -> (host, port)."""
+    host, sep, port = addr.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise EndpointError(f"the HTTP address must be HOST:PORT, got {addr!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def _api_key(values: dict) -> str | None:
+    key = values.get("api_key")
+    path = values.get("api_key_file")
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise EndpointError(f"cannot read api_key_file {path}: {e.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise EndpointError(f"api_key_file {path} holds no key")
+    return key or None
+
+
+def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP) -> GatewaySettings | None:
+    """Resolved option values -> settings, or None when no HTTP address is set (and no default).
+    Raises EndpointError for an address it must not serve on."""
+    addr = values.get("http") or default_http
+    if not addr:
+        return None
+    host, port = parse_address(addr)
+    key = _api_key(values)
+    if not is_loopback(host) and key is None:
+        raise EndpointError(f"refusing to serve HTTP on {addr}: {host} is not a loopback address, and the API is "
+                            "open to anyone who can reach it without an API key (set api_key_file, or "
+                            "RIDGE_API_KEY)")
+    origins = tuple(o.strip() for o in (values.get("cors_allow_origins") or "").split(",") if o.strip())
+    return GatewaySettings(host, port, key, origins)
+

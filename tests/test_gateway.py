@@ -1,0 +1,381 @@
+"""The OpenAI-compatible gateway, end to end: a real `ridge serve --http` on a
+tiny GGUF model, spoken to with the official `openai` package and with plain
+HTTP (http.client) where a test must control the connection itself. A second,
+standalone `ridge gateway` process checks the API key and CORS. No mocks.
+
+One daemon serves the module; the last test drains it (503s while draining)."""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ridge.daemon.endpoint import EndpointError
+from ridge.daemon.gateway.settings import gateway_settings
+from test_daemon_harness import ROOT, Daemon, Raw, stats, wait_idle
+from tiny_models import make_tiny
+
+MAX_QUEUE, MAX_SEQS = 4, 16
+LONG = {"max_tokens": 240, "ignore_eos": True, "n": 32}  # two waves of 16 samples: long enough to catch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway")
+    model, _, _ = make_tiny(tmp, "llama")
+    port = free_port()
+    d = Daemon(tmp, str(model), "--num-kv-blocks", 1024, "--max-num-seqs", MAX_SEQS, "--max-queue", MAX_QUEUE,
+               "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny")
+    d.url, d.model = f"http://127.0.0.1:{port}", str(model)
+    wait_http(d.url)
+    yield d
+    d.stop()
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), 0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def oai(daemon):
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+
+
+def post(url: str, path: str, body: dict, headers: dict | None = None) -> http.client.HTTPResponse:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    resp.conn = conn  # to hang up: resp.close(), then resp.conn.close()
+    return resp
+
+
+# -- who may connect (no daemon needed) ----------------------------------------------------------------
+def test_settings_loopback_unless_a_key(tmp_path):
+    s = gateway_settings({})
+    assert (s.host, s.port, s.api_key, s.url) == ("127.0.0.1", 8000, None, "http://127.0.0.1:8000")
+    assert gateway_settings({}, default_http=None) is None  # ridge serve without --http: no gateway
+    assert gateway_settings({"http": "[::1]:8001"}).url == "http://[::1]:8001"
+    assert gateway_settings({"http": "localhost:9", "cors_allow_origins": "http://a, http://b"}).cors_allow_origins \
+        == ("http://a", "http://b")
+    for addr in ("0.0.0.0:8000", "[::]:8000", "192.168.1.5:8000", "example.com:80"):
+        with pytest.raises(EndpointError, match="API key"):
+            gateway_settings({"http": addr})
+    key = tmp_path / "key"
+    key.write_text("s3cret\nignored\n")
+    assert gateway_settings({"http": "0.0.0.0:8000", "api_key_file": str(key)}).api_key == "s3cret"
+    assert gateway_settings({"http": "0.0.0.0:8000", "api_key": "k"}).api_key == "k"
+    key.write_text("\n")
+    for bad in ({"http": "no-port"}, {"http": "h:99999"}, {"api_key_file": str(key)},
+                {"api_key_file": str(tmp_path / "missing")}):
+        with pytest.raises(EndpointError):
+            gateway_settings(bad)
+
+
+# -- the API ---------------------------------------------------------------------------------------
+def test_models_and_health(oai, daemon):
+    assert [m.id for m in oai.models.list()] == ["tiny"]  # --served-model-name
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
+    r = http.client.HTTPConnection(*daemon.url.removeprefix("http://").split(":"))
+    r.request("GET", "/health")
+    resp = r.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+
+
+def test_chat_whole_and_streamed_agree(oai, daemon):
+    kw = dict(model="tiny", messages=chat("hello"), max_completion_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = oai.chat.completions.create(**kw)
+    (ch,) = whole.choices
+    assert ch.finish_reason == "length" and ch.message.role == "assistant" and ch.message.content
+    prompt_tokens = Raw(daemon.endpoint).call({"type": "tokenize", "id": "t", "messages": chat("hello")})["count"]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
+    assert whole.usage.total_tokens == prompt_tokens + 12 and whole.model == "tiny"
+    parts, usage, finish = [], None, None
+    for chunk in oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(parts) == ch.message.content and finish == "length"
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == prompt_tokens
+
+
+def test_completions_prompts_of_every_shape(oai, daemon):
+    kw = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    text = oai.completions.create(prompt="once upon", **kw)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
+    ids = Raw(daemon.endpoint).call({"type": "tokenize", "id": "t", "text": "once upon"})["token_ids"]
+    assert oai.completions.create(prompt=ids, **kw).choices[0].text == text.choices[0].text
+    two = oai.completions.create(prompt=["once upon", "a time"], **kw)
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].text == text.choices[0].text
+    assert two.usage.completion_tokens == 10
+    streamed = {}
+    for chunk in oai.completions.create(prompt=["once upon", "a time"], stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: two.choices[0].text, 1: two.choices[1].text}
+
+
+def test_stop_strings(oai):
+    kw = dict(model="tiny", prompt="stop here", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    full = oai.completions.create(**kw).choices[0].text
+    cut = next(k for k in range(3, len(full) - 2) if "\ufffd" not in full[k:k + 2] and full.find(full[k:k + 2]) == k)
+    got = oai.completions.create(**kw, stop=[full[cut:cut + 2]]).choices[0]
+    assert (got.text, got.finish_reason) == (full[:cut], "stop")
+
+
+def test_n_samples_seeded(oai):
+    kw = dict(model="tiny", messages=chat("pick"), max_tokens=8, temperature=1.0, seed=7, n=2,
+              top_p=0.95, extra_body={"ignore_eos": True, "top_k": 20, "min_p": 0.01})
+    a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1] and a.usage.completion_tokens == 16
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # the seed holds
+    assert a.choices[0].message.content != a.choices[1].message.content  # samples differ (seed + index)
+
+
+def test_logprobs(oai):
+    c = oai.chat.completions.create(model="tiny", messages=chat("x"), max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=3, extra_body={"ignore_eos": True})
+    content = c.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    # greedy: the chosen token is the most likely one
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+    assert all(t.logprob <= 0 and isinstance(t.token, str) for t in content)
+    comp = oai.completions.create(model="tiny", prompt="y", max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs)  # two tokens may share a text
+
+
+# -- errors ------------------------------------------------------------------------------------------
+def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    assert e.value.code == "invalid_field" and e.value.param == "max_tokens"
+    for bad in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 0.5},
+                {"messages": []}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError):
+            oai.chat.completions.create(**{"model": "tiny", "messages": chat("x"), **bad})
+    resp = post(daemon.url, "/v1/completions", {"prompt": "x" * (3 << 20)})
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+    resp = post(daemon.url, "/v1/completions", {})  # no prompt at all
+    assert resp.status == 400 and set(json.loads(resp.read())["error"]) == {"message", "type", "param", "code"}
+    host, port = daemon.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    conn.request("POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    assert conn.getresponse().status == 400
+
+
+def test_busy_daemon_is_429_with_retry_after(oai, daemon):
+    holder = Raw(daemon.endpoint)
+    for i in range(MAX_QUEUE):  # the daemon's whole queue
+        holder.generate(f"hold{i}", prompt="hold", params=LONG)
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert e.value.code == "busy" and int(e.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):  # streamed requests are refused before their 200
+            list(oai.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True))
+    finally:
+        for rid in holder.open:
+            holder.send({"type": "abort", "id": rid})
+        holder.close()
+    wait_idle(daemon.endpoint)
+
+
+# -- a client that goes away ----------------------------------------------------------------------------
+def wait_kv_used(endpoint: str) -> None:
+    """Until a stats snapshot (at most stats_interval old) shows the request holding blocks."""
+    deadline = time.monotonic() + 10
+    while stats(endpoint)["stats"]["kv_blocks_used"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_disconnect_aborts_and_frees_kv(daemon):
+    """Streaming or not, an HTTP client that disconnects has its daemon request aborted: its KV
+    blocks are free again within a moment, and the daemon counts a client abort."""
+    before = stats(daemon.endpoint)["daemon"]["aborts"]["client"]
+    resp = post(daemon.url, "/v1/completions", {"model": "tiny", "prompt": "bye", "stream": True, **LONG})
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # streaming
+    wait_kv_used(daemon.endpoint)
+    resp.close()
+    resp.conn.close()
+    wait_idle(daemon.endpoint, timeout=10)
+    assert stats(daemon.endpoint)["daemon"]["aborts"]["client"] == before + 1
+    host, port = daemon.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    body = json.dumps({"model": "tiny", "prompt": "bye", **LONG}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    wait_kv_used(daemon.endpoint)
+    s.close()  # before its whole response
+    wait_idle(daemon.endpoint, timeout=10)
+    assert stats(daemon.endpoint)["daemon"]["aborts"]["client"] == before + 2
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+def scrape(url: str) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(resp.read().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_parse_and_move(oai, daemon):
+    m0 = scrape(daemon.url)
+    model = (("model_name", "tiny"),)
+    for name in ("ridge:num_requests_running", "ridge:num_requests_waiting", "ridge:kv_cache_usage_perc",
+                 "ridge:prompt_tokens_total", "ridge:generation_tokens_total", "ridge:prefix_cache_hits_total",
+                 "ridge:prefix_cache_queries_total", "ridge:spec_decode_num_accepted_tokens_total",
+                 "ridge:time_to_first_token_seconds_count", "ridge:inter_token_latency_seconds_count",
+                 "ridge:e2e_request_latency_seconds_count"):
+        assert (name, model) in m0, name
+    assert ("ridge:gateway_cpu_seconds_total", ()) in m0 and ("process_cpu_seconds_total", ()) in m0
+    oai.chat.completions.create(model="tiny", messages=chat("count me"), max_tokens=7, temperature=0,
+                                extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while True:  # the stats are the engine's latest snapshot: at most stats_interval + a step old
+        m1 = scrape(daemon.url)
+
+        def moved(name, labels=model):
+            return m1[(name, labels)] - m0.get((name, labels), 0)
+        if moved("ridge:e2e_request_latency_seconds_count") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert moved("ridge:generation_tokens_total") >= 7 and moved("ridge:prompt_tokens_total") > 0
+    assert moved("ridge:request_success_total", (("finished_reason", "length"),) + model) >= 1
+    assert moved("ridge:time_to_first_token_seconds_count") >= 1 and moved("ridge:inter_token_latency_seconds_count") >= 6
+    assert moved("ridge:e2e_request_latency_seconds_count") >= 1
+    inf = m1[("ridge:e2e_request_latency_seconds_bucket", (("le", "+Inf"),) + model)]
+    assert inf == m1[("ridge:e2e_request_latency_seconds_count", model)]
+    key = ("ridge:gateway_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))
+    assert m1[key] - m0.get(key, 0) == 1
+
+
+# -- the standalone gateway: the API key and CORS ----------------------------------------------------------
+def ridge(env, *argv, **kw):
+    return subprocess.Popen([sys.executable, "-m", "ridge.cli", *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_standalone_gateway_key_and_cors(daemon, tmp_path):
+    refused = [ridge(daemon.env, "gateway", "--http", f"0.0.0.0:{free_port()}"),  # both, before any model loads
+               ridge(daemon.env, "serve", "--endpoint", f"ipc://{tmp_path}/x.sock", "--http", f"0.0.0.0:{free_port()}")]
+    for r in refused:
+        out, _ = r.communicate(timeout=60)
+        assert r.returncode == 1 and "not a loopback address" in out and "API key" in out, out
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    port = free_port()
+    g = ridge(dict(daemon.env, RIDGE_API_KEY="ignored"), "gateway", "--endpoint", daemon.endpoint, "--http",
+              f"127.0.0.1:{port}", "--api-key-file", str(key), "--cors-allow-origins", "http://app.example")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        c = ok.chat.completions.create(model="tiny", messages=chat("hi"), max_tokens=3)
+        assert c.usage.completion_tokens <= 3 and c.model == "tiny"
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("access-control-allow-origin") == "http://app.example"
+        conn.request("GET", "/health", headers={"Origin": "http://elsewhere.example"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("access-control-allow-origin") is None
+    finally:
+        g.send_signal(signal.SIGINT)
+        g.communicate(timeout=30)
+    # the in-daemon gateway has no CORS configured: no header at all
+    conn = http.client.HTTPConnection(*daemon.url.removeprefix("http://").split(":"))
+    conn.request("GET", "/health", headers={"Origin": "http://app.example"})
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.getheader("access-control-allow-origin") is None
+
+
+# -- the figure's command ------------------------------------------------------------------------------------
+def test_bench_server_openai_reports_the_ratio_and_gateway_cpu(daemon, tmp_path):
+    out = tmp_path / "bench.json"
+    r = ridge(daemon.env, "bench", "server", "--api", "openai", "--url", daemon.url, "--model", daemon.model,
+              "--device", "cpu", "--threads", "1", "--requests", "4", "--in-flight", "2", "--lengths", "fixed:6",
+              "--retries", "0", "--num-kv-blocks", "256", "--json", str(out))
+    text, _ = r.communicate(timeout=300)
+    assert r.returncode == 0, text
+    (res,) = json.loads(out.read_text())["results"]["server"]
+    assert res["server"]["useful_tokens"] == res["ridge"]["useful_tokens"] == 24 and not res["server"]["errors"]
+    assert res["server_over_ridge"] == pytest.approx(1 / res["ratio"])
+    cpu = res["server"]["server_cpu"]
+    assert cpu["gateway_s"] > 0 and "daemon_socket_thread_s" in cpu and cpu["gateway_cores"] < 2
+    assert "CPU while serving" in text, text
+
+
+# -- last: draining ---------------------------------------------------------------------------------------
+def test_draining_daemon_is_503(oai, daemon):
+    holder = Raw(daemon.endpoint)
+    holder.generate("hold", prompt="hold", params=LONG)  # keeps the daemon draining for a moment
+    time.sleep(0.2)
+    daemon.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while Raw(daemon.endpoint).call({"type": "health", "id": "h"})["status"] != "draining":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(openai.InternalServerError) as e:
+        oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "shutting_down"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    host, port = daemon.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 503 and json.loads(resp.read())["status"] == "draining"
+    while holder.open:
+        holder.pump()
+        time.sleep(0.01)
+    holder.close()
+    assert daemon.proc.wait(30) == 0
