@@ -23,7 +23,6 @@ class HostTier:
         self.index: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
         self.free = list(range(num_slots - 1, -1, -1))
         self.pins = [0] * num_slots
-        self.ready: dict[int, object] = {}  # slot -> CUDA event of the copy that filled it
         self.lock = threading.Lock()
 
     def __contains__(self, block_hash: int) -> bool:

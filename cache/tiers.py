@@ -120,7 +120,7 @@ class KVTiers:
             for b in blocks:
                 self.meta[b.block_hash] = (b.parent, b.tokens)
             if copy:
-                self._save([b for b in blocks if not self._has(b.block_hash)], write=True)
+                self._save([b for b in blocks if not self._has(b.block_hash)])
 
     def evict(self, pairs: list[tuple[int, int]]) -> None:
         """(block id, hash) of cached blocks the pool hands out again: keep their bytes."""
@@ -132,14 +132,16 @@ class KVTiers:
                     continue  # already there; now the most recently used
                 if self.host is not None or (self.disk is not None and tokens and h not in self.disk):
                     todo.append(TierBlock(h, parent, tokens, block_id))
-            ev = self._save(todo, write=True)
+            ev = self._save(todo)
             if ev is not None:  # the step that overwrites them runs after the copies
                 torch.cuda.current_stream(self.layout.device).wait_event(ev)
 
     def _has(self, h: int) -> bool:
         return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
 
-    def _save(self, blocks: list[TierBlock], write: bool):
+    def _save(self, blocks: list[TierBlock]):
+        """Copy device blocks to host slots, or stage them, and queue their disk writes; -> the
+        CUDA event after the copies (None on CPU, where they are done)."""
         if not blocks:
             return None
         slots = self.host.reserve(len(blocks)) if self.host is not None else []
@@ -149,10 +151,8 @@ class KVTiers:
             ev = self.io.save([b.block_id for b in kept], self.host.buf if self.cuda else self.host.rows, slots)
             for b, s in zip(kept, slots):
                 self.host.insert(b.block_hash, s)
-                if ev is not None:
-                    self.host.ready[s] = ev
             self.counts["host"]["bytes_out"] += len(kept) * self.block_bytes
-        if self.disk is None or not self.disk.enabled or not write:
+        if self.disk is None or not self.disk.enabled:
             return ev
         for b, s in zip(kept, slots):
             if b.tokens and b.block_hash not in self.disk:

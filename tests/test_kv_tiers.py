@@ -230,3 +230,24 @@ def test_tiers_off(loaded, workload, cold):
     assert [t for t, _ in got] == cold and [c for _, c in got][2:] != [64] * 4
     t = tiers(eng)
     assert not t["host"]["enabled"] and not t["disk"]["enabled"] and t["host"]["hits"] == 0
+
+
+def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
+    from ridge.daemon.commands import format_status
+    from ridge.tui.figures import tier_line_short, tier_lines
+
+    eng = make_engine(loaded, num_kv_blocks=8)
+    one_by_one(eng, workload[:3])
+    st = eng.stats()
+    t = st["kv_tiers"]
+    assert t["host"]["hits"] > 0 and t["disk"]["blocks"] > 0 and t["loading"] == 0
+    lines = tier_lines(st)
+    assert lines[0] == f"device {t['device']['blocks']} blk cached · hit {t['device']['hits']} " \
+                       f"miss {t['device']['misses']}"
+    assert lines[2].startswith(f"  hit {t['host']['hits']} miss {t['host']['misses']} · in ")
+    assert lines[3].startswith(f"disk   {t['disk']['blocks']} blk")
+    assert tier_line_short(st).startswith(f"device {t['device']['hits']} hits · host {t['host']['blocks']} blk")
+    daemon = {"state": "serving", "pid": 1, "in_flight": 0, "clients": 0, "aborts": {}}
+    text = format_status("ipc://test", {"model": eng.model_info(), "stats": st, "daemon": daemon})
+    assert f"kv host   {t['host']['blocks']} blocks" in text and f"{t['host']['hits']} hits" in text
+    assert f"in {t['disk']['path']}" in text

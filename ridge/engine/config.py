@@ -36,7 +36,7 @@ class EngineConfig:
     cpu_kv_cap_gib: float = 4.0
     enable_prefix_caching: bool = _opt(True, "turn off the prefix cache (KV blocks shared by prompts that "
                                              "start alike)", flag="--no-prefix-caching")
-    kv_host_gib: float | None = _opt(None, "host-RAM tier for prefix KV blocks evicted from the pool (default: a "
+    kv_host_gib: float | None = _opt(None, "host-RAM tier of prefix KV blocks, which the pool evicts to (default: a "
                                            "quarter of the free RAM, at most 8 GiB; 0: off)", example=4.0)
     kv_disk: bool = _opt(True, "turn off the disk tier of prefix KV blocks, which survives restarts",
                          flag="--no-kv-disk")
