@@ -251,3 +251,42 @@ def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
     text = format_status("ipc://test", {"model": eng.model_info(), "stats": st, "daemon": daemon})
     assert f"kv host   {t['host']['blocks']} blocks" in text and f"{t['host']['hits']} hits" in text
     assert f"in {t['disk']['path']}" in text
+
+
+def test_a_daemon_killed_with_sigkill_serves_the_prefix_from_disk_after_a_restart(tmp_path, loaded, systems):
+    """kill -9 a real `ridge serve`, start another on the same cache: the index is rebuilt
+    from the files and the repeated prompt's prefix comes from disk, with the same tokens."""
+    from test_daemon_harness import Daemon, Raw, pump_all, stats
+
+    prompt = systems[0] + [5, 6, 7]
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def ask(d) -> dict:
+        c = Raw(d.endpoint)
+        c.generate("a", prompt_token_ids=prompt, params={"max_tokens": MAX_TOKENS, "ignore_eos": True})
+        pump_all([c], lambda: not c.open)
+        c.close()
+        return c.streams["a"]
+
+    def tiers_when(d, cond) -> dict:  # stats replies are snapshots: wait for one that shows it
+        deadline = time.monotonic() + 20
+        while not cond(t := stats(d.endpoint)["stats"]["kv_tiers"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return t
+
+    first = Daemon(tmp_path, str(loaded.path), "--num-kv-blocks", 64, env_extra=cache)
+    try:
+        cold = ask(first)
+        tiers_when(first, lambda t: t["disk"]["blocks"] >= 4)  # written through by the writer thread
+    finally:
+        first.stop(signal.SIGKILL)
+    again = Daemon(tmp_path, str(loaded.path), "--num-kv-blocks", 64, env_extra=cache)
+    try:
+        assert tiers_when(again, lambda t: True)["disk"]["blocks"] >= 4  # the index, from the files
+        warm = ask(again)
+        assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == MAX_TOKENS
+        assert cold["final"]["usage"]["cached_tokens"] == 0 and warm["final"]["usage"]["cached_tokens"] == 64
+        t = tiers_when(again, lambda t: t["disk"]["hits"] > 0)
+        assert t["disk"]["hits"] == 4 and t["disk"]["corrupt"] == 0
+    finally:
+        assert again.stop() == 0, again.output()
