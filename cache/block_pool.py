@@ -3,7 +3,9 @@
 Free blocks sit in one doubly linked queue in eviction order. A freed block
 goes to the tail, so the head is the least recently used; a block that still
 holds a cached prefix stays findable by its hash until it is handed out again.
-A prefix hit on a free block takes it out of the middle of the queue in O(1)."""
+A prefix hit on a free block takes it out of the middle of the queue in O(1).
+Handing a cached block out again evicts its prefix: `on_evict` (the KV tiers)
+gets the evicted (block id, hash) pairs first, while their bytes are still there."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
         self.cached: dict[int, Block] = {}
+        self.on_evict = None  # called with [(block id, hash)] before those blocks are reused
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,14 +80,17 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > self.free_queue.size:
             raise ValueError(f"cannot allocate {n} blocks: {self.free_queue.size} free")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict the cached prefix it held
                 del self.cached[b.block_hash]
+                evicted.append((b.block_id, b.block_hash))
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b.block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def free(self, block_ids: list[int]) -> None:
@@ -97,15 +103,16 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Publish a full, computed block under its chained hash."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Publish a full, computed block under its chained hash; -> whether it is new."""
         if not self.enable_caching:
-            return
+            return False
         b = self.blocks[block_id]
         if b.block_hash is not None or block_hash in self.cached:
-            return  # already published, or an identical block is
+            return False  # already published, or an identical block is
         b.block_hash = block_hash
         self.cached[block_hash] = b
+        return True
 
     def reset_prefix_cache(self) -> None:
         for b in self.cached.values():

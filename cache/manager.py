@@ -3,10 +3,19 @@
 The scheduler asks `can_allocate` and then `allocate`, and gets back opaque
 block-id lists for the runner's block table; only the pool sees ref counts and
 hashes. Full blocks are published under a chained hash of (parent hash, token
-ids), so any request sharing a prefix finds the same physical blocks."""
+ids), so any request sharing a prefix finds the same physical blocks.
+
+With KV tiers (tiers.py) the chain goes on past the device: a block the pool
+evicted may still be in host RAM or on disk. Admission then asks
+`get_offloaded_blocks` after `get_computed_blocks`, allocates device blocks for
+those too, and `load_offloaded` copies them in while the request waits;
+`poll_loads` reports it ready, with the loaded blocks published."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .block_pool import BlockPool
+from .tiers import KVTiers, TierBlock
 
 # The first block's parent. Not None: before Python 3.12 hash(None) is an address,
 # so the same prompt would hash differently in every process.
@@ -23,6 +32,14 @@ def chain_hashes(token_ids: list[int], block_size: int, parent: int = NONE_HASH,
     return out
 
 
+@dataclass(slots=True)
+class Offloaded:
+    """A request's blocks found in the tiers, from lookup until they are loaded."""
+    token_ids: list[int]
+    num_device_blocks: int  # the device hits before them
+    blocks: list[TierBlock]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
@@ -31,7 +48,15 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
-        self.prefix_hits = 0  # of which found cached
+        self.prefix_hits = 0  # of which found cached (on the device, or loaded from a tier)
+        self.device_hits = self.device_misses = 0  # blocks
+        self.tiers: KVTiers | None = None
+        self.offloaded: dict[str, Offloaded] = {}
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        if self.enable_caching and tiers.enabled:
+            self.tiers = tiers
+            self.pool.on_evict = tiers.evict
 
     # -- prefix cache -------------------------------------------------------
     def get_computed_blocks(self, req_id: str, token_ids: list[int]) -> tuple[list[int], int]:
@@ -41,14 +66,60 @@ class KVCacheManager:
             return [], 0
         usable = (len(token_ids) - 1) // self.block_size * self.block_size
         hits = []
-        for h in chain_hashes(token_ids[:usable], self.block_size):
+        hashes = chain_hashes(token_ids[:usable], self.block_size)
+        for h in hashes:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
         self.prefix_queries += len(token_ids)
         self.prefix_hits += len(hits) * self.block_size
+        self.device_hits += len(hits)
+        self.device_misses += len(hits) < len(hashes)
         return hits, len(hits) * self.block_size
+
+    # -- KV tiers ---------------------------------------------------------------
+    def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int) -> int:
+        """After get_computed_blocks: how many more blocks of the chain the tiers hold. They are
+        held for load_offloaded until the request is admitted, or abandon_offloaded."""
+        if self.tiers is None:
+            return 0
+        bs = self.block_size
+        hashes = chain_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs)
+        chain = [TierBlock(h, hashes[i - 1] if i else NONE_HASH, tuple(token_ids[i * bs:(i + 1) * bs]))
+                 for i, h in enumerate(hashes) if i >= num_device_blocks]
+        found = self.tiers.lookup(chain)
+        if found:
+            self.offloaded[req_id] = Offloaded(list(token_ids), num_device_blocks, found)
+        return len(found)
+
+    def load_offloaded(self, req_id: str) -> None:
+        """Copy the tier hits into the request's blocks that follow its device hits (allocated)."""
+        off = self.offloaded[req_id]
+        blocks = self.req_blocks[req_id][off.num_device_blocks:off.num_device_blocks + len(off.blocks)]
+        self.tiers.start_load(req_id, off.blocks, blocks)
+
+    def abandon_offloaded(self, req_id: str) -> None:
+        off = self.offloaded.pop(req_id, None)
+        if off is not None:
+            self.tiers.cancel(req_id, off.blocks)
+
+    def poll_loads(self) -> dict[str, int]:
+        """Requests whose tier hits have arrived -> tokens now computed (device hits and the
+        leading blocks that loaded); those blocks are published as prefix hits."""
+        if self.tiers is None or not self.offloaded:
+            return {}
+        out = {}
+        for req_id, n in self.tiers.poll().items():
+            off = self.offloaded.pop(req_id)
+            out[req_id] = (off.num_device_blocks + n) * self.block_size
+            self.cache_blocks(req_id, off.token_ids, out[req_id], copy=False)
+            self.prefix_hits += n * self.block_size
+        return out
+
+    def wait_loads(self, timeout: float) -> None:
+        if self.tiers is not None:
+            self.tiers.wait(timeout)
 
     # -- allocation ---------------------------------------------------------
     def _blocks_needed(self, req_id: str, num_tokens: int, computed: list[int]) -> int:
@@ -78,8 +149,9 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         return blocks
 
-    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Publish the request's blocks that are now full and computed."""
+    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int, copy: bool = True) -> None:
+        """Publish the request's blocks that are now full and computed, and hand the new ones
+        to the tiers (copy=False: they were loaded from there)."""
         if not self.enable_caching:
             return
         hashes = self.req_hashes.setdefault(req_id, [])
@@ -87,11 +159,17 @@ class KVCacheManager:
         full = min(num_computed_tokens // self.block_size, len(blocks))
         if full <= len(hashes):
             return
-        new = chain_hashes(token_ids[: full * self.block_size], self.block_size,
-                           hashes[-1] if hashes else NONE_HASH, len(hashes) * self.block_size)
+        bs = self.block_size
+        parent = hashes[-1] if hashes else NONE_HASH
+        new = chain_hashes(token_ids[: full * bs], bs, parent, len(hashes) * bs)
+        published = []
         for i, h in enumerate(new, start=len(hashes)):
-            self.pool.cache_block(blocks[i], h)
+            if self.pool.cache_block(blocks[i], h) and self.tiers is not None:
+                published.append(TierBlock(h, parent, tuple(token_ids[i * bs:(i + 1) * bs]), blocks[i]))
+            parent = h
         hashes.extend(new)
+        if published:
+            self.tiers.store(published, copy)
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Keep only the blocks that num_tokens need (rejected speculative tokens).
@@ -106,6 +184,7 @@ class KVCacheManager:
             del blocks[keep:]
 
     def free(self, req_id: str) -> None:
+        self.abandon_offloaded(req_id)  # a load into its blocks finishes first
         blocks = self.req_blocks.pop(req_id, [])
         self.req_hashes.pop(req_id, None)
         self.pool.free(blocks[::-1])

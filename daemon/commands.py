@@ -188,6 +188,25 @@ def run_status(args) -> int:
     return 0
 
 
+def _tier_lines(t: dict | None) -> list[str]:
+    if not t:
+        return []
+    out = []
+    for name in ("host", "disk"):
+        x = t[name]
+        if not x["enabled"]:
+            out.append(f"kv {name:<6} off" + (f" ({x['off_reason']})" if x.get("off_reason") else ""))
+            continue
+        where = f" in {x['path']}" if x.get("path") else ""
+        out.append(f"kv {name:<6} {x['blocks']} blocks, {_gib(x['used_bytes'])} of {_gib(x['capacity_bytes'])}{where}; "
+                   f"{x['hits']} hits, {x['misses']} misses; {_gib(x['bytes_in'])} in, {_gib(x['bytes_out'])} out"
+                   + (f"; {x['corrupt']} corrupt files refused" if x.get("corrupt") else ""))
+    w = t["step_wait"]
+    out.append(f"kv tiers  device {t['device']['hits']} hits, {t['device']['misses']} misses; "
+               f"{t['loading']} loading; tier work {w['pct']:.2f}% of step time (at most {w['max_pct']:.1f}% of one)")
+    return out
+
+
 def format_status(endpoint: str, reply: dict) -> str:
     m, s, d = reply["model"], reply["stats"], reply["daemon"]
     mem, tot = s["memory"], s["totals"]
@@ -210,6 +229,7 @@ def format_status(endpoint: str, reply: dict) -> str:
         f"reserve {_gib(mem['reserve'])}, free {_gib(mem['device_free'])}",
         f"host      total {_gib(mem['host_total'])}, available {_gib(mem['host_available'])}, "
         f"daemon RSS {_gib(mem['host_rss'])}",
+        *_tier_lines(s.get("kv_tiers")),
         f"totals    {tot['requests']} requests, {tot['prefill_tokens']} prefill and {tot['decode_tokens']} decode "
         f"tokens in {tot['steps']} steps; {tot['errors']} errors; aborts {d['aborts']}",
     ]

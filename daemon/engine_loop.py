@@ -132,3 +132,5 @@ class EngineLoop(threading.Thread):
         except BaseException as e:  # the socket thread tells every client, then the daemon exits
             log.exception("the engine loop failed")
             self._emit(("dead", f"{type(e).__name__}: {e}"))
+        finally:
+            self.engine.close()  # queued writes of the disk KV tier land before the process exits

@@ -24,6 +24,7 @@ class ConvertedModel:
     tokenizer: object
     freq_factors: torch.Tensor | None
     from_cache: bool
+    identity: str = ""  # the store key: the source file's identity, the quantizer's version and options
 
 
 def convert(path=None, *, quantize: bool = True, rule: str = "mse", use_cache: bool = True,
@@ -36,7 +37,7 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", use_cache: b
         meta, tensors = hit
         freq = tensors.pop("__rope_freqs__", None)
         return ConvertedModel(ModelConfig.from_dict(meta["config"]), tensors,
-                              Tokenizer.from_dict(meta["tokenizer"]), freq, True)
+                              Tokenizer.from_dict(meta["tokenizer"]), freq, True, key)
     cfg, sd, freq, tok = read_source(path, show_progress)
     fused = fuse_hf_state_dict(sd, cfg, path)
     if quantize:
@@ -48,4 +49,4 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", use_cache: b
                            {**fused, **extra})
             except OSError as e:
                 log.warning("could not cache the converted model: %s", e)
-    return ConvertedModel(cfg, fused, tok, freq, False)
+    return ConvertedModel(cfg, fused, tok, freq, False, key)

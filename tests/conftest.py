@@ -1,12 +1,15 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
 # The Triton interpreter must be chosen before the first `import triton`
 # (machine-facts: set later, tl.sum fails outside a kernel scope).
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Tests never touch the user's cache of converted models.
+# Tests never touch the user's cache of converted models, nor the user's KV tiers.
 os.environ.setdefault("XDG_CACHE_HOME", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "xdg-cache"))
+# The converted models are kept between runs; the disk KV tier's blocks are not.
+shutil.rmtree(Path(os.environ["XDG_CACHE_HOME"]) / "ridge" / "kv", ignore_errors=True)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

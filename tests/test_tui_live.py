@@ -110,6 +110,11 @@ def test_panels_show_the_daemons_figures(served):
                 want["totals"]["prefill_tokens"] - first["prefill_tokens"])
             assert decode.peak > 0 and f"peak {F.rate(decode.peak)}" in widget_text(app, "#decode-label")
             assert f"pid {d.proc.pid} ok" in widget_text(app, "#status")
+            # the KV tiers panel: the daemon's own tier figures, the host tier on by default
+            tiers = app.shown["stats"]["kv_tiers"]
+            assert tiers["host"]["enabled"] and tiers["device"]["hits"] > 0
+            assert widget_text(app, "#tiers-long") == "\n".join(F.tier_lines(app.shown["stats"]))
+            assert f"host   {tiers['host']['blocks']} blk" in widget_text(app, "#tiers-long")
 
     asyncio.run(scenario())
 

@@ -18,7 +18,7 @@ from textual.worker import get_current_worker
 
 from . import feed
 from . import figures as F
-from .panels import KVPanel, MemoryPanel, ModelPanel, RequestsPanel, ThroughputPanel
+from .panels import KVPanel, MemoryPanel, ModelPanel, RequestsPanel, ThroughputPanel, TiersPanel
 from .screens import HelpScreen, RequestScreen
 
 
@@ -69,6 +69,7 @@ class TopApp(App[int]):
             yield KVPanel("KV cache", id="kv")
             yield ModelPanel("Model and device", id="model")
             yield ThroughputPanel("Tokens/s", id="throughput")
+            yield TiersPanel("KV tiers", id="tiers")
             yield RequestsPanel("Requests", id="requests")
         yield Footer()
 
@@ -118,7 +119,7 @@ class TopApp(App[int]):
     def show(self, reply: dict) -> None:
         self.shown = reply
         for panel in (self.query_one(MemoryPanel), self.query_one(KVPanel), self.query_one(ModelPanel),
-                      self.query_one(RequestsPanel)):
+                      self.query_one(TiersPanel), self.query_one(RequestsPanel)):
             panel.show(reply)
         self._draw_throughput()
         self.shown_seq = int(reply.get("seq", -1))

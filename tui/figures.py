@@ -217,3 +217,53 @@ def speculative_line(spec: dict | None) -> str:
         return f"speculative {name}: no drafts yet"
     return (f"speculative {name}: accept {100 * tot.get('acceptance_rate', 0.0):.0f}%, "
             f"{tot.get('tokens_per_verification', 0.0):.2f} tok/step")
+
+
+# -- KV tiers --------------------------------------------------------------------------
+NO_TIERS = "no tier figures from this daemon"
+
+
+def count(n: int) -> str:
+    """1234 -> 1.2k, for narrow columns."""
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
+
+
+def _tier(name: str, t: dict, moved: str) -> tuple[str, str]:
+    """-> (what it holds, its traffic), or an off line and ''."""
+    if not t.get("enabled"):
+        reason = t.get("off_reason") or ""
+        return f"{name:<6} off" + (f": {reason}" if reason else ""), ""
+    held = f"{name:<6} {count(t.get('blocks', 0))} blk {size(t.get('used_bytes', 0))}/{size(t.get('capacity_bytes', 0))}"
+    traffic = (f"  hit {count(t.get('hits', 0))} miss {count(t.get('misses', 0))} · {moved} "
+               f"{size(t.get('bytes_in', 0))} out {size(t.get('bytes_out', 0))}")
+    return held, traffic
+
+
+def tier_lines(stats: dict) -> list[str]:
+    """The KV tiers panel, one tier after another: device, host RAM, disk; then the loads in
+    flight and the engine thread's time in tier work."""
+    t = stats.get("kv_tiers")
+    if not t:
+        return [NO_TIERS]
+    dev = t.get("device", {})
+    lines = [f"device {count(dev.get('blocks', 0))} blk cached · hit {count(dev.get('hits', 0))} "
+             f"miss {count(dev.get('misses', 0))}"]
+    for name, moved in (("host", "in"), ("disk", "read")):
+        lines += [line for line in _tier(name, t.get(name, {}), moved) if line]
+    w = t.get("step_wait", {})
+    lines.append(f"loading {t.get('loading', 0)} · tier work {w.get('pct', 0.0):.1f}% of steps "
+                 f"(max {w.get('max_pct', 0.0):.1f}%)")
+    return lines
+
+
+def tier_line_short(stats: dict) -> str:
+    """One line for narrow screens: each tier's blocks and hits."""
+    t = stats.get("kv_tiers")
+    if not t:
+        return NO_TIERS
+    parts = [f"device {count(t.get('device', {}).get('hits', 0))} hits"]
+    for name in ("host", "disk"):
+        x = t.get(name, {})
+        parts.append(f"{name} {count(x.get('blocks', 0))} blk {count(x.get('hits', 0))} hits"
+                     if x.get("enabled") else f"{name} off")
+    return " · ".join(parts + [f"loading {t.get('loading', 0)}"])

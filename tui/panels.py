@@ -124,6 +124,20 @@ class KVPanel(Panel):
             "fits ", (str(kv.fits), "bold"), f" more requests at {F.context_label(kv.context)} context"))
 
 
+class TiersPanel(Panel):
+    """Where prefix blocks live beside the pool: host RAM and disk (top.tcss shows the one-line
+    summary below 120 cells, the lines per tier from 120)."""
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="tiers-short", classes="short")
+        yield Static(id="tiers-long", classes="long")
+
+    def show(self, reply: dict) -> None:
+        st = reply["stats"]
+        self.query_one("#tiers-short", Static).update(F.tier_line_short(st))
+        self.query_one("#tiers-long", Static).update("\n".join(F.tier_lines(st)))
+
+
 class ThroughputPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static(id="prefill-label", classes="rate-label")

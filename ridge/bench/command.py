@@ -6,6 +6,7 @@
     ridge bench server     ridge vs an HTTP server (llama-server /completion or OpenAI /v1/completions)
     ridge bench overhead   engine step time vs the same step's matrix products alone
     ridge bench kv         decode step time per CPU KV dtype (fp32, bf16, fp8)
+    ridge bench prefix     TTFT with a shared 2K-token prefix from each KV tier (cold, device, host, disk)
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -93,9 +94,11 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--timeout", type=float, default=600.0)
 
     from .accuracy import add_accuracy_parser
+    from .prefix import add_prefix_parser
     from .speculative import add_spec_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
+    add_prefix_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -302,6 +305,10 @@ def run_bench(args) -> int:
     if name == "spec":
         from .speculative import run_spec
         run_spec(args, rep)
+        return 0
+    if name == "prefix":
+        from .prefix import run_prefix
+        run_prefix(args, rep)
         return 0
     if name == "accuracy":
         from .accuracy import run_accuracy

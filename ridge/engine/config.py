@@ -36,6 +36,14 @@ class EngineConfig:
     cpu_kv_cap_gib: float = 4.0
     enable_prefix_caching: bool = _opt(True, "turn off the prefix cache (KV blocks shared by prompts that "
                                              "start alike)", flag="--no-prefix-caching")
+    kv_host_gib: float | None = _opt(None, "host-RAM tier of prefix KV blocks, which the pool evicts to (default: a "
+                                           "quarter of the free RAM, at most 8 GiB; 0: off)", example=4.0)
+    kv_disk: bool = _opt(True, "turn off the disk tier of prefix KV blocks, which survives restarts",
+                         flag="--no-kv-disk")
+    kv_disk_gib: float | None = _opt(None, "cap on the disk tier (default: a tenth of the free disk space, at most "
+                                           "32 GiB)", example=16.0)
+    kv_disk_dir: str | None = _opt(None, "where the disk tier lives (default: $XDG_CACHE_HOME/ridge/kv)",
+                                   example="/var/cache/ridge/kv")
     num_threads: int | None = _opt(None, "CPU threads for torch (default: torch's on CPU, 4 on CUDA)", flag="--threads", example=8)
     quantize: bool = True
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",

@@ -22,6 +22,7 @@ from ridge.kernels.timing import section
 from .budget import default_token_budget
 from .config import EngineConfig
 from .cpu_format import choose_cpu_format, keep_freed_memory
+from .kv_tiers import build_tiers
 from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
 from .request import FinishReason, Request, RequestStatus
@@ -34,6 +35,7 @@ from .step_batch import StepBuffers
 
 log = logging.getLogger("ridge.engine")
 CUDA_HOST_THREADS = 4  # torch CPU threads of a GPU engine unless --threads says otherwise
+LOAD_WAIT_S = 0.05  # nothing to run but loads from the KV tiers: wait this long for one, then plan again
 
 
 class LLMEngine:
@@ -80,6 +82,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                   config.cuda_graph, self.sched_config.max_num_batched_tokens)
         self.proposer = None
+        caches = [self.kv_cache]  # every cache the block ids index: the tiers move all of them
         if self.spec_policy is not None:
             draft_cache = draft and KVCache(draft.config, self.memory.num_blocks, config.block_size, self.kv_dtype,
                                             self.device)
@@ -87,6 +90,12 @@ class LLMEngine:
                                          self.runner.bufs.width, self.device)
             self.proposer = build_proposer(spec, self.spec_policy, self.model, self.kv_cache, self.runner.sampler,
                                            draft, draft_cache, bufs)
+            caches += [draft_cache] if draft_cache else []
+        self.tiers = build_tiers(config, self.loaded, draft, caches, self.kv_dtype)
+        if self.tiers is not None:
+            self.kv_cache_manager.attach_tiers(self.tiers)
+        # Engine-thread time in tier work against step time (steps that ran or read work).
+        self.tier_wait = {"steps": 0, "step_s": 0.0, "busy_s": 0.0, "max_frac": 0.0}
         # Overlap needs the device to run apart from the host: on CPU both are the same
         # cores, so a step would only finish later. Drafting reads the last token on the host.
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -194,17 +203,44 @@ class LLMEngine:
         Overlapped, the host plans step N+1 while the device runs step N, and turns
         step N's tokens into outputs while the device runs N+1."""
         outputs, self.pending = self.pending, []
+        t0, busy0, waited = time.perf_counter(), self._tier_busy(), 0.0
+        read = self.in_flight is not None
         if self.in_flight is not None and (not self.async_scheduling or self._needs_host_history()):
             outputs += self._complete(self.in_flight)
         with section("schedule"):
             out = self.scheduler.schedule()
+        if out.is_empty and self.in_flight is None and self.scheduler.loading:
+            # Nothing to run until a load from the KV tiers arrives: wait for one (not a stall).
+            w0 = time.perf_counter()
+            self.kv_cache_manager.wait_loads(LOAD_WAIT_S)
+            waited = time.perf_counter() - w0
+            with section("schedule"):
+                out = self.scheduler.schedule()
         launched = self._launch(out, outputs) if not out.is_empty else None
         if self.in_flight is not None:
             outputs += self._complete(self.in_flight)
         self.in_flight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)
+        if launched is not None or read:
+            self._observe_tier_wait(time.perf_counter() - t0 - waited, self._tier_busy() - busy0)
         return outputs
+
+    def _tier_busy(self) -> float:
+        return self.tiers.busy_s if self.tiers is not None else 0.0
+
+    def _observe_tier_wait(self, step_s: float, busy_s: float) -> None:
+        w = self.tier_wait
+        w["steps"] += 1
+        w["step_s"] += step_s
+        w["busy_s"] += busy_s
+        w["max_frac"] = max(w["max_frac"], busy_s / step_s if step_s > 0 else 0.0)
+
+    def close(self) -> None:
+        """Let queued disk writes of the KV tiers finish and stop their threads."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            self.tiers.close()
 
     def _needs_host_history(self) -> bool:
         # A repetition penalty reads every earlier token on the host, the latest included.

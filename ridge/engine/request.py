@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    LOADING = 4  # admitted; its prefix blocks are being copied in from the KV tiers
 
 
 class FinishReason(enum.IntEnum):

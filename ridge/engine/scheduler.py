@@ -13,7 +13,11 @@ counts a placeholder for each token it will sample; update() then reads the
 step's tokens in and takes back drafts that were rejected. So the next step
 can be planned while this one runs (overlap): a request's next input may be a
 token that is still on the device, and a stop token takes effect one step
-late (that step's token is dropped)."""
+late (that step's token is dropped).
+
+A request whose prefix is partly in the KV tiers (host RAM, disk) waits in
+`loading` while those blocks are copied into its device blocks, and joins
+`running` with num_computed_tokens past them: a prefix hit that took a while."""
 from __future__ import annotations
 
 from collections import deque
@@ -71,6 +75,7 @@ class Scheduler:
         self.spec_policy = spec_policy  # None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, tier hits being copied into their blocks
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
@@ -78,7 +83,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     @property
     def num_preempted_waiting(self) -> int:
@@ -147,26 +152,34 @@ class Scheduler:
         # read, so its blocks are published), then hit its blocks.
         return req.group_id is not None and any(
             r.group_id == req.group_id and (r.num_computed_tokens < r.num_prompt_tokens or not r.output_token_ids)
-            for r in self.running)
+            for r in self.running + self.loading)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv_cache_manager
         skipped = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a sample unread: wait for it
                 break
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, cached = self.kv_cache_manager.get_computed_blocks(req.request_id, req.all_token_ids)
+            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits))
             req.num_computed_tokens = cached
-            n = self._chunk(req, budget)
-            if not self.kv_cache_manager.can_allocate(req.request_id, cached + n, hits):
+            n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
+            if not kv.can_allocate(req.request_id, cached + n, hits):
                 req.num_computed_tokens = 0
+                kv.abandon_offloaded(req.request_id)
                 break
             self.waiting.popleft()
-            blocks = self.kv_cache_manager.allocate(req.request_id, cached + n, hits)
+            blocks = kv.allocate(req.request_id, cached + n, hits)
             req.num_cached_tokens = cached
+            if offloaded:  # computed nothing this step: joins running once they are in
+                kv.load_offloaded(req.request_id)
+                req.status = RequestStatus.LOADING
+                self.loading.append(req)
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, blocks))
@@ -174,8 +187,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _admit_loaded(self) -> None:
+        for req_id, computed in self.kv_cache_manager.poll_loads().items():
+            req = next(r for r in self.loading if r.request_id == req_id)
+            self.loading.remove(req)
+            req.num_computed_tokens = req.num_cached_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.loading:
+            self._admit_loaded()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # admitting while evicting would thrash
             budget = self._schedule_waiting(out, budget)
@@ -264,6 +287,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
         self.kv_cache_manager.free(req.request_id)
         if self.spec_policy is not None:
             self.spec_policy.forget(req.request_id)

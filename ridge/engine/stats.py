@@ -6,6 +6,7 @@ import time
 import psutil
 import torch
 
+from ridge.cache.tiers import tier_stats
 from ridge.quant.linear import FP8Linear
 
 from .request import RequestStatus
@@ -35,6 +36,17 @@ def memory_stats(engine) -> dict:
     return out
 
 
+def kv_tier_stats(engine) -> dict:
+    """Per tier: device (the pool's prefix cache), host, disk; and the engine thread's
+    time in tier work as a share of step time."""
+    kv, w = engine.kv_cache_manager, engine.tier_wait
+    out = tier_stats(engine.tiers)
+    out["device"] = {"hits": kv.device_hits, "misses": kv.device_misses, "blocks": kv.pool.num_cached_blocks}
+    out["step_wait"] = {"steps": w["steps"], "pct": 100 * w["busy_s"] / w["step_s"] if w["step_s"] else 0.0,
+                        "max_pct": 100 * w["max_frac"]}
+    return out
+
+
 def engine_stats(engine) -> dict:
     now = time.monotonic()
     sched, kv = engine.scheduler, engine.kv_cache_manager
@@ -45,6 +57,7 @@ def engine_stats(engine) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting) - sched.num_preempted_waiting,
         "preempted": sched.num_preempted_waiting,
+        "loading": len(sched.loading),
         "num_preemptions": sched.num_preemptions,
         "kv_blocks_total": kv.num_blocks,
         "kv_blocks_used": kv.num_used_blocks,
@@ -57,6 +70,7 @@ def engine_stats(engine) -> dict:
         "kv_slots_filled": filled,
         "prefix_hit_rate": kv.prefix_hit_rate,
         "prefix_cache": {"queries": kv.prefix_queries, "hits": kv.prefix_hits},
+        "kv_tiers": kv_tier_stats(engine),
         "prefill_tps": prefill_tps,
         "decode_tps": decode_tps,
         "totals": dict(engine.totals),
@@ -69,7 +83,7 @@ def engine_stats(engine) -> dict:
             {"id": r.client_id, "index": r.index, "state": RequestStatus(r.status).name.lower(),
              "age": now - r.timings.arrival, "prompt_tokens": r.num_prompt_tokens,
              "output_tokens": len(r.output_token_ids), "ttft": r.timings.ttft, "tps": r.timings.decode_tps}
-            for r in list(sched.running) + list(sched.waiting)[:64]
+            for r in list(sched.running) + sched.loading + list(sched.waiting)[:64]
         ],
     }
 

@@ -23,6 +23,7 @@ class LoadedModel:
     device: torch.device
     load_seconds: float
     from_cache: bool
+    identity: str = ""  # what the weights are (quant/convert.py): the KV tiers' disk key starts from it
 
     @property
     def weight_bytes(self) -> int:
@@ -44,4 +45,4 @@ def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quanti
     model.load_weights(conv.state_dict, device, dtype, conv.freq_factors)
     model.eval()
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
-                       time.perf_counter() - t0, conv.from_cache)
+                       time.perf_counter() - t0, conv.from_cache, conv.identity)

@@ -1,0 +1,292 @@
+"""KV tiers on a tiny model: real engines, real files in a temporary XDG_CACHE_HOME.
+
+Two 64-token system prompts (4 blocks each) take turns, each with its own
+question, one request at a time. fp32 KV, so "the same tokens" means exactly
+the same as the cold run (no prefix caching at all)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from engine_utils import assert_no_leak, greedy, load_tiny, make_engine, prompts
+from ridge.cache.disk_tier import DiskTier, kv_root
+from ridge.cache.manager import chain_hashes
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_tiny(tmp_path_factory, "tiers")
+
+
+@pytest.fixture(autouse=True)
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg"
+
+
+@pytest.fixture(scope="module")
+def systems(loaded):
+    return prompts(loaded.config.vocab_size, [64, 64], seed=1)
+
+
+@pytest.fixture(scope="module")
+def workload(loaded, systems):
+    qs = prompts(loaded.config.vocab_size, [5, 7, 9, 6, 8, 5], seed=2)
+    return [systems[i % 2] + q for i, q in enumerate(qs)]
+
+
+@pytest.fixture(scope="module")
+def cold(loaded, workload):
+    eng = make_engine(loaded, enable_prefix_caching=False)
+    return [out for out, _ in one_by_one(eng, workload)]
+
+
+def one_by_one(eng, ps) -> list[tuple[list[int], int]]:
+    """-> (output tokens, cached prompt tokens) per prompt, each run alone."""
+    res = []
+    for i, p in enumerate(ps):
+        eng.add_request(f"q{i}", p, greedy(MAX_TOKENS))
+        toks, cached = [], None
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks += o.new_token_ids
+                cached = o.num_cached_tokens
+        res.append((toks, cached))
+    return res
+
+
+def tiers(eng) -> dict:
+    return eng.stats()["kv_tiers"]
+
+
+def block_files(eng, system) -> list:
+    """The disk tier's file for each block of a system prompt, in chain order."""
+    return [eng.tiers.disk.path(h) for h in chain_hashes(system, 16)]
+
+
+def test_host_tier_serves_prefixes_the_pool_evicted(loaded, workload, cold):
+    # 8 blocks hold one request (6 blocks), so each system prompt evicts the other's.
+    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False)
+    got = one_by_one(eng, workload)
+    assert [t for t, _ in got] == cold
+    assert [c for _, c in got] == [0, 0] + [64] * 4
+    t = tiers(eng)
+    assert t["host"]["hits"] >= 4 and t["host"]["bytes_in"] == t["host"]["hits"] * t["block_bytes"]
+    assert t["device"]["hits"] > 0  # the chain's first blocks were still on the device, the rest came from RAM
+    assert not t["disk"]["enabled"]
+    assert_no_leak(eng)
+
+
+def test_disk_tier_survives_a_restart(loaded, workload, cold, xdg):
+    first = make_engine(loaded)
+    assert [t for t, _ in one_by_one(first, workload[:2])] == cold[:2]
+    first.close()
+    assert first.tiers.disk.dir.parent == kv_root() and str(first.tiers.disk.dir).startswith(str(xdg))
+    # A new engine, with no host tier: every hit comes from the files.
+    again = make_engine(loaded, kv_host_gib=0)
+    assert tiers(again)["disk"]["blocks"] >= 8  # the index, rebuilt from the directory
+    got = one_by_one(again, workload[2:])
+    assert [t for t, _ in got] == cold[2:]
+    assert [c for _, c in got] == [64] * 4
+    t = tiers(again)
+    assert t["disk"]["hits"] == 8 and t["disk"]["bytes_in"] == 8 * t["block_bytes"] and t["disk"]["corrupt"] == 0
+    assert not t["host"]["enabled"]
+    assert_no_leak(again)
+
+
+def test_damaged_files_are_misses_never_wrong_reads(loaded, systems, workload, cold):
+    first = make_engine(loaded)
+    one_by_one(first, workload[:2])
+    first.close()
+    again = make_engine(loaded, kv_host_gib=0)  # its index lists every file
+    a, b = block_files(again, systems[0]), block_files(again, systems[1])
+    data = bytearray(a[1].read_bytes())
+    data[len(data) // 2] ^= 0x10  # a bit flipped in A's block 1's payload
+    a[1].write_bytes(bytes(data))
+    b[0].write_bytes(b[0].read_bytes()[:1000])  # B's block 0 truncated
+    b[2].unlink()  # deleted while the engine runs
+    a[3].write_bytes(a[2].read_bytes())  # another block's whole, valid file under A's block 3's name
+    got = one_by_one(again, workload[2:])
+    assert [t for t, _ in got] == cold[2:]
+    # A: block 0 loads, block 1 is refused; its blocks are recomputed and published again.
+    # B: block 0 is refused. Then the device pool serves both.
+    assert [c for _, c in got] == [16, 0, 64, 64]
+    t = tiers(again)
+    assert t["disk"]["corrupt"] == 2 and t["disk"]["hits"] == 1
+    assert_no_leak(again)
+    # The refused blocks were recomputed and written again. a[3] still holds block 2's bytes
+    # and is refused; b[2] is still listed (never read) and is a miss.
+    again.close()
+    third = make_engine(loaded, kv_host_gib=0)
+    got = one_by_one(third, workload[2:4])
+    assert [t for t, _ in got] == cold[2:4]
+    assert [c for _, c in got] == [48, 32]
+    assert tiers(third)["disk"]["corrupt"] == 1
+
+
+def test_a_write_killed_mid_way_is_never_read(tmp_path):
+    root, size = tmp_path / "kv", 4 << 20
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from ridge.cache.disk_tier import DiskTier
+        d = DiskTier({str(root)!r}, "k", {{}}, 1 << 40, {size})
+        print("ready", flush=True)
+        i = 0
+        while True:
+            d.write(i, i - 1, (i, i + 1), np.full({size}, i % 251, dtype=np.uint8))
+            i += 1
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    # A torn file, as a rename without the data before it could leave after a crash.
+    (root / "k" / "00").mkdir(parents=True, exist_ok=True)
+    torn_hash = 1 << 40
+    torn = DiskTier(root, "k", {}, 1 << 40, size).path(torn_hash)
+    torn.parent.mkdir(parents=True, exist_ok=True)
+    torn.write_bytes(b"RKVB" + bytes(100))
+    d = DiskTier(root, "k", {}, 1 << 40, size)
+    assert not list((root / "k").rglob(".tmp-*"))  # the killed writer's temporary file is gone
+    assert len(d) >= 2
+    out = np.empty(size, dtype=np.uint8)
+    assert torn_hash in d.index and not d.read(torn_hash, torn_hash - 1, (1, 2), out)
+    for h in list(d.index):
+        assert d.read(h, h - 1, (h, h + 1), out) and (out == h % 251).all()
+    assert d.corrupt == 1
+
+
+def test_disk_lru_cap_and_index_order_after_restart(tmp_path):
+    row = np.zeros(1000, dtype=np.uint8)
+    d = DiskTier(tmp_path, "k", {}, 0, 1000)
+    size = len(d._header(0, 0, (1,))) + 1000 + 4
+    d.cap_bytes = 2 * size
+    for h in (10, 11):
+        assert d.write(h, 0, (h,), row)
+        time.sleep(0.01)
+    assert d.read(10, 0, (10,), row)  # 10 is now the most recently used
+    assert d.write(12, 0, (12,), row)
+    assert list(d.index) == [10, 12] and not d.path(11).exists()
+    d2 = DiskTier(tmp_path, "k", {}, 2 * size, 1000)
+    assert list(d2.index) == [10, 12]
+    assert not d2.read(12, 0, (99,), row)  # another block's tokens: refused and deleted
+    assert list(d2.index) == [10]
+
+
+def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workload, cold, tmp_path):
+    eng = make_engine(loaded, num_kv_blocks=8)
+    one_by_one(eng, workload[:1])
+    disk = eng.tiers.disk
+    eng.tiers.flush()
+    for shard in disk.dir.iterdir():  # every shard folder becomes a file: the next write fails
+        if shard.is_dir():
+            for f in shard.iterdir():
+                f.unlink()
+            shard.rmdir()
+            shard.write_text("")
+    disk.index.clear()
+    got = one_by_one(eng, workload[1:])
+    assert [t for t, _ in got] == cold[1:]
+    eng.tiers.flush()
+    t = tiers(eng)
+    assert not t["disk"]["enabled"] and t["disk"]["off_reason"]
+    assert t["host"]["hits"] >= 4
+    # A tier that cannot start is off from the start.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    eng2 = make_engine(loaded, kv_disk_dir=str(blocked))
+    assert one_by_one(eng2, workload[:1])[0][0] == cold[0]
+    assert not tiers(eng2)["disk"]["enabled"]
+
+
+def test_abort_while_loading_frees_everything(loaded, workload):
+    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False)
+    one_by_one(eng, workload[:2])  # A's prefix is in host RAM now, B's on the device
+    eng.add_request("late", workload[2], greedy(MAX_TOKENS))
+    eng.add_request("other", workload[3], greedy(MAX_TOKENS))
+    eng.step()
+    assert eng.scheduler.loading or eng.scheduler.running
+    eng.abort_request("late")
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.kv_cache_manager.offloaded and not eng.tiers.loads
+    assert_no_leak(eng)
+
+
+def test_tiers_off(loaded, workload, cold):
+    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False, kv_host_gib=0)
+    assert eng.tiers is None
+    got = one_by_one(eng, workload)
+    assert [t for t, _ in got] == cold and [c for _, c in got][2:] != [64] * 4
+    t = tiers(eng)
+    assert not t["host"]["enabled"] and not t["disk"]["enabled"] and t["host"]["hits"] == 0
+
+
+def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
+    from ridge.daemon.commands import format_status
+    from ridge.tui.figures import tier_line_short, tier_lines
+
+    eng = make_engine(loaded, num_kv_blocks=8)
+    one_by_one(eng, workload[:3])
+    st = eng.stats()
+    t = st["kv_tiers"]
+    assert t["host"]["hits"] > 0 and t["disk"]["blocks"] > 0 and t["loading"] == 0
+    lines = tier_lines(st)
+    assert lines[0] == f"device {t['device']['blocks']} blk cached · hit {t['device']['hits']} " \
+                       f"miss {t['device']['misses']}"
+    assert lines[2].startswith(f"  hit {t['host']['hits']} miss {t['host']['misses']} · in ")
+    assert lines[3].startswith(f"disk   {t['disk']['blocks']} blk")
+    assert tier_line_short(st).startswith(f"device {t['device']['hits']} hits · host {t['host']['blocks']} blk")
+    daemon = {"state": "serving", "pid": 1, "in_flight": 0, "clients": 0, "aborts": {}}
+    text = format_status("ipc://test", {"model": eng.model_info(), "stats": st, "daemon": daemon})
+    assert f"kv host   {t['host']['blocks']} blocks" in text and f"{t['host']['hits']} hits" in text
+    assert f"in {t['disk']['path']}" in text
+
+
+def test_a_daemon_killed_with_sigkill_serves_the_prefix_from_disk_after_a_restart(tmp_path, loaded, systems):
+    """kill -9 a real `ridge serve`, start another on the same cache: the index is rebuilt
+    from the files and the repeated prompt's prefix comes from disk, with the same tokens."""
+    from test_daemon_harness import Daemon, Raw, pump_all, stats
+
+    prompt = systems[0] + [5, 6, 7]
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def ask(d) -> dict:
+        c = Raw(d.endpoint)
+        c.generate("a", prompt_token_ids=prompt, params={"max_tokens": MAX_TOKENS, "ignore_eos": True})
+        pump_all([c], lambda: not c.open)
+        c.close()
+        return c.streams["a"]
+
+    def tiers_when(d, cond) -> dict:  # stats replies are snapshots: wait for one that shows it
+        deadline = time.monotonic() + 20
+        while not cond(t := stats(d.endpoint)["stats"]["kv_tiers"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return t
+
+    first = Daemon(tmp_path, str(loaded.path), "--num-kv-blocks", 64, env_extra=cache)
+    try:
+        cold = ask(first)
+        tiers_when(first, lambda t: t["disk"]["blocks"] >= 4)  # written through by the writer thread
+    finally:
+        first.stop(signal.SIGKILL)
+    again = Daemon(tmp_path, str(loaded.path), "--num-kv-blocks", 64, env_extra=cache)
+    try:
+        assert tiers_when(again, lambda t: True)["disk"]["blocks"] >= 4  # the index, from the files
+        warm = ask(again)
+        assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == MAX_TOKENS
+        assert cold["final"]["usage"]["cached_tokens"] == 0 and warm["final"]["usage"]["cached_tokens"] == 64
+        t = tiers_when(again, lambda t: t["disk"]["hits"] > 0)
+        assert t["disk"]["hits"] == 4 and t["disk"]["corrupt"] == 0
+    finally:
+        assert again.stop() == 0, again.output()
