@@ -21,6 +21,11 @@ from .format import Constraint
 
 log = logging.getLogger("ridge.engine")
 CACHE_SIZE = 256  # compiled constraints kept, least recently used out first
+# JSON whitespace between tokens: none, up to two spaces, or a newline and its indentation.
+# llguidance's default, any run of whitespace, lets a model under a constraint loop on
+# newlines until max_tokens (a tiny random model did at once). A schema's own
+# "x-guidance": {"whitespace_pattern": ...} overrides it.
+JSON_WHITESPACE = r"(\r?\n[ \t]{0,32}|[ \t]{0,2})?"
 
 
 class Matcher:
@@ -35,7 +40,8 @@ class Matcher:
 
     def sync(self, output_token_ids: list[int]) -> None:
         new = output_token_ids[self.num_tokens:]
-        if new and not self.ll.consume_tokens(new):
+        # A finished constraint allows only EOS, which ends the request without being consumed.
+        if new and not self.ll.is_stopped() and not self.ll.consume_tokens(new):
             log.error("a constrained request produced a token its grammar refuses: %s", self.ll.get_error())
         self.num_tokens = len(output_token_ids)
 
@@ -113,7 +119,7 @@ def grammar_text(c: Constraint) -> str:
     from llguidance import LLMatcher, grammar_from
 
     if c.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(c.text)
+        return LLMatcher.grammar_from_json_schema(c.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if c.kind == "regex":
         return LLMatcher.grammar_from_regex(c.text)
     return grammar_from("grammar", c.text)

@@ -59,13 +59,15 @@ def step_masks(scheduled, sample_spans, num_rows: int, vocab_size: int, device) 
         return None
     pinned = device.type == "cuda"
     bitmask = torch.full((len(rows), words(vocab_size)), -1, dtype=torch.int32, pin_memory=pinned)
-    one = bitmask.shape[1] * 4
-    if any(drafts for _, _, drafts in items):
-        executor().unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), one, len(rows))
-    elif len(items) == 1:
-        items[0][0].unsafe_compute_mask_ptr(bitmask.data_ptr(), one)
-    else:
-        executor().unsafe_compute_mask_ptr([(m, i) for m, i, _ in items], bitmask.data_ptr(), one, len(rows))
+    one, ptr = bitmask.shape[1] * 4, bitmask.data_ptr()
+    plain = [(m, i) for m, i, drafts in items if not drafts]
+    spec = [item for item in items if item[2]]
+    if len(plain) == 1 and not spec:
+        plain[0][0].unsafe_compute_mask_ptr(ptr, one)
+    elif plain:
+        executor().unsafe_compute_mask_ptr(plain, ptr, one, len(rows))
+    if spec:  # the mask after the output, then after each draft; the matcher is rolled back
+        executor().unsafe_compute_mask_ptr_with_draft_token(spec, ptr, one, len(rows))
     every = rows == list(range(num_rows))
     if not pinned:
         return TokenMasks(bitmask, None if every else torch.tensor(rows))
