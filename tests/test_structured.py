@@ -18,7 +18,7 @@ from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.engine.scheduler import ScheduledRequest
 from ridge.engine.speculative.proposers import Draft
 from ridge.engine.structured.format import Constraint, parse_response_format
-from ridge.engine.structured.step import prune_drafts
+from ridge.engine.structured.step import fill_masks, prune_drafts, words
 
 RX = r"(yes|no): [a-z]{2,6}( [0-9]{1,3}){1,3}\."
 REPEAT = r"((yes|no) ){4,12}(yes|no)\."  # repetitive: prompt lookup finds matches in the output
@@ -241,6 +241,37 @@ def test_drafts_are_cut_to_what_the_constraint_allows(loaded):
     sampled = Request("y", [5], params(regex("ab(cd)+"), temperature=1.0), matcher=compiled.matcher())
     kept = prune_drafts([ScheduledRequest(sampled, 1, [])], {"y": Draft(bad * 3, probs, "self:1")})
     assert kept["y"].token_ids == bad * 3  # sampled model drafts: verification rejects them exactly
+
+
+def test_masks_in_this_thread_equal_the_pool_s_with_and_without_drafts(loaded):
+    """CPU engines fill masks in the engine's thread, GPU engines in llguidance's pool: the
+    same rows either way, drafts included (a refused draft leaves the rows after it open)."""
+    eng = make_engine(loaded)
+    tok = eng.tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    fmts = [regex(REPEAT), regex(RX), schema(SCHEMA)]
+    outputs = ["yes no ", "no: ab", '{"ok":true,']
+    drafts = [enc("yes no"), enc("cd 12x"), []]
+
+    def fill(parallel):
+        items, row = [], 0
+        for fmt, out, d in zip(fmts, outputs, drafts):
+            m = eng.grammars.compile(parse_response_format(fmt)).matcher()
+            m.sync(enc(out))
+            items.append((m.ll, row, d))
+            row += len(d) + 1
+        bitmask = torch.full((row, words(eng.loaded.config.vocab_size)), -1, dtype=torch.int32)
+        fill_masks(items, bitmask, parallel)
+        return bitmask, items
+
+    serial, items = fill(False)
+    pooled, _ = fill(True)
+    assert torch.equal(serial, pooled)
+    restricted = (serial != -1).any(dim=1).tolist()
+    for m, row, d in items:  # each matcher rolled back to its output: its drafts validate again
+        valid = m.validate_tokens(d)
+        assert restricted[row:row + len(d) + 1] == [True] * (valid + 1) + [False] * (len(d) - valid)
+    assert 0 < items[1][0].validate_tokens(drafts[1]) < len(drafts[1])  # "x" is refused mid-draft
 
 
 def test_logprobs_are_the_model_s_not_the_mask_s(loaded, ps):

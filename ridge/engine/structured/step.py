@@ -59,20 +59,46 @@ def step_masks(scheduled, sample_spans, num_rows: int, vocab_size: int, device) 
         return None
     pinned = device.type == "cuda"
     bitmask = torch.full((len(rows), words(vocab_size)), -1, dtype=torch.int32, pin_memory=pinned)
-    one, ptr = bitmask.shape[1] * 4, bitmask.data_ptr()
-    plain = [(m, i) for m, i, drafts in items if not drafts]
-    spec = [item for item in items if item[2]]
-    if len(plain) == 1 and not spec:
-        plain[0][0].unsafe_compute_mask_ptr(ptr, one)
-    elif plain:
-        executor().unsafe_compute_mask_ptr(plain, ptr, one, len(rows))
-    if spec:  # the mask after the output, then after each draft; the matcher is rolled back
-        executor().unsafe_compute_mask_ptr_with_draft_token(spec, ptr, one, len(rows))
+    fill_masks(items, bitmask, parallel=pinned)
     every = rows == list(range(num_rows))
     if not pinned:
         return TokenMasks(bitmask, None if every else torch.tensor(rows))
     rows_t = None if every else torch.tensor(rows, pin_memory=True).to(device, non_blocking=True)
     return TokenMasks(bitmask.to(device, non_blocking=True), rows_t)
+
+
+def fill_masks(items: list, bitmask: torch.Tensor, parallel: bool) -> None:
+    """items: (LLMatcher, first row, drafts). parallel: in llguidance's thread pool, for a
+    GPU host whose cores are otherwise idle during the step. On CPU the cores are the
+    device: the pool's threads, still spinning after their work, slowed the forward that
+    followed 3x on 2 cores (docs/benchmarks.md), so masks are computed in this thread."""
+    one, ptr = bitmask.shape[1] * 4, bitmask.data_ptr()
+    plain = [(m, i) for m, i, drafts in items if not drafts]
+    spec = [item for item in items if item[2]]
+    if plain and parallel and len(plain) > 1:
+        executor().unsafe_compute_mask_ptr(plain, ptr, one, bitmask.shape[0])
+    else:
+        for m, i in plain:
+            m.unsafe_compute_mask_ptr(ptr + i * one, one)
+    if spec:  # the mask after the output, then after each draft; the matcher is rolled back
+        if parallel:
+            executor().unsafe_compute_mask_ptr_with_draft_token(spec, ptr, one, bitmask.shape[0])
+        else:
+            for m, i, drafts in spec:
+                _draft_masks(m, ptr + i * one, one, drafts)
+
+
+def _draft_masks(m, ptr: int, one: int, drafts: list[int]) -> None:
+    """The mask after the output, then after each draft the matcher accepts; then roll back."""
+    m.unsafe_compute_mask_ptr(ptr, one)
+    consumed = 0
+    for d in drafts:
+        if m.is_stopped() or not m.try_consume_tokens([d]):
+            break
+        consumed += 1
+        m.unsafe_compute_mask_ptr(ptr + consumed * one, one)
+    if consumed:
+        m.rollback(consumed)
 
 
 def prune_drafts(scheduled, drafts: dict) -> dict:
