@@ -2,6 +2,7 @@
 daemon or (--local) from an engine in this process."""
 from __future__ import annotations
 
+import json
 import sys
 
 from .commands import add_client_args, add_sampling_args, connect, sampling_fields, stream_reply
@@ -15,6 +16,13 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
     p.add_argument("--local", action="store_true", help="run the engine in this process")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="the reply is JSON valid against the JSON schema in FILE ('-': standard input)")
+    fmt.add_argument("--json", action="store_true", help="the reply is a JSON object (any)")
+    fmt.add_argument("--regex", default=None, help="the whole reply matches this regular expression")
+    fmt.add_argument("--grammar", metavar="FILE", default=None,
+                     help="the reply follows the grammar in FILE (Lark, as llguidance reads it; GBNF is converted)")
     add_engine_args(p)
     add_sampling_args(p)
     add_client_args(p)
@@ -22,7 +30,40 @@ def add_generate_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
+    try:
+        fmt = response_format(args)
+    except (OSError, ValueError) as e:
+        print(f"ridge: {e}", file=sys.stderr)
+        return 2
+    if fmt is not None:
+        args.response_format = fmt
     return run_local(args) if args.local else run_through_daemon(args)
+
+
+def _read(path: str) -> str:
+    return sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+
+
+def response_format(args) -> dict | None:
+    """The output constraint the flags ask for, as params.response_format (docs/protocol.md)."""
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_read(args.json_schema))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+        return {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    if args.json:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "regex": args.regex}
+    if args.grammar is not None:
+        return {"type": "grammar", "grammar": _read(args.grammar)}
+    return None
+
+
+def _fields(args) -> dict:
+    fmt = getattr(args, "response_format", None)
+    return {**sampling_fields(args), **({"response_format": fmt} if fmt is not None else {})}
 
 
 def _messages(args) -> list[dict]:
@@ -33,11 +74,15 @@ def _messages(args) -> list[dict]:
 def run_local(args) -> int:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
-    from ridge.engine.sampling_params import SamplingParams
+    from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 
     engine = LLMEngine(engine_config(args))
     ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.tokenizer.encode_chat(_messages(args))
-    rid = engine.add_request(None, ids, SamplingParams(**sampling_fields(args)))
+    try:
+        rid = engine.add_request(None, ids, SamplingParams(**_fields(args)))
+    except InvalidRequest as e:
+        print(f"ridge: {e}", file=sys.stderr)
+        return 1
     final = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -66,7 +111,7 @@ def run_through_daemon(args) -> int:
     print(f"[ridge daemon at {client.endpoint}, serving {model['name']}]", file=sys.stderr)
     kw = {"prompt": args.prompt} if args.raw else {"messages": _messages(args)}
     try:
-        _, final = stream_reply(client, **kw, **sampling_fields(args))
+        _, final = stream_reply(client, **kw, **_fields(args))
     except RidgeError as e:
         print(f"ridge: {e.message} ({e.code})", file=sys.stderr)
         return 1

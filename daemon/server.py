@@ -48,7 +48,7 @@ class Server:
         self.server_name = f"ridge {version}".strip()
         lim = cfg.limits
         self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
-                                   model["block_size"], model["num_kv_blocks"], lim)
+                                   model["block_size"], model["num_kv_blocks"], lim, engine.grammars)
         self.ctx = zmq.Context.instance()
         self.routers: list[zmq.Socket] = []
         self.pub: zmq.Socket | None = None

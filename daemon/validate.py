@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+from ridge.engine.structured.grammar import GrammarCompiler
 
 from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
                        Limits, ProtocolError, chat_messages, check_keys, fail, is_int, is_num, token_list)
@@ -20,6 +21,7 @@ PARAMS = {  # key -> (check, what it must be)
     "stop_token_ids": (lambda x: isinstance(x, list) and all(is_int(t) for t in x), "an array of integers"),
     "ignore_eos": (lambda x: isinstance(x, bool), _BOOL), "logprobs": (is_int, _INT), "n": (is_int, _INT),
     "speculative": (lambda x: isinstance(x, bool), _BOOL),
+    "response_format": (lambda x: isinstance(x, dict), "a map with a type"),
 }
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -36,9 +38,11 @@ class GenerateRequest:
 
 class Validator:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 limits: Limits):
+                 limits: Limits, grammars: GrammarCompiler | None = None):
         self.tokenizer, self.vocab, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
+        # The engine's compiler, so that what compiles here is a cache hit on the engine's thread.
+        self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
 
     # -- generate ---------------------------------------------------------------
     def generate(self, env: Envelope) -> GenerateRequest:
@@ -50,7 +54,17 @@ class Validator:
         params = self.params(body.get("params", {}), rid)
         ids = self.prompt(body, rid)
         self.admissible(ids, params, rid)
+        self.compiles(params, rid)
         return GenerateRequest(rid, ids, params, stream)
+
+    def compiles(self, params: SamplingParams, rid: str | None) -> None:
+        """A response_format that does not compile is refused here, never at step time."""
+        try:
+            c = params.constraint()
+            if c is not None:
+                self.grammars.compile(c)
+        except InvalidRequest as e:
+            raise ProtocolError(INVALID_FIELD, f"params.{e}", rid) from None
 
     def params(self, raw, rid: str | None) -> SamplingParams:
         if not isinstance(raw, dict):

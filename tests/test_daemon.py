@@ -5,7 +5,9 @@ One daemon serves the whole module; tests run in file order and the last one
 checks that every KV block came back."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -508,6 +510,29 @@ def test_cli_generate_status_chat(daemon):
     assert r.returncode == 0 and "tiny-llama" in r.stdout and "(conversation cleared)" in r.stdout, r.stderr
     r = _ridge(daemon.env, "generate", "hello", "--max-tokens", "3")  # finds the user socket by itself
     assert r.returncode == 0, r.stderr
+
+
+def test_response_format_through_the_daemon_and_the_cli(daemon, raw, tmp_path):
+    rx = r"(yes|no), [0-9]{1,3}"
+    f = raw.call({"type": "generate", "id": "rf", "stream": False, "prompt": "answer",
+                  "params": {"max_tokens": 40, "n": 2, "temperature": 1.0, "seed": 3,
+                             "response_format": {"type": "regex", "regex": rx}}})
+    assert f["type"] == "final" and all(re.fullmatch(rx, ch["text"]) for ch in f["choices"]), f
+    bad = raw.call({"type": "generate", "id": "rf2", "prompt": "x",
+                    "params": {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}}})
+    assert bad["type"] == "error" and bad["code"] == "invalid_field"
+    assert bad["message"].startswith("params.response_format: the JSON schema does not compile")
+    env = dict(daemon.env, RIDGE_ENDPOINT=daemon.endpoint)
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False, "x-guidance": {"whitespace_pattern": " ?"}}))
+    r = _ridge(env, "generate", "hello", "--raw", "--max-tokens", "30", "--json-schema", str(schema))
+    assert r.returncode == 0 and json.loads(r.stdout) in ({"ok": True}, {"ok": False}), (r.stdout, r.stderr)
+    r = _ridge(env, "generate", "hello", "--raw", "--max-tokens", "30", "--regex", rx)
+    assert r.returncode == 0 and re.fullmatch(rx, r.stdout.strip()), (r.stdout, r.stderr)
+    r = _ridge(env, "generate", "hello", "--regex", "(")
+    assert r.returncode == 1 and "the regex does not compile" in r.stderr, r.stderr
+    wait_idle(daemon.endpoint)
 
 
 def test_cli_without_a_daemon_says_so(daemon, tmp_path):

@@ -131,6 +131,23 @@ def test_absurd_sampling_parameters_are_invalid_fields(validator, params):
     assert code_of(validator.generate, gen(prompt="x", params=params)) == P.INVALID_FIELD
 
 
+def test_response_format_is_checked_and_compiled_at_admission(validator):
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}
+    req = validator.generate(gen(prompt="x", params={"response_format": ok}))
+    assert req.params.response_format == ok
+    assert validator.generate(gen(prompt="x", params={"response_format": {"type": "regex", "regex": "a+"}}))
+    for fmt, says in [
+            ("json", "params.response_format must be a map with a type"),
+            ({"type": "yaml"}, "params: response_format.type must be one of text, json_object, json_schema"),
+            ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+             "params.response_format: the JSON schema does not compile: "),
+            ({"type": "regex", "regex": "[a-"}, "params.response_format: the regex does not compile: "),
+            ({"type": "grammar", "grammar": "start: ("}, "params.response_format: the grammar does not compile: ")]:
+        with pytest.raises(P.ProtocolError) as e:
+            validator.generate(gen(prompt="x", params={"response_format": fmt}))
+        assert e.value.code == P.INVALID_FIELD and e.value.message.startswith(says), e.value.message
+
+
 def test_small_operations(validator):
     ids = validator.tokenize(P.Envelope("tokenize", None, {"text": "the"}))
     assert validator.detokenize(P.Envelope("detokenize", None, {"token_ids": ids})) == "the"

@@ -7,6 +7,7 @@
     ridge bench overhead   engine step time vs the same step's matrix products alone
     ridge bench kv         decode step time per CPU KV dtype (fp32, bf16, fp8)
     ridge bench prefix     TTFT with a shared 2K-token prefix from each KV tier (cold, device, host, disk)
+    ridge bench structured structured-output libraries compared, and the mask overhead
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -96,9 +97,11 @@ def add_bench_parser(subparsers) -> None:
     from .accuracy import add_accuracy_parser
     from .prefix import add_prefix_parser
     from .speculative import add_spec_parser
+    from .structured import add_structured_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
     add_prefix_parser(sub, _common)
+    add_structured_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -315,6 +318,11 @@ def run_bench(args) -> int:
         rep.set_env(None, args)
         run_accuracy(args, rep)
         return 0
+    if name == "structured":
+        from .structured import run_structured
+        run_structured(args, rep)
+        _write_json(rep, args)
+        return 0
     needs_engine = name in ("throughput", "sweep", "overhead", "all") or (
         name in ("hf", "server") and not args.no_ridge)
     if needs_engine:
@@ -362,9 +370,13 @@ def run_bench(args) -> int:
             gc.collect()
             part_kv(rep, args, loaded)
     rep.data["elapsed_s"] = time.perf_counter() - t0
+    _write_json(rep, args)
+    return 0
+
+
+def _write_json(rep: Report, args) -> None:
     rep.data["env"]["loadavg_end"] = list(os.getloadavg())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep.data, f, indent=1, default=str)
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0

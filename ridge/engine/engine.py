@@ -32,6 +32,8 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
 from .speculative.factory import build_policy, build_proposer, load_draft
 from .step_batch import StepBuffers
+from .structured.grammar import GrammarCompiler
+from .structured.step import prune_drafts
 
 log = logging.getLogger("ridge.engine")
 CUDA_HOST_THREADS = 4  # torch CPU threads of a GPU engine unless --threads says otherwise
@@ -105,6 +107,8 @@ class LLMEngine:
         # step read: the explicit hook benchmarks time steps with.
         self.step_observers: list = []
         self.proposer_name = self.proposer.name if self.proposer is not None else "off"
+        # Compiled response formats, cached for this tokenizer; the daemon's validator shares it.
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.requests: dict[str, Request] = {}  # internal id -> request
         self.groups: dict[str, list[Request]] = {}  # client id -> its samples
         self.texts: dict[str, TextState] = {}
@@ -160,6 +164,12 @@ class LLMEngine:
                                  "it can never fit (lower max_tokens)")
         return params
 
+    def compile_constraint(self, params: SamplingParams):
+        """-> the request's compiled response_format, or None. Raises InvalidRequest at
+        admission for one that does not compile, so that no step ever meets it."""
+        c = params.constraint()
+        return None if c is None else self.grammars.compile(c)
+
     def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None) -> str:
         """prompt: token ids or raw text. Raises InvalidRequest at admission."""
         params = params or SamplingParams()
@@ -168,13 +178,15 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = self._validate(ids, params)
+        compiled = self.compile_constraint(params)
         samples = []
         for i in range(params.n):
             iid = request_id if params.n == 1 else f"{request_id}#{i}"
             sp = params if params.n == 1 or params.seed is None else \
                 SamplingParams.from_dict({**asdict(params), "seed": params.seed + i})  # distinct samples
             req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
-                          group_id=request_id if params.n > 1 else None, client_id=request_id, index=i)
+                          group_id=request_id if params.n > 1 else None, client_id=request_id, index=i,
+                          matcher=compiled.matcher() if compiled is not None else None)  # one per sample
             self.requests[iid] = req
             self.texts[iid] = TextState(self.tokenizer, req)
             self.scheduler.add_request(req)
@@ -243,8 +255,9 @@ class LLMEngine:
             self.tiers.close()
 
     def _needs_host_history(self) -> bool:
-        # A repetition penalty reads every earlier token on the host, the latest included.
-        return any(r.params.repetition_penalty != 1.0 for r in self.scheduler.running)
+        # A repetition penalty reads every earlier token on the host, the latest included;
+        # a constraint's next mask needs its matcher advanced by the latest token.
+        return any(r.params.repetition_penalty != 1.0 or r.matcher is not None for r in self.scheduler.running)
 
     def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> StepHandle | None:
         now = time.monotonic()
@@ -253,7 +266,7 @@ class LLMEngine:
                 s.request.timings.first_scheduled = now
         try:
             if self.proposer is not None:  # drafts first: the scheduler fits the plan to them
-                self.scheduler.accept_drafts(out, self.proposer.propose(out))
+                self.scheduler.accept_drafts(out, prune_drafts(out.scheduled, self.proposer.propose(out)))
             return self.runner.launch(out)
         except Exception as e:  # fail this step's requests; keep serving the rest
             log.exception("step failed")

@@ -77,6 +77,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     timings: Timings = field(default_factory=Timings)
+    # This sample's own position in its response_format (structured.grammar.Matcher), or None.
+    matcher: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

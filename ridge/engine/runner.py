@@ -21,10 +21,11 @@ from ridge.cache.kv_cache import KVCache
 from ridge.kernels.timing import section
 
 from .graphs import StepGraphs
-from .sampler import SampledRows, Sampler, SampleResult
+from .sampler import SampledRows, Sampler, SampleResult, apply_token_bitmask
 from .scheduler import SchedulerOutput
 from .speculative.verify import verify
 from .step_batch import StepBatch, StepBuffers, plan_step
+from .structured.step import step_masks
 
 
 class StepHandle:
@@ -103,7 +104,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
         started = time.perf_counter()
-        batch, logits = self.forward_logits(out)
+        batch, raw = self.forward_logits(out)
+        logits = raw
+        with section("constraints"):
+            masks = step_masks(out.scheduled, batch.sample_spans, raw.shape[0], raw.shape[-1], self.device)
+            if masks is not None:  # every constrained row of the step, plain and verified, at once
+                logits = apply_token_bitmask(raw, masks.bitmask, masks.rows)
         plain_rows, plain, spec = [], [], {}
         for s, (first, k) in zip(out.scheduled, batch.sample_spans):
             if k == 1:
@@ -114,9 +120,13 @@ class ModelRunner:
         sampled = None
         if plain:
             with section("sample"):
-                rows = logits if len(plain_rows) == logits.shape[0] else \
-                    logits.index_select(0, torch.tensor(plain_rows, device=self.device))
-                sampled = self.sampler.sample(rows, [s.request for s in plain])
+                reqs = [s.request for s in plain]
+                if len(plain_rows) == logits.shape[0]:
+                    sampled = self.sampler.sample(logits, reqs, raw)
+                else:
+                    idx = torch.tensor(plain_rows, device=self.device)
+                    sampled = self.sampler.sample(logits.index_select(0, idx), reqs,
+                                                  raw.index_select(0, idx) if masks is not None else None)
         self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], spec, started)
         return self.last
 

@@ -57,6 +57,19 @@ class SampledRows:
         return SampleResult(tokens, lps)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """-> a copy of logits with every token a constraint refuses at -inf: one batched
+    operation over all constrained rows. logits: [n, V]; bitmask: [m, ceil(V / 32)] int32,
+    bit j of word w allows token 32w + j; rows: [m] the rows it masks (None: all n)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :logits.shape[-1]].bool()
+    if rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    out = logits.clone()
+    out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    return out
+
+
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """HF's repetition penalty over prompt and output: divide positive logits, multiply negative."""
     for i, r in enumerate(reqs):
@@ -123,10 +136,11 @@ class Sampler:
         # Normalised, so that ratios between two distributions (speculation) mean what they say.
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledRows:
-        """logits: [n, V] float32, one row per request in reqs. Queues everything on the
-        device; the result is read later (SampledRows.read)."""
-        raw = logits
+    def sample(self, logits: torch.Tensor, reqs: list[Request], raw: torch.Tensor | None = None) -> SampledRows:
+        """logits: [n, V] float32, one row per request in reqs (constrained rows already
+        masked); raw: the same rows unmasked, for logprobs (None: logits). Queues everything
+        on the device; the result is read later (SampledRows.read)."""
+        raw = logits if raw is None else raw
         logits = apply_penalties(logits.clone(), reqs) if any(r.params.repetition_penalty != 1.0 for r in reqs) else logits
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]

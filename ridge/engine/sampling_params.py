@@ -23,6 +23,9 @@ class SamplingParams:
     logprobs: int = 0  # top-N logprobs per generated token
     n: int = 1
     speculative: bool = True  # let the engine speculate for this request when it is configured to
+    # What the output must be (structured/format.py): OpenAI's json_schema / json_object, or
+    # ridge's regex / grammar. None or {"type": "text"}: free text.
+    response_format: dict | None = None
 
     def __post_init__(self):
         checks = [
@@ -41,6 +44,18 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise InvalidRequest(msg)
+        if self.response_format is not None:
+            self.constraint()  # its shape; whether it compiles is asked at admission
+
+    def constraint(self):
+        """-> the parsed response_format (structured.format.Constraint), or None for free text."""
+        from .structured.format import parse_response_format
+
+        c = parse_response_format(self.response_format)
+        if c is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot be combined with a response_format: "
+                                 "the end of the constrained output is its end of sequence")
+        return c
 
     @property
     def greedy(self) -> bool:

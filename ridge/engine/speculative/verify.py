@@ -34,7 +34,7 @@ def verify(target_probs: torch.Tensor, drafts: list[int], draft_probs: torch.Ten
     p = target_probs[idx, d]
     q = draft_probs[idx, d] if draft_probs is not None else torch.ones_like(p)
     u = torch.rand(k, generator=generator, device=target_probs.device)
-    accept = (u * q <= p).tolist()
+    accept = ((u * q <= p) & (p > 0)).tolist()  # u may be 0: never accept a token p excludes
     n = accept.index(False) if False in accept else k
     if n < k:
         q_row = draft_probs[n] if draft_probs is not None else \
