@@ -108,8 +108,9 @@ def test_abort_while_a_step_is_in_flight(loaded, ps):
     assert_no_leak(eng)
 
 
-# Tensor methods that make the host wait for the device.
-_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+# Tensor methods that make the host wait for the device (numpy() is not among them: a device
+# tensor has none, so only host tensors, pinned buffers for instance, call it).
+_SYNCS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
 class _NoSync:
@@ -140,7 +141,8 @@ def test_no_host_sync_while_a_step_is_planned_and_launched(loaded, ps):
     """The GPU path (Triton kernels, here under the interpreter) through the runner: only
     StepHandle.read() may wait for the device."""
     from ridge.kernels import ops
-    eng = make_engine(loaded, async_scheduling=True, cuda_graph=True, max_num_seqs=4)
+    # No disk tier: blocks an earlier test left there would be loaded at admission instead.
+    eng = make_engine(loaded, async_scheduling=True, cuda_graph=True, max_num_seqs=4, kv_disk=False)
     params = [greedy(3), SamplingParams(max_tokens=3, temperature=0.7, top_k=5, min_p=0.05, seed=1, logprobs=1)]
     for i, p in enumerate(params):
         eng.add_request(f"r{i}", ps[i][:20], p)
