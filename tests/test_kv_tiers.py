@@ -22,6 +22,11 @@ from ridge.cache.manager import chain_hashes
 MAX_TOKENS = 8
 
 
+def tier_engine(loaded, **kw):
+    """make_engine with the disk tier on (the tests' default leaves it off)."""
+    return make_engine(loaded, **{"kv_disk": True, **kw})
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     return load_tiny(tmp_path_factory, "tiers")
@@ -46,7 +51,7 @@ def workload(loaded, systems):
 
 @pytest.fixture(scope="module")
 def cold(loaded, workload):
-    eng = make_engine(loaded, enable_prefix_caching=False)
+    eng = tier_engine(loaded, enable_prefix_caching=False)
     return [out for out, _ in one_by_one(eng, workload)]
 
 
@@ -75,7 +80,7 @@ def block_files(eng, system) -> list:
 
 def test_host_tier_serves_prefixes_the_pool_evicted(loaded, workload, cold):
     # 8 blocks hold one request (6 blocks), so each system prompt evicts the other's.
-    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False)
+    eng = tier_engine(loaded, num_kv_blocks=8, kv_disk=False)
     got = one_by_one(eng, workload)
     assert [t for t, _ in got] == cold
     assert [c for _, c in got] == [0, 0] + [64] * 4
@@ -87,12 +92,12 @@ def test_host_tier_serves_prefixes_the_pool_evicted(loaded, workload, cold):
 
 
 def test_disk_tier_survives_a_restart(loaded, workload, cold, xdg):
-    first = make_engine(loaded)
+    first = tier_engine(loaded)
     assert [t for t, _ in one_by_one(first, workload[:2])] == cold[:2]
     first.close()
     assert first.tiers.disk.dir.parent == kv_root() and str(first.tiers.disk.dir).startswith(str(xdg))
     # A new engine, with no host tier: every hit comes from the files.
-    again = make_engine(loaded, kv_host_gib=0)
+    again = tier_engine(loaded, kv_host_gib=0)
     assert tiers(again)["disk"]["blocks"] >= 8  # the index, rebuilt from the directory
     got = one_by_one(again, workload[2:])
     assert [t for t, _ in got] == cold[2:]
@@ -104,10 +109,10 @@ def test_disk_tier_survives_a_restart(loaded, workload, cold, xdg):
 
 
 def test_damaged_files_are_misses_never_wrong_reads(loaded, systems, workload, cold):
-    first = make_engine(loaded)
+    first = tier_engine(loaded)
     one_by_one(first, workload[:2])
     first.close()
-    again = make_engine(loaded, kv_host_gib=0)  # its index lists every file
+    again = tier_engine(loaded, kv_host_gib=0)  # its index lists every file
     a, b = block_files(again, systems[0]), block_files(again, systems[1])
     data = bytearray(a[1].read_bytes())
     data[len(data) // 2] ^= 0x10  # a bit flipped in A's block 1's payload
@@ -126,7 +131,7 @@ def test_damaged_files_are_misses_never_wrong_reads(loaded, systems, workload, c
     # The refused blocks were recomputed and written again. a[3] still holds block 2's bytes
     # and is refused; b[2] is still listed (never read) and is a miss.
     again.close()
-    third = make_engine(loaded, kv_host_gib=0)
+    third = tier_engine(loaded, kv_host_gib=0)
     got = one_by_one(third, workload[2:4])
     assert [t for t, _ in got] == cold[2:4]
     assert [c for _, c in got] == [48, 32]
@@ -184,7 +189,7 @@ def test_disk_lru_cap_and_index_order_after_restart(tmp_path):
 
 
 def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workload, cold, tmp_path):
-    eng = make_engine(loaded, num_kv_blocks=8)
+    eng = tier_engine(loaded, num_kv_blocks=8)
     one_by_one(eng, workload[:1])
     disk = eng.tiers.disk
     eng.tiers.flush()
@@ -204,13 +209,13 @@ def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workloa
     # A tier that cannot start is off from the start.
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    eng2 = make_engine(loaded, kv_disk_dir=str(blocked))
+    eng2 = tier_engine(loaded, kv_disk_dir=str(blocked))
     assert one_by_one(eng2, workload[:1])[0][0] == cold[0]
     assert not tiers(eng2)["disk"]["enabled"]
 
 
 def test_abort_while_loading_frees_everything(loaded, workload):
-    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False)
+    eng = tier_engine(loaded, num_kv_blocks=8, kv_disk=False)
     one_by_one(eng, workload[:2])  # A's prefix is in host RAM now, B's on the device
     eng.add_request("late", workload[2], greedy(MAX_TOKENS))
     eng.add_request("other", workload[3], greedy(MAX_TOKENS))
@@ -224,7 +229,7 @@ def test_abort_while_loading_frees_everything(loaded, workload):
 
 
 def test_tiers_off(loaded, workload, cold):
-    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=False, kv_host_gib=0)
+    eng = tier_engine(loaded, num_kv_blocks=8, kv_disk=False, kv_host_gib=0)
     assert eng.tiers is None
     got = one_by_one(eng, workload)
     assert [t for t, _ in got] == cold and [c for _, c in got][2:] != [64] * 4
@@ -236,7 +241,7 @@ def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
     from ridge.daemon.commands import format_status
     from ridge.tui.figures import tier_line_short, tier_lines
 
-    eng = make_engine(loaded, num_kv_blocks=8)
+    eng = tier_engine(loaded, num_kv_blocks=8)
     one_by_one(eng, workload[:3])
     st = eng.stats()
     t = st["kv_tiers"]
