@@ -110,27 +110,28 @@ def test_user_install_status_uninstall(home, tmp_path):
     assert r.returncode == 0 and "not installed" in r.stdout
 
 
-def test_install_with_the_http_gateway(home, tmp_path):
+def test_install_with_the_http_gateway(tmp_path, monkeypatch, capsys):
     """`--http ADDR` puts the gateway on the unit's command line; a non-loopback address is refused
     unless the config file names an API key, so a unit that could not start is never written."""
-    root = tmp_path / "root"
-    r = ridge("service", "install", "--system", "--root", str(root), "--http", "0.0.0.0:8000", env=home)
-    assert r.returncode == 1 and "API key" in r.stderr and not (root / "etc/systemd/system/ridge.service").exists()
-    r = ridge("service", "install", "--system", "--root", str(root), "--http", "127.0.0.1:8000", env=home)
-    assert r.returncode == 0, r.stderr
-    unit_path = root / "etc/systemd/system/ridge.service"
-    assert parse_unit(unit_path.read_text())["Service"]["ExecStart"] == [f"{RIDGE} serve --system --http 127.0.0.1:8000"]
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    system = service.Scope(True, tmp_path / "root")
+    assert service.install(system, http="0.0.0.0:8000") == 1
+    assert "API key" in capsys.readouterr().err and not system.unit_path.exists()
+    assert service.install(system, http="127.0.0.1:8000") == 0
+    unit = parse_unit(system.unit_path.read_text())["Service"]
+    assert unit["ExecStart"] == [f"{RIDGE} serve --system --http 127.0.0.1:8000"]
     if ANALYZE:
-        verify(unit_path, False, tmp_path)
+        verify(system.unit_path, False, tmp_path)
     key = tmp_path / "api_key"
     key.write_text("k\n")
-    (root / "etc/ridge/config.toml").write_text(f'api_key_file = "{key}"\n')
-    r = ridge("service", "install", "--system", "--root", str(root), "--http", "0.0.0.0:8000", env=home)
-    assert r.returncode == 0, r.stderr
-    r = ridge("service", "install", "--user", "--http", "127.0.0.1:8001", env=home)
-    assert r.returncode == 0, r.stderr
-    r = ridge("service", "status", "--user", env=home)
-    assert "serve --http 127.0.0.1:8001" in r.stdout and "gateway: not answering on http://127.0.0.1:8001/v1" in r.stdout
+    system.config_path.write_text(f'api_key_file = "{key}"\n')
+    assert service.install(system, http="0.0.0.0:8000") == 0  # the config's key makes it allowed
+    user = service.Scope(False, tmp_path / "user-root")
+    assert service.install(user, http="127.0.0.1:8001") == 0
+    capsys.readouterr()
+    assert service.status(user) == 0
+    out = capsys.readouterr().out
+    assert "serve --http 127.0.0.1:8001" in out and "gateway: not answering on http://127.0.0.1:8001/v1" in out
 
 
 def test_system_install_staged(home, tmp_path):
