@@ -166,14 +166,52 @@ def test_outputs_conform_in_a_mixed_batch_and_plain_rows_are_untouched(loaded, p
     assert_no_leak(eng)
 
 
-def test_preemption_and_recompute_keep_the_matcher(loaded, ps):
-    jobs = {f"r{i}": (p * 3, params(regex(RX) if i % 2 else schema(SCHEMA), n_tokens=60)) for i, p in enumerate(ps)}
-    ref = run_all(make_engine(loaded), jobs)
+@pytest.fixture(scope="module")
+def greedy_jobs(ps):
+    """Constrained greedy requests (and one free one), with long enough prompts to preempt."""
+    jobs = {f"r{i}": (p * 3, params([regex(REPEAT), schema(SCHEMA), regex(RX)][i % 3], n_tokens=60))
+            for i, p in enumerate(ps)}
+    jobs["free"] = (ps[0], params(None, n_tokens=30))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(loaded, greedy_jobs):
+    return run_all(make_engine(loaded), greedy_jobs)
+
+
+def test_preemption_and_recompute_keep_the_matcher(loaded, greedy_jobs, greedy_ref):
     # 16 blocks of 16 cannot hold six requests of 15 to 144 prompt tokens and their outputs.
     eng = make_engine(loaded, num_kv_blocks=16, enable_prefix_caching=False)
-    got = run_all(eng, jobs)
+    assert run_all(eng, greedy_jobs) == greedy_ref
     assert eng.scheduler.num_preemptions > 0
-    assert got == ref
+    assert_no_leak(eng)
+
+
+def test_overlapped_steps_give_the_same_outputs(loaded, greedy_jobs, greedy_ref):
+    eng = make_engine(loaded, async_scheduling=True)
+    assert eng.async_scheduling
+    assert run_all(eng, greedy_jobs) == greedy_ref
+    assert_no_leak(eng)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self:1"])
+def test_speculative_decoding_under_a_constraint(loaded, ps, greedy_jobs, greedy_ref, spec):
+    """Greedy equals non-speculative greedy token for token; sampled outputs conform; every
+    matcher ends able to take its whole output (rejected drafts were rolled back)."""
+    eng = make_engine(loaded, speculative=spec)
+    assert run_all(eng, greedy_jobs) == greedy_ref
+    assert eng.stats()["speculative"]["total"]["drafted"] > 0
+    sampled = {f"s{i}": (ps[3 + i], params(fmt, temperature=1.0, seed=i, n=2))
+               for i, fmt in enumerate([regex(REPEAT), schema(SCHEMA), regex(RX)])}
+    fmts = {k: sp.response_format for k, (_, sp) in sampled.items()}
+    requests = []
+    for (rid, idx), (text, _) in run_all(eng, sampled, requests).items():
+        assert conforms(text, fmts[rid]), (rid, idx, text)
+    assert len(requests) == 6
+    for r in requests:  # what the matcher has not consumed yet (the last tokens) it still accepts
+        r.matcher.sync(r.output_token_ids)
+        assert not r.matcher.is_error and r.matcher.ll.is_accepting()
     assert_no_leak(eng)
 
 
@@ -189,40 +227,6 @@ def test_abort_a_constrained_request(loaded, ps):
         outs += eng.step()
     assert sum(o.request_id == "b" and str(o.finish_reason) == "abort" for o in outs) == 2
     assert re.fullmatch(REPEAT, "".join(o.new_text for o in outs if o.request_id == "a"))
-    assert_no_leak(eng)
-
-
-def test_overlapped_steps_give_the_same_outputs(loaded, ps):
-    jobs = {"c": (ps[0], params(regex(RX))), "p": (ps[1], params(None, n_tokens=40)),
-            "s": (ps[2], params(schema(SCHEMA), temperature=1.0, seed=4))}
-    ref = run_all(make_engine(loaded), jobs)
-    eng = make_engine(loaded, async_scheduling=True)
-    assert eng.async_scheduling
-    assert run_all(eng, jobs) == ref
-    assert_no_leak(eng)
-
-
-@pytest.mark.parametrize("spec", ["ngram", "self:1"])
-def test_speculative_decoding_under_a_constraint(loaded, ps, spec):
-    """Greedy equals non-speculative greedy token for token; sampled outputs conform; every
-    matcher ends able to take its whole output (rejected drafts were rolled back)."""
-    jobs = {"g0": (ps[0] + ps[0], params(regex(REPEAT))), "g1": (ps[1], params(schema(SCHEMA))),
-            "g2": (ps[2], params(regex(RX)))}
-    ref = run_all(make_engine(loaded), jobs)
-    eng = make_engine(loaded, speculative=spec)
-    got = run_all(eng, jobs)
-    assert got == ref
-    assert eng.stats()["speculative"]["total"]["drafted"] > 0
-    sampled = {f"s{i}": (ps[3 + i], params(fmt, temperature=1.0, seed=i, n=2))
-               for i, fmt in enumerate([regex(REPEAT), schema(SCHEMA), regex(RX)])}
-    fmts = {k: sp.response_format for k, (_, sp) in sampled.items()}
-    requests = []
-    for (rid, idx), (text, _) in run_all(eng, sampled, requests).items():
-        assert conforms(text, fmts[rid]), (rid, idx, text)
-    assert len(requests) == 6
-    for r in requests:  # what the matcher has not consumed yet (the last tokens) it still accepts
-        r.matcher.sync(r.output_token_ids)
-        assert not r.matcher.is_error and r.matcher.ll.is_accepting()
     assert_no_leak(eng)
 
 

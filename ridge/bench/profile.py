@@ -1,7 +1,8 @@
 """Where an engine step's time goes, through the engine's own timing hook
 (ridge/kernels/timing.py): the code marks its sections (norm, rope, act,
-linear, kv_write, attention, embed, lm_head, batch_build, sample, schedule,
-sched_update, outputs) and this installs the timer for a `with` block.
+linear, kv_write, attention, embed, lm_head, batch_build, constraints,
+sample, schedule, sched_update, outputs) and this installs the timer for a
+`with` block.
 
 Sections nest (lm_head holds a linear), and each name gets exclusive time: a
 parent's clock stops while a child runs, so the categories add up to the step.

@@ -135,8 +135,6 @@ class OutlinesCore:
             g.write_mask_into(row.data_ptr(), row.numel(), 4)
 
     def consume(self, g, token: int) -> bool:
-        if g.is_finished():
-            return True
         try:
             g.advance(token, False)
             return True

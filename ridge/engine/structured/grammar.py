@@ -109,6 +109,10 @@ class GrammarCompiler:
         except ValueError as e:
             raise InvalidRequest(f"response_format: {what} does not compile: {e}") from None
         m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if not m.is_error():
+            # The first mask builds lexer states that every copy shares: here, at admission
+            # (on the daemon's socket thread), rather than in the first step.
+            m.compute_bitmask()
         if m.is_error():
             raise InvalidRequest(f"response_format: {what} does not compile: {m.get_error()}"[:2000])
         return m
