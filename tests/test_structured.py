@@ -200,8 +200,13 @@ def test_speculative_decoding_under_a_constraint(loaded, ps, greedy_jobs, greedy
     """Greedy equals non-speculative greedy token for token; sampled outputs conform; every
     matcher ends able to take its whole output (rejected drafts were rolled back)."""
     eng = make_engine(loaded, speculative=spec)
-    assert run_all(eng, greedy_jobs) == greedy_ref
+    # A lone sampled request first: the policy drafts for it whatever the drafter costs (at
+    # batch 7 a self-draft of half the layers does not pay), and its drafts are verified
+    # whole (a greedy request's random self-drafts are cut to nothing before verification).
+    lone = run_all(eng, {"lone": (ps[0] + ps[0], params(regex(REPEAT), temperature=1.0, seed=7))})
+    assert conforms(lone["lone", 0][0], regex(REPEAT))
     assert eng.stats()["speculative"]["total"]["drafted"] > 0
+    assert run_all(eng, greedy_jobs) == greedy_ref
     sampled = {f"s{i}": (ps[3 + i], params(fmt, temperature=1.0, seed=i, n=2))
                for i, fmt in enumerate([regex(REPEAT), schema(SCHEMA), regex(RX)])}
     fmts = {k: sp.response_format for k, (_, sp) in sampled.items()}
