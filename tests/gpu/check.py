@@ -291,6 +291,43 @@ def random_model(cfg: ModelConfig) -> CausalLM:
     return model.eval()
 
 
+def check_kv_tiers() -> None:
+    """The KV tiers' block copies (cache/block_io.py): FP8 blocks of the 1B shape, with scales,
+    to pinned host rows and back on the side stream, bit for bit; rate in GB/s of block bytes
+    (a PCIe figure: no ceiling measured here)."""
+    from ridge.cache.block_io import BlockLayout, block_io
+
+    nb, n = (64, 8) if TINY else (4096, 1024)
+    cache = KVCache(model_config(), nb, 16, "fp8", DEV)
+    layout = BlockLayout([cache])
+    for t in layout.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape if t.element_size() == 1 else
+                                                (*t.shape[:-1], t.shape[-1] * t.element_size()),
+                                                dtype=torch.uint8, device=DEV))
+    io = block_io(layout)
+    ids = torch.randperm(nb)[:n].tolist()
+    rows = torch.empty((n, layout.block_bytes), dtype=torch.uint8, pin_memory=not TINY)
+    target = rows.numpy() if TINY else rows
+    before = [t.view(torch.uint8)[ids].clone() for t in layout.tensors]
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        ev = fn()
+        if ev is not None:
+            ev.synchronize()
+        return 1e3 * (time.perf_counter() - t0)
+
+    save_ms = min(timed(lambda: io.save(ids, target, range(n))) for _ in range(3))
+    for t in layout.tensors:
+        t.view(torch.uint8)[ids] = 0
+    load_ms = min(timed(lambda: io.load(ids, target, range(n))) for _ in range(3))
+    bad = sum((t.view(torch.uint8)[ids] != b).sum().item() for t, b in zip(layout.tensors, before))
+    moved = n * layout.block_bytes
+    for name, ms in (("kv tier save (D2H)", save_ms), ("kv tier load (H2D)", load_ms)):
+        record(name, f"{n} blocks x {layout.block_bytes} B", bad / moved, 0.0, ms, moved / ms / 1e6, "GB/s",
+               float("nan"))
+
+
 def decode_step_inputs(cfg: ModelConfig, batch: int, ctx: int, bs: int = 16):
     per = math.ceil((ctx + 1) / bs)
     cache = KVCache(cfg, per * batch + 1, bs, "fp8", DEV)
@@ -386,6 +423,7 @@ def main() -> int:
             check_linear("fp8 qkv", M, Q + 2 * KV, H, ceil)
             check_linear("fp8 gate_up", M, 2 * I, H, ceil)
             check_linear("fp8 down", M, H, I, ceil)
+        check_kv_tiers()
     print_table()
     model = random_model(model_config())
     e2e = [check_decode_step(model, b, c, ceil["copy_GBps"]) for b, c in (((1, 40), (3, 60)) if TINY else
