@@ -68,6 +68,17 @@ def run_all(eng, jobs: dict, requests: list | None = None) -> dict:
     return got
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model's products take microseconds: with two threads each one ends at a barrier,
+    which costs a scheduler slice whenever another process holds a core (most of this file's
+    time on a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     return load_tiny(tmp_path_factory, "structured")
