@@ -200,8 +200,12 @@ def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
 
 def test_busy_daemon_is_429_with_retry_after(oai, daemon):
     holder = Raw(daemon.endpoint)
-    for i in range(MAX_QUEUE):  # the daemon's whole queue
+    for i in range(MAX_QUEUE):  # the daemon's whole queue: 8 waves of 16 samples, far from done
         holder.generate(f"hold{i}", prompt="hold", params=LONG)
+    deadline = time.monotonic() + 10  # the holder's frames reach the daemon before the gateway's
+    while stats(daemon.endpoint)["daemon"]["in_flight"] < MAX_QUEUE:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     try:
         with pytest.raises(openai.RateLimitError) as e:
             oai.completions.create(model="tiny", prompt="x", max_tokens=2)
