@@ -6,7 +6,10 @@ from ridge.engine.sampling_params import SamplingParams
 
 
 def make_engine(loaded, **kw) -> LLMEngine:
-    cfg = dict(device="cpu", kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=16, prefill_chunk=64, ridge_point=8.0)
+    # No disk tier unless a test asks: the session's cache folder is shared, and blocks one test
+    # wrote would turn another's prompts into disk hits (tests/test_kv_tiers.py asks, over its own).
+    cfg = dict(device="cpu", kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=16, prefill_chunk=64, ridge_point=8.0,
+               kv_disk=False)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg), loaded=loaded)
 

@@ -87,12 +87,12 @@ def test_host_tier_serves_prefixes_the_pool_evicted(loaded, workload, cold):
 
 
 def test_disk_tier_survives_a_restart(loaded, workload, cold, xdg):
-    first = make_engine(loaded)
+    first = make_engine(loaded, kv_disk=True)
     assert [t for t, _ in one_by_one(first, workload[:2])] == cold[:2]
     first.close()
     assert first.tiers.disk.dir.parent == kv_root() and str(first.tiers.disk.dir).startswith(str(xdg))
     # A new engine, with no host tier: every hit comes from the files.
-    again = make_engine(loaded, kv_host_gib=0)
+    again = make_engine(loaded, kv_host_gib=0, kv_disk=True)
     assert tiers(again)["disk"]["blocks"] >= 8  # the index, rebuilt from the directory
     got = one_by_one(again, workload[2:])
     assert [t for t, _ in got] == cold[2:]
@@ -104,10 +104,10 @@ def test_disk_tier_survives_a_restart(loaded, workload, cold, xdg):
 
 
 def test_damaged_files_are_misses_never_wrong_reads(loaded, systems, workload, cold):
-    first = make_engine(loaded)
+    first = make_engine(loaded, kv_disk=True)
     one_by_one(first, workload[:2])
     first.close()
-    again = make_engine(loaded, kv_host_gib=0)  # its index lists every file
+    again = make_engine(loaded, kv_host_gib=0, kv_disk=True)  # its index lists every file
     a, b = block_files(again, systems[0]), block_files(again, systems[1])
     data = bytearray(a[1].read_bytes())
     data[len(data) // 2] ^= 0x10  # a bit flipped in A's block 1's payload
@@ -126,7 +126,7 @@ def test_damaged_files_are_misses_never_wrong_reads(loaded, systems, workload, c
     # The refused blocks were recomputed and written again. a[3] still holds block 2's bytes
     # and is refused; b[2] is still listed (never read) and is a miss.
     again.close()
-    third = make_engine(loaded, kv_host_gib=0)
+    third = make_engine(loaded, kv_host_gib=0, kv_disk=True)
     got = one_by_one(third, workload[2:4])
     assert [t for t, _ in got] == cold[2:4]
     assert [c for _, c in got] == [48, 32]
@@ -184,7 +184,7 @@ def test_disk_lru_cap_and_index_order_after_restart(tmp_path):
 
 
 def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workload, cold, tmp_path):
-    eng = make_engine(loaded, num_kv_blocks=8)
+    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=True)
     one_by_one(eng, workload[:1])
     disk = eng.tiers.disk
     eng.tiers.flush()
@@ -204,7 +204,7 @@ def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workloa
     # A tier that cannot start is off from the start.
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    eng2 = make_engine(loaded, kv_disk_dir=str(blocked))
+    eng2 = make_engine(loaded, kv_disk=True, kv_disk_dir=str(blocked))
     assert one_by_one(eng2, workload[:1])[0][0] == cold[0]
     assert not tiers(eng2)["disk"]["enabled"]
 
@@ -236,7 +236,7 @@ def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
     from ridge.daemon.commands import format_status
     from ridge.tui.figures import tier_line_short, tier_lines
 
-    eng = make_engine(loaded, num_kv_blocks=8)
+    eng = make_engine(loaded, num_kv_blocks=8, kv_disk=True)
     one_by_one(eng, workload[:3])
     st = eng.stats()
     t = st["kv_tiers"]
@@ -290,3 +290,39 @@ def test_a_daemon_killed_with_sigkill_serves_the_prefix_from_disk_after_a_restar
         assert t["disk"]["hits"] == 4 and t["disk"]["corrupt"] == 0
     finally:
         assert again.stop() == 0, again.output()
+
+
+def test_block_rows_carry_every_cache_and_the_fp8_scales(tmp_path):
+    """A target cache (FP8, with scales) and a draft model's (fp32) under the same block ids:
+    blocks go to host rows and to disk and come back bit for bit, and nothing else moves."""
+    import torch
+
+    from ridge.cache.block_io import BlockLayout, block_io
+    from ridge.cache.kv_cache import KVCache
+    from ridge.cache.tiers import KVTiers, TierBlock
+    from tiny_models import tiny_config
+
+    caches = [KVCache(tiny_config(), 12, 16, "fp8"), KVCache(tiny_config(num_layers=1, num_kv_heads=1), 12, 16, "fp32")]
+    layout = BlockLayout(caches)
+    assert len(layout.tensors) == 2 * 4 + 2 and layout.block_bytes % 16 == 0
+    for t in layout.tensors:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    before = [t.clone() for t in layout.tensors]
+    disk = DiskTier(tmp_path, "k", {}, 1 << 30, layout.block_bytes)
+    tiers = KVTiers(caches, 2 * layout.block_bytes, disk)  # two host slots
+    blocks = [TierBlock(100 + i, 99 + i, (i,) * 16, block_id=i) for i in (3, 4, 5)]
+    tiers.store(blocks)
+    assert tiers.flush() and len(tiers.host) == 2 and len(disk) == 3  # no slot left: the third went to disk only
+    for t in layout.tensors:
+        t.view(torch.uint8)[[3, 4, 5, 7, 8, 9]] = 0
+    chain = [TierBlock(b.block_hash, b.parent, b.tokens) for b in blocks]
+    found = tiers.lookup(chain)
+    assert [b.slot is not None for b in found] == [True, True, False]
+    tiers.start_load("r", found, [7, 8, 9])
+    tiers.wait(5)
+    assert tiers.poll() == {"r": 3}
+    for t, b in zip(layout.tensors, before):
+        assert torch.equal(t.view(torch.uint8)[[7, 8, 9]], b.view(torch.uint8)[[3, 4, 5]])
+        assert torch.equal(t.view(torch.uint8)[[0, 1, 2, 6, 10, 11]], b.view(torch.uint8)[[0, 1, 2, 6, 10, 11]])
+    assert isinstance(block_io(layout), type(tiers.io)) and not any(tiers.host.pins)
+    tiers.close()
