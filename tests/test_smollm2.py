@@ -106,7 +106,7 @@ def _greedy_run(loaded, spec: str, prompts: list[list[int]], logprobs: int = 0, 
 
     # fp32 weights and KV: batch shape changes only the fp32 summation order.
     cfg = EngineConfig(device="cpu", kv_dtype="fp32", cpu_weight_format="fp32", num_kv_blocks=256,
-                       speculative=spec, ridge_point=100.0, **kw)
+                       speculative=spec, ridge_point=100.0, kv_disk=False, **kw)  # no hits from earlier runs
     eng = LLMEngine(cfg, loaded=loaded)
     ids = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, logprobs=logprobs)) for i, p in enumerate(prompts)]
     toks, margins = {i: [] for i in ids}, {i: [] for i in ids}
