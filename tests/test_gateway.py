@@ -354,6 +354,7 @@ def test_bench_server_openai_reports_the_ratio_and_gateway_cpu(daemon, tmp_path)
     (res,) = json.loads(out.read_text())["results"]["server"]
     assert res["server"]["useful_tokens"] == res["ridge"]["useful_tokens"] == 24 and not res["server"]["errors"]
     assert res["server_over_ridge"] == pytest.approx(1 / res["ratio"])
+    assert res["server_over_ridge_median"] == pytest.approx(res["server_over_ridge"])  # one round
     cpu = res["server"]["server_cpu"]
     assert cpu["gateway_s"] > 0 and "daemon_socket_thread_s" in cpu and cpu["gateway_cores"] < 2
     assert "CPU while serving" in text, text

@@ -155,6 +155,10 @@ class Report:
         if len(res.get("rounds", ())) > 1:
             notes.append("rounds (tok/s): " + "; ".join(", ".join(f"{k} {v:.1f}" for k, v in r.items())
                                                       for r in res["rounds"]) + "; best of each kept")
+            if "server_over_ridge_median" in res:
+                notes.append(f"{label} / ridge by round: " + ", ".join(
+                    f"{x:.3f}" for x in res["server_over_ridge_by_round"]) +
+                    f" (median {res['server_over_ridge_median']:.3f})")
         cpu = (res.get(key) or {}).get("server_cpu")
         if cpu:
             notes.append(f"{label} CPU while serving: " + ", ".join(
