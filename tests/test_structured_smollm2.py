@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from ridge.bench.structured_cases import REGEXES, SCHEMAS
 from ridge.engine.engine import EngineConfig, LLMEngine
@@ -22,6 +23,15 @@ SEEDS = (11, 12)  # sampled: n = 2 samples from each seed's request, so four dra
 
 @pytest.fixture(scope="module")
 def engine():
+    before = torch.get_num_threads()
+    # One thread: on the shared 2-core machine, two threads' barriers (a dozen per layer) each
+    # cost a scheduler slice whenever another process holds a core.
+    torch.set_num_threads(1)
+    yield _engine()
+    torch.set_num_threads(before)
+
+
+def _engine():
     loaded = load_model(None, device="cpu", quantize=False, use_cache=False, show_progress=False)
     # fp32 weights: the packed bf16 copy is exact only for e4m3 weights, and rounding these
     # turned "The capital of France is Paris." into "L'Étoile, la Marseillaise, ...".
