@@ -18,8 +18,10 @@ class AttentionMetadata:
     # Host copies, so that a reference path can plan its work without device syncs.
     seq_lens_host: list[int]
     query_lens_host: list[int]
-    # Built once per step by the torch reference and reused by every layer (kernels/attention.py).
+    # Built once per step by the torch reference and reused by every layer (kernels/attention.py),
+    # and the step's RoPE angles for the CPU path (kernels/rope.py).
     ref_plan: object = None
+    rope_plan: object = None
 
     @property
     def num_seqs(self) -> int:

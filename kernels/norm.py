@@ -16,6 +16,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (xf * weight.float()).to(x.dtype), residual
 
 
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU path: rms_norm_ref's contract in two ops, for fp32: the residual is added into x IN
+    PLACE (x is a layer's fresh output, which becomes the residual stream), and torch's fused
+    rms_norm makes one pass where the reference makes seven (docs/benchmarks.md, issue 17)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return rms_norm_ref(x, weight, eps, residual)
+    if residual is not None:
+        x = x.add_(residual)
+    return torch.rms_norm(x, (x.shape[-1],), weight, eps), x
+
+
 # ---------------------------------------------------------------------------
 # Triton: residual add + RMSNorm in one pass. Fused it reads x and residual and
 # writes out and the new residual: 4 passes over [T, N]. The reference makes 14

@@ -1,8 +1,11 @@
 """The one place that chooses an implementation per device.
 
 The model calls these functions; CUDA tensors go to the Triton kernels where
-one exists, everything else to the torch reference beside it. use_triton()
-overrides the choice (interpreter tests of a whole model step on CPU)."""
+one exists, CPU tensors to the CPU path where one exists (a rewrite of the
+reference with fewer passes and allocations, chosen by measurement:
+docs/benchmarks.md), everything else to the torch reference beside it.
+use_triton() overrides the choice: Triton for every tensor (interpreter tests of
+a whole model step on CPU) or the references only (the oracle)."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +19,8 @@ from .attention import paged_attention_ref
 from .kv_cache import write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
-from .norm import rms_norm_ref
-from .rope import rope_ref
+from .norm import rms_norm_cpu, rms_norm_ref
+from .rope import rope_cpu, rope_ref
 from .timing import section
 
 _TRITON: dict[str, object] = {}
@@ -60,19 +63,28 @@ def use_triton(enabled: bool = True):
         _FORCE = previous
 
 
-def _pick(name: str, ref, x: torch.Tensor):
+def _pick(name: str, ref, x: torch.Tensor, cpu=None):
+    if _FORCE is None and not x.is_cuda:
+        return cpu or ref
     use = x.is_cuda if _FORCE is None else _FORCE
     return _TRITON.get(name, ref) if use else ref
 
 
 def rms_norm(x, weight, eps, residual=None):
+    """-> (normed, x + residual). The CPU path adds the residual into x in place: callers pass
+    a layer's fresh output, which nothing else reads."""
     with section("norm"):
-        return _pick("rms_norm", rms_norm_ref, x)(x, weight, eps, residual)
+        return _pick("rms_norm", rms_norm_ref, x, rms_norm_cpu)(x, weight, eps, residual)
 
 
-def rope(q, k, positions, cos_sin):
+def rope(q, k, positions, cos_sin, meta: AttentionMetadata | None = None):
+    """-> rotated (q, k). The CPU path rotates them in place and looks the step's angles up once
+    (kept on `meta`, which every layer shares)."""
     with section("rope"):
-        return _pick("rope", rope_ref, q)(q, k, positions, cos_sin)
+        fn = _pick("rope", rope_ref, q, rope_cpu)
+        if fn is rope_cpu:
+            return rope_cpu(q, k, positions, cos_sin, meta)
+        return fn(q, k, positions, cos_sin)
 
 
 def silu_and_mul(x):

@@ -19,6 +19,41 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q and k as one [T, Hq + Hkv, D] view) where k's heads follow q's in memory, as in the
+    fused qkv output: one rotation then costs what one of the two did (docs/benchmarks.md)."""
+    t, hq, d = q.shape
+    if (q.stride() == k.stride() and q.stride(1) == d and q.stride(2) == 1
+            and k.data_ptr() == q.data_ptr() + hq * d * q.element_size() and k.shape[0] == t):
+        return (q.as_strided((t, hq + k.shape[1], d), q.stride()),)
+    return q, k
+
+
+def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+             meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU path: rope_ref's contract, but q and k are rotated IN PLACE (as rope_triton does),
+    and the step's angles are looked up once and kept on `meta` for every layer. fp32 only.
+    A batch-1 layer then runs 5 small ops per tensor instead of about 10, allocating one
+    half-width temporary instead of five full ones (docs/benchmarks.md, issue 17)."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32:
+        return rope_ref(q, k, positions, cos_sin)
+    plan = getattr(meta, "rope_plan", None)
+    if plan is None or plan[0] is not positions or plan[1] is not cos_sin:
+        cs = cos_sin[positions].float()
+        half = cs.shape[-1] // 2
+        plan = (positions, cos_sin, cs[:, None, :half].contiguous(), cs[:, None, half:].contiguous())
+        if meta is not None:
+            meta.rope_plan = plan
+    cos, sin = plan[2], plan[3]
+    half = cos.shape[-1]
+    for x in _adjacent(q, k):
+        x1, x2 = x[..., :half], x[..., half:]
+        t = x1 * sin
+        x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+        x2.mul_(cos).add_(t)  # x2 cos + x1 sin
+    return q, k
+
+
 # ---------------------------------------------------------------------------
 # Triton: rotate Q and K in place, one launch for both. In place it reads and
 # writes each element once (2 passes over Q/K); the reference makes about 13

@@ -16,6 +16,12 @@ def _linear(out_f=48, in_f=32):
     return lin
 
 
+def _plain(out_f, in_f):
+    lin = FP8Linear(in_f, out_f)
+    lin.load(torch.randn(out_f, in_f), None, None, torch.device("cpu"), torch.float32)
+    return lin
+
+
 def test_sizes_cover_the_step_budget():
     assert cpu_format.step_sizes(1) == [1]
     assert cpu_format.step_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
@@ -56,3 +62,25 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
     again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4)  # from the cache: the same plans
     assert again == plans and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
+
+
+def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
+    """--no-quantize: no bf16 copy (it would round the weights the user asked for), however
+    large the model; a quantized one gets its copy where it measures faster."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    class Model(torch.nn.Module):
+        def __init__(self, quantized: bool):
+            super().__init__()
+            self.a = _linear(48, 32) if quantized else _plain(48, 32)
+            self.lm_head = _plain(96, 32)  # the head stays in the compute dtype (quant/fp8.py)
+            self.cos_sin = torch.zeros(1)
+
+    timings = tmp_path / "ridge" / "cpu-format.json"
+    plain = Model(quantized=False)
+    assert cpu_format.choose_cpu_format(plain, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4) == 0
+    assert all(m.lowp is None for m in plain.modules() if isinstance(m, FP8Linear))
+    assert not timings.exists()  # nothing measured
+    quantized = Model(quantized=True)
+    cpu_format.choose_cpu_format(quantized, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4)
+    assert "48x32" in timings.read_text() and "96x32" in timings.read_text()

@@ -28,11 +28,13 @@ def test_prompt_step_through_triton(tiny, kv_dtype):
 
 def test_dispatch_rules():
     x = torch.zeros(2, 8)
-    assert ops._pick("rms_norm", ops.rms_norm_ref, x) is ops.rms_norm_ref  # CPU default: reference
+    # CPU default: the CPU path where there is one, else the reference.
+    assert ops._pick("rms_norm", ops.rms_norm_ref, x, ops.rms_norm_cpu) is ops.rms_norm_cpu
+    assert ops._pick("silu_and_mul", ops.silu_and_mul_ref, x) is ops.silu_and_mul_ref
     with ops.use_triton():
-        assert ops._pick("rms_norm", ops.rms_norm_ref, x).__name__ == "rms_norm_triton"
-        with ops.use_triton(False):
-            assert ops._pick("rms_norm", ops.rms_norm_ref, x) is ops.rms_norm_ref
+        assert ops._pick("rms_norm", ops.rms_norm_ref, x, ops.rms_norm_cpu).__name__ == "rms_norm_triton"
+        with ops.use_triton(False):  # the oracle: references only
+            assert ops._pick("rms_norm", ops.rms_norm_ref, x, ops.rms_norm_cpu) is ops.rms_norm_ref
     assert ops._FORCE is None
 
 

@@ -4,8 +4,9 @@ import torch
 from kernel_utils import poison_empty, assert_close
 
 from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from ridge.kernels.norm import rms_norm_ref, rms_norm_triton
-from ridge.kernels.rope import rope_ref, rope_triton
+from ridge.kernels.metadata import AttentionMetadata
+from ridge.kernels.norm import rms_norm_cpu, rms_norm_ref, rms_norm_triton
+from ridge.kernels.rope import rope_cpu, rope_ref, rope_triton
 from ridge.models.rope import rope_cos_sin
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -68,3 +69,55 @@ def test_silu_and_mul(dtype, rows, inter):
     x = (2 * torch.randn(rows, 2 * inter)).to(dtype)
     assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x))
 
+
+
+# -- the CPU paths (kernels/ops.py runs them for CPU tensors), against the same references ----------
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("rows,cols", [(1, 576), (17, 123)])
+def test_rms_norm_cpu_adds_the_residual_in_place(dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=g).to(dtype)
+    res = torch.randn(rows, cols, generator=g).to(dtype)
+    w = 1 + 0.1 * torch.randn(cols, generator=g)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    out, new_res = rms_norm_cpu(x.clone() if dtype != torch.float32 else x, w, 1e-5, res)
+    assert_close(new_res, ref_res)
+    assert_close(out, ref_out)
+    if dtype == torch.float32:  # fp32 runs the fused path: the sum lands in x itself
+        assert new_res is x
+    q = torch.randn(19, 7 * 32)[:, : 4 * 32].view(19, 4, 32)  # per-head norm of a strided view
+    assert_close(rms_norm_cpu(q, w[:32], 1e-6)[0], rms_norm_ref(q, w[:32], 1e-6)[0])
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (3, 1, 18)])
+def test_rope_cpu_in_place_with_the_steps_angles_kept(heads, kv_heads, dim):
+    num_tokens = 23
+    cos_sin = rope_cos_sin(dim, 512, 10000.0)
+    positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(dim))
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], list(range(num_tokens)))
+    for layer in range(2):  # the second layer reuses the angles the first looked up
+        qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim)
+        q = qkv[:, : heads * dim].view(num_tokens, heads, dim)
+        k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+        ref_q, ref_k = rope_ref(q, k, positions, cos_sin)
+        v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+        out_q, out_k = rope_cpu(q, k, positions, cos_sin, meta)
+        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+        assert_close(out_q, ref_q)
+        assert_close(out_k, ref_k)
+        assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "V must be untouched"
+        assert meta.rope_plan[0] is positions
+    other = positions.flip(0)  # another step's positions: looked up again
+    q, k = torch.randn(num_tokens, heads, dim), torch.randn(num_tokens, kv_heads, dim)
+    ref_q, _ = rope_ref(q, k, other, cos_sin)
+    assert_close(rope_cpu(q, k, other, cos_sin, meta)[0], ref_q)
+
+
+def test_rope_cpu_rotates_q_and_k_as_one_view_only_where_they_are_adjacent():
+    from ridge.kernels.rope import _adjacent
+    qkv = torch.randn(5, (9 + 2 * 3) * 64)
+    q, k = qkv[:, : 9 * 64].view(5, 9, 64), qkv[:, 9 * 64: 12 * 64].view(5, 3, 64)
+    (joint,) = _adjacent(q, k)
+    assert joint.shape == (5, 12, 64) and torch.equal(joint[:, 9:], k)
+    assert len(_adjacent(q, qkv[:, 12 * 64:].view(5, 3, 64))) == 2  # V's heads, not K's: apart
+    assert len(_adjacent(torch.randn(5, 9, 64), torch.randn(5, 3, 64))) == 2

@@ -158,6 +158,10 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
     runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to N rows)."""
     if mode == "fp32" or model.cos_sin.device.type != "cpu" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         return 0
+    if mode == "auto" and not any(isinstance(m, FP8Linear) and m.cpu_scale is not None for m in model.modules()):
+        # An unquantized model (--no-quantize) asked for its own weights: a bf16 copy would round
+        # them. FP8 weights fit bf16 exactly; the head's rounding is measured (docs/benchmarks.md).
+        return 0
     if mode != "auto":
         limit = int(mode.split(":")[1])
         for m in model.modules():

@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = ops.rope(q, k, positions, cos_sin)
+        q, k = ops.rope(q, k, positions, cos_sin, meta)
         ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.slot_mapping)
         o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta, self.scale)
         return self.o_proj(o.reshape(T, cfg.q_size))
