@@ -180,8 +180,11 @@ def test_bench_overhead_end_to_end(tmp_path):
 
     path, _, _ = make_tiny(tmp_path, "llama")
     out = tmp_path / "overhead.json"
+    # 3 x 40 prompt tokens need several steps at --max-num-seqs 4 (a 68-token budget): the fixture
+    # must fill the batch within the step buffers the engine sized at start-up.
     rc = main(["bench", "overhead", "--model", str(path), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "64",
-               "--batches", "1,3", "--context", "20", "--steps", "3", "--retries", "0", "--json", str(out)])
+               "--max-num-seqs", "4", "--batches", "1,3", "--context", "40", "--steps", "3", "--retries", "0",
+               "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["results"]["overhead"]
     assert [r["batch"] for r in rows] == [1, 3]

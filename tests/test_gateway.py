@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -179,13 +180,29 @@ def test_logprobs(oai):
     assert all(len(t) <= 2 for t in lp.top_logprobs)  # two tokens may share a text
 
 
+def test_response_format_constrains_the_output(oai):
+    """OpenAI's json_schema (chat) and ridge's regex (completions, as vLLM takes it) reach the
+    daemon's structured output: every sample conforms, greedy or not."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    chat_resp = oai.chat.completions.create(model="tiny", messages=chat("ok?"), max_tokens=64, n=2,
+                                            temperature=1.0, seed=5, response_format=fmt)
+    for c in chat_resp.choices:
+        assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content)["ok"], bool)
+    comp = oai.completions.create(model="tiny", prompt="pick", max_tokens=16, temperature=0,
+                                  extra_body={"response_format": {"type": "regex", "regex": "(yes|no)[0-9]{3}"}})
+    assert re.fullmatch("(yes|no)[0-9]{3}", comp.choices[0].text), comp.choices[0].text
+
+
 # -- errors ------------------------------------------------------------------------------------------
 def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="x", max_tokens=10**6)
     assert e.value.code == "invalid_field" and e.value.param == "max_tokens"
     for bad in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 0.5},
-                {"messages": []}, {"response_format": {"type": "json_object"}}):
+                {"messages": []}, {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+                {"response_format": {"type": "regex", "regex": "(ab"}}):
         with pytest.raises(openai.BadRequestError):
             oai.chat.completions.create(**{"model": "tiny", "messages": chat("x"), **bad})
     resp = post(daemon.url, "/v1/completions", {"prompt": "x" * (3 << 20)})

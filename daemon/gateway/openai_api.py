@@ -149,6 +149,15 @@ def _stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage"))
 
 
+def _response_format(body: dict, params: dict) -> None:
+    """OpenAI's response_format (json_schema, json_object) and ridge's (regex, grammar) go to the
+    daemon as they are (docs/protocol.md §3.2.1): it checks them and compiles them at admission,
+    and its invalid_request comes back as a 400."""
+    fmt = _opt(body, "response_format", dict, "an object")
+    if fmt and fmt.get("type") not in (None, "text"):
+        params["response_format"] = fmt
+
+
 # -- /v1/chat/completions ------------------------------------------------------------------------
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system message
 
@@ -186,10 +195,8 @@ def chat_request(body: dict, max_tokens: int) -> Generation:
     messages = chat_messages(body.get("messages"))
     if body.get("tools") and body.get("tool_choice") != "none":
         raise bad("tools are not supported by ridge", "tools")
-    fmt = _opt(body, "response_format", dict, "an object")
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise bad(f"response_format {fmt.get('type')!r} is not supported by ridge", "response_format")
     params, n = _sampling(body, max_tokens)
+    _response_format(body, params)
     stream, usage = _stream(body)
     top = None
     if _opt(body, "logprobs", bool, "a boolean"):
@@ -224,6 +231,7 @@ def completion_request(body: dict) -> Generation:
     if body.get("suffix"):
         raise bad("suffix is not supported by ridge", "suffix")
     params, n = _sampling(body, COMPLETION_DEFAULT_MAX_TOKENS)
+    _response_format(body, params)  # not in OpenAI's completions; vLLM and llama-server take it there too
     stream, usage = _stream(body)
     top = _opt(body, "logprobs", int, "an integer")
     if top is not None:

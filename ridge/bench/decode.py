@@ -20,24 +20,21 @@ class DecodeFixture:
     def __init__(self, engine, batch: int, context: int, tag: str, max_tokens: int = 4096):
         self.engine, self.batch, self.tag = engine, batch, tag
         cfg = engine.scheduler.config
+        if batch > engine.config.max_num_seqs:  # the step buffers are sized for it at start-up
+            raise ValueError(f"batch {batch} > --max-num-seqs {engine.config.max_num_seqs}")
         cfg.max_num_seqs = batch
-        saved = cfg.max_num_batched_tokens
-        cfg.max_num_batched_tokens = max(saved, 2048)  # a faster set-up; restored before timing
         room = engine.max_model_len - context - 1
         self.ids = []
         for i in range(batch):
             prompt = long_prompt(engine.tokenizer, QUESTIONS[i % len(QUESTIONS)] + f" ({i})", context)
             self.ids.append(engine.add_request(f"{tag}-{i}", prompt, greedy_params(max(1, min(max_tokens, room)))))
         seen: set[str] = set()
-        try:
-            while len(seen) < batch:
-                for o in engine.step():
-                    if o.new_token_ids:
-                        seen.add(o.request_id)
-                    if o.finished:
-                        raise RuntimeError(f"fixture request {o.request_id} finished early ({o.finish_reason}: {o.error})")
-        finally:
-            cfg.max_num_batched_tokens = saved
+        while len(seen) < batch:
+            for o in engine.step():
+                if o.new_token_ids:
+                    seen.add(o.request_id)
+                if o.finished:
+                    raise RuntimeError(f"fixture request {o.request_id} finished early ({o.finish_reason}: {o.error})")
         self.context = statistics.mean(len(r.prompt_token_ids) for r in engine.scheduler.running)
 
     def step(self) -> float:
