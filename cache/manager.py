@@ -50,6 +50,9 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached (on the device, or loaded from a tier)
         self.device_hits = self.device_misses = 0  # blocks
+        # The last lookup of each request not yet admitted: counted once, when it is (a request
+        # that waits for room is looked up again every step).
+        self.lookups: dict[str, tuple[int, int, bool]] = {}
         self.tiers: KVTiers | None = None
         self.offloaded: dict[str, Offloaded] = {}
 
@@ -72,11 +75,15 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(hits) * self.block_size
-        self.device_hits += len(hits)
-        self.device_misses += len(hits) < len(hashes)
+        self.lookups[req_id] = (len(token_ids), len(hits), len(hits) < len(hashes))
         return hits, len(hits) * self.block_size
+
+    def _count_lookup(self, req_id: str) -> None:
+        queries, hits, missed = self.lookups.pop(req_id, (0, 0, False))
+        self.prefix_queries += queries
+        self.prefix_hits += hits * self.block_size
+        self.device_hits += hits
+        self.device_misses += missed
 
     # -- KV tiers ---------------------------------------------------------------
     def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int) -> int:
@@ -139,6 +146,8 @@ class KVCacheManager:
         if not self.can_allocate(req_id, num_tokens, computed):
             raise ValueError(f"no room for {num_tokens} tokens of {req_id}: {self.pool.num_free_blocks} blocks free")
         blocks = self.req_blocks.setdefault(req_id, [])
+        if req_id in self.lookups:
+            self._count_lookup(req_id)
         if computed:
             assert not blocks, "prefix hits only at admission"
             self.pool.touch(computed)
@@ -185,6 +194,7 @@ class KVCacheManager:
 
     def free(self, req_id: str) -> None:
         self.abandon_offloaded(req_id)  # a load into its blocks finishes first
+        self.lookups.pop(req_id, None)
         blocks = self.req_blocks.pop(req_id, [])
         self.req_hashes.pop(req_id, None)
         self.pool.free(blocks[::-1])

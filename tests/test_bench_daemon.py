@@ -23,3 +23,13 @@ def test_daemon_and_in_process_share_the_pool_size(tmp_path):
     assert rnd["daemon"]["generated_tokens"] == rnd["local"]["generated_tokens"] == 4 * 5
     assert rnd["daemon"]["finish_reasons"] == {"length": 4}
     assert rnd["ratio"] > 0 and res["health"]["n"] == 20
+
+
+def test_startup_times_each_start_to_its_first_health_reply(tmp_path):
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "startup.json"
+    rc = main(["bench-daemon", "--model", str(path), "--device", "cpu", "--threads", "1", "--kv-memory-gib", "0.002",
+               "--startup", "2", "--json", str(out)])
+    assert rc == 0
+    times = json.loads(out.read_text())["startup_s"]
+    assert len(times) == 2 and all(0 < t < 120 for t in times)

@@ -88,6 +88,29 @@ def test_a_refused_allocation_with_prefix_hits_changes_nothing():
 
 # --- prefix caching ------------------------------------------------------------------------
 
+def test_a_lookup_counts_once_when_the_request_is_admitted():
+    """A request that waits for room is looked up again every step; the hit rate counts the
+    lookup that admitted it, once, and none for a request aborted while it waited."""
+    kv = KVCacheManager(4, BS)
+    prompt = list(range(13))
+    computed(kv, "a", prompt[:12])
+    kv.free("a")
+    kv.allocate("x", 1)
+    for _ in range(3):  # three steps without room
+        hits, n = kv.get_computed_blocks("b", prompt)
+        assert not kv.can_allocate("b", 13, hits)
+    assert (kv.prefix_queries, kv.prefix_hits, kv.device_hits) == (0, 0, 0)
+    kv.free("x")
+    hits, n = kv.get_computed_blocks("b", prompt)
+    kv.allocate("b", 13, hits)
+    assert (kv.prefix_queries, kv.prefix_hits, kv.device_hits, kv.device_misses) == (13, 12, 3, 0)
+    kv.free("b")
+    kv.get_computed_blocks("c", [7] * 9)
+    kv.free("c")  # aborted while waiting
+    kv.allocate("c", 9)
+    assert (kv.prefix_queries, kv.device_misses) == (13, 0)
+
+
 def test_the_same_prefix_hits_and_a_different_earlier_block_misses():
     kv = KVCacheManager(16, BS)
     a = computed(kv, "a", list(range(10)))
@@ -164,7 +187,8 @@ def test_without_caching_there_are_no_hits():
 def test_hit_rate_counts_prompt_tokens_found():
     kv = KVCacheManager(8, BS)
     computed(kv, "a", list(range(9)))
-    kv.get_computed_blocks("b", list(range(10)))
+    hits, _ = kv.get_computed_blocks("b", list(range(10)))
+    kv.allocate("b", 10, hits)  # counted at admission
     assert kv.prefix_hit_rate == 8 / 10
 
 

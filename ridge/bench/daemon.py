@@ -39,6 +39,8 @@ def add_bench_daemon_parser(sub) -> None:
     p.add_argument("--no-local", action="store_true", help="skip the in-process runs")
     p.add_argument("--rounds", type=int, default=2, help="alternating daemon / in-process rounds")
     p.add_argument("--no-stream", action="store_true", help="daemon requests without streaming (one frame each)")
+    p.add_argument("--startup", type=int, default=0, metavar="N",
+                   help="only time N starts of `ridge serve`, from exec to the first health reply")
     p.add_argument("--thread-check", action="store_true",
                    help="only time engine steps on the main thread, on another thread, and built on another thread")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -135,7 +137,7 @@ def _pool_blocks(endpoint: str) -> int:
         return int(c.hello()["model"]["num_kv_blocks"])
 
 
-def _spawn(args, in_flight: int):
+def _spawn(args, in_flight: int, poll_s: float = 0.2):
     tmp = tempfile.mkdtemp(prefix="ridge-bench-")
     endpoint = f"ipc://{tmp}/ridge.sock"
     from ridge.engine.config import engine_options
@@ -152,8 +154,28 @@ def _spawn(args, in_flight: int):
     while not socket_alive(ipc_path(endpoint)):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the daemon did not start:\n{proc.stderr.read()}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
     return proc, endpoint
+
+
+def startup_times(args, n: int) -> list[float]:
+    """Seconds from the exec of `ridge serve` to its first health reply, n starts in a row: the
+    first may convert the model into the cache, the later ones start as a restart does."""
+    from ridge.daemon.client import Client
+
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        proc, endpoint = _spawn(args, 1, poll_s=0.01)
+        try:
+            with Client(endpoint) as c:
+                c.health()
+            times.append(time.perf_counter() - t0)
+            print(f"start {i}: ready in {times[-1]:.2f} s", flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+    return times
 
 
 def _timed_steps(engine, tag: str, batch: int = 32, steps: int = 40) -> dict:
@@ -206,8 +228,13 @@ def run_bench_daemon(args) -> int:
 
     from .workloads import make_workload
 
-    if args.thread_check:
-        res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:]), "thread_check": thread_check(args)}
+    if args.thread_check or args.startup:
+        res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:])}
+        if args.thread_check:
+            res["thread_check"] = thread_check(args)
+        if args.startup:
+            t = res["startup_s"] = startup_times(args, args.startup)
+            print(f"ready after a start: first {t[0]:.2f} s, then median {statistics.median(t[1:] or t):.2f} s")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

@@ -70,12 +70,16 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.max_model_len = min(max_model_len or cfg.max_position, cfg.max_position)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # No initialisation: load_weights replaces the table, and a random init on the meta device
+        # imports torch's compiler stack (1.4 s of start-up).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = FP8Linear(cfg.hidden_size, cfg.vocab_size)
-        self.register_buffer("cos_sin", rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta,
-                                                     cfg.rope_scaling), persistent=False)
+        # Built by load_weights on the model's device (on the meta device, building it here would
+        # import torch's compiler stack: 1.3 s of start-up).
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
