@@ -57,6 +57,25 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     flat_v.index_copy_(0, slot_mapping, value)
 
 
+
+def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                 meta=None) -> None:
+    """CPU path: write_kv_ref's contract, but whether every slot is real (no padding to skip) is
+    asked once a step, kept on `meta` for the other layers: the check is three ops and a host
+    read, a third of a batch-1 layer's write."""
+    if k_cache.dtype == FP8 or meta is None or meta.slot_mapping is not slot_mapping:
+        return write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    if meta.all_slots_valid is None:
+        meta.all_slots_valid = bool((slot_mapping >= 0).all())
+    if not meta.all_slots_valid:
+        return write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    num_blocks, block_size, num_heads, head_dim = k_cache.shape
+    assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
+    k_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
 # ---------------------------------------------------------------------------
 # Triton: one pass over the new K (or V) rows: amax, scale, quantize, scatter:
 # read once, write once. The reference makes about 13 passes (abs 2, amax 1,

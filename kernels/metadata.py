@@ -19,9 +19,10 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     query_lens_host: list[int]
     # Built once per step by the torch reference and reused by every layer (kernels/attention.py),
-    # and the step's RoPE angles for the CPU path (kernels/rope.py).
+    # the step's RoPE angles and slot check for the CPU paths (kernels/rope.py, kernels/kv_cache.py).
     ref_plan: object = None
     rope_plan: object = None
+    all_slots_valid: bool | None = None  # no padding slot (-1) among slot_mapping; None = not asked yet
 
     @property
     def num_seqs(self) -> int:

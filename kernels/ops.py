@@ -16,7 +16,7 @@ import torch
 
 from .activation import silu_and_mul_ref
 from .attention import paged_attention_ref
-from .kv_cache import write_kv_ref
+from .kv_cache import write_kv_cpu, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
 from .norm import rms_norm_cpu, rms_norm_ref
@@ -97,9 +97,13 @@ def fp8_linear(x, weight, weight_scale, bias=None):
         return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
 
 
-def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):
+    """The CPU path asks once a step (kept on `meta`) whether any slot is padding."""
     with section("kv_write"):
-        return _pick("write_kv", write_kv_ref, key)(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        fn = _pick("write_kv", write_kv_ref, key, write_kv_cpu)
+        if fn is write_kv_cpu:
+            return write_kv_cpu(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
+        return fn(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):

@@ -9,9 +9,11 @@ CPU small-batch format: a step of few tokens is bandwidth-bound, and a bf16
 GEMV reads half the bytes of an fp32 one, while bf16 GEMMs are slower than
 fp32 at large batch on AVX2. So the engine may enable a bf16 copy used for
 the step sizes where it is faster, measured per matrix shape at start-up
-(engine/cpu_format.py). The copy holds the exact e4m3 values (they
-fit bf16) and applies the per-channel scale to the output; activations and
-outputs are rounded to bf16, as on a GPU. The copy is laid out once in oneDNN's
+(engine/cpu_format.py). The copy holds each weight times its channel's scale
+rounded to bf16 (8 significant bits around the e4m3 value's 4: a relative
+error of at most 2^-9, measured in docs/benchmarks.md), so a product is one op
+with no scale to apply; activations and outputs are rounded to bf16, as on a
+GPU. The copy is laid out once in oneDNN's
 blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
 out on every call, a cost that grows with the step's token count; packed, a
 verification of k drafts costs about what one token does (docs/benchmarks.md)."""
@@ -53,7 +55,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(0))
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
-        self.cpu_scale: torch.Tensor | None = None  # per-channel scale of an upcast FP8 weight
+        self.cpu_scale: torch.Tensor | None = None  # per-channel scale of an upcast FP8 weight (marks it FP8)
         self.lowp: torch.Tensor | None = None  # bf16 copy for the CPU step sizes where it is faster
         # Step sizes (ascending bounds) and whether bf16 runs at each: a step of n rows takes the
         # choice of the first bound >= n, the last one's past the end.
@@ -86,11 +88,7 @@ class FP8Linear(nn.Module):
         if not any(use for _, use in plan) or self.is_fp8:
             self.lowp, self.lowp_bounds, self.lowp_use = None, [], []
             return
-        if self.cpu_scale is not None:  # recover the exact e4m3 values
-            lowp = (self.weight / self.cpu_scale[:, None]).to(FP8).to(torch.bfloat16)
-        else:
-            lowp = self.weight.to(torch.bfloat16)
-        self.lowp = pack_bf16(lowp)
+        self.lowp = pack_bf16(self.weight.to(torch.bfloat16))
         self.lowp_bounds, self.lowp_use = [b for b, _ in plan], [u for _, u in plan]
 
     def uses_lowp(self, rows: int) -> bool:
@@ -107,9 +105,6 @@ class FP8Linear(nn.Module):
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowp is not None and self.uses_lowp(x.shape[0]):
-            y = bf16_linear(x.to(torch.bfloat16), self.lowp)
-            if self.cpu_scale is not None:
-                y = y * self.cpu_scale  # bf16 * fp32 promotes: the upcast and the scale in one op
-            y = y.to(x.dtype)
+            y = bf16_linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

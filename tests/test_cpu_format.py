@@ -84,3 +84,16 @@ def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
     quantized = Model(quantized=True)
     cpu_format.choose_cpu_format(quantized, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4)
     assert "48x32" in timings.read_text() and "96x32" in timings.read_text()
+
+
+def test_shapes_are_timed_cold_over_enough_weights(monkeypatch):
+    """A real step streams every weight through the cache, so each shape is timed over enough of
+    the model's weights of that shape to overflow the last-level cache twice (in fp32)."""
+    assert cpu_format.llc_bytes() > 0
+    monkeypatch.setattr(cpu_format, "llc_bytes", lambda: 10_000)
+    ws = [torch.zeros(48, 32) for _ in range(30)]  # 6,144 bytes each
+    assert len(cpu_format.cold_set(ws)) == 4  # ceil(20,000 / 6,144)
+    assert len(cpu_format.cold_set(ws[:2])) == 2  # all there are
+    assert len(cpu_format.cold_set([torch.zeros(100, 100)])) == 1  # larger than the cache alone
+    times = cpu_format.measure_shape(cpu_format.cold_set(ws), [1, 3])
+    assert set(times) == {1, 3} and all(t32 > 0 and t16 > 0 for t32, t16 in times.values())

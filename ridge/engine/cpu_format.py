@@ -6,6 +6,10 @@ wins at every size (machine-facts). Neither can be assumed, and the crossover
 differs per matrix shape, so every shape class of the model is timed in both
 formats at every step size the scheduler makes (powers of two up to the step
 budget, and the budget), and each size takes the faster format with a margin.
+A step streams every layer's weights through the cache, so a shape is timed
+cold: over as many of the model's own weights of that shape as it takes to
+overflow the last-level cache (timing one weight again and again kept small
+ones cache-resident and chose fp32 where bf16 is faster in a real step).
 The timings are cached per CPU model, torch version and thread count, so only
 the first start on a machine pays for them."""
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
 log = logging.getLogger("ridge.engine")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: timed cold, over several weights
 
 
 def keep_freed_memory() -> bool:
@@ -45,17 +49,25 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
 
 
-def _time(fn, budget_s: float = 0.02) -> float:
-    """Best of a few runs after a warm-up; large products get fewer runs."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    best = time.perf_counter() - t0
-    for _ in range(min(4, int(budget_s / max(best, 1e-6)))):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def llc_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or 32 << 20
+
+
+def cold_set(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Enough of the weights (all, if they fit) to overflow the last-level cache twice in fp32."""
+    one = weights[0].numel() * 4
+    return weights[: max(1, min(len(weights), -(-2 * llc_bytes() // one)))]
 
 
 def step_sizes(max_tokens: int) -> list[int]:
@@ -99,14 +111,26 @@ def _save_cache(data: dict) -> None:
         log.warning("could not cache the CPU format timings in %s: %s", path, e)
 
 
-def measure_shape(weight: torch.Tensor, sizes: list[int]) -> dict[int, tuple[float, float]]:
-    """{size: (fp32 seconds, bf16 seconds)} for x @ weight.T at each step size."""
-    wb = pack_bf16(weight.to(torch.bfloat16))
+def measure_shape(weights: list[torch.Tensor], sizes: list[int]) -> dict[int, tuple[float, float]]:
+    """{size: (fp32 seconds, bf16 seconds)} for one x @ weight.T at each step size, averaged over
+    the weights (all of one shape, together larger than the cache: each product runs cold).
+    Each pass is already an average of several products, so the best of two passes per format,
+    interleaved, after one product per format has primed oneDNN's kernel for the size."""
+    packed = [pack_bf16(w.to(torch.bfloat16)) for w in weights]
     times = {}
     for n in sizes:
-        x = torch.randn(n, weight.shape[1])
+        x = torch.randn(n, weights[0].shape[1])
         xb = x.to(torch.bfloat16)
-        times[n] = (_time(lambda: F.linear(x, weight)), _time(lambda: bf16_linear(xb, wb)))
+        F.linear(x, weights[0])
+        bf16_linear(xb, packed[0])
+        best = [float("inf"), float("inf")]
+        for _ in range(2):
+            for i, (run, ws, inp) in enumerate(((F.linear, weights, x), (bf16_linear, packed, xb))):
+                t0 = time.perf_counter()
+                for w in ws:
+                    run(inp, w)
+                best[i] = min(best[i], (time.perf_counter() - t0) / len(ws))
+        times[n] = (best[0], best[1])
     return times
 
 
@@ -119,20 +143,20 @@ def measure_plans(model, max_tokens: int, max_head_rows: int) -> dict[tuple[int,
     """One plan per weight shape, from timings cached on disk where this machine has them. The head
     sees only the rows that sample (at most max_head_rows), the other products every token."""
     head = tuple(model.lm_head.weight.shape)
-    shapes = {}
+    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in model.modules():
         if isinstance(m, FP8Linear) and m.weight.numel():
-            shapes.setdefault(tuple(m.weight.shape), m.weight)
+            shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
     cache, key, dirty = _load_cache(), _cpu_key(), False
     mine = cache.setdefault(key, {})
     plans = {}
-    for shape, w in shapes.items():
+    for shape, ws in shapes.items():
         sizes = step_sizes(min(max_head_rows, max_tokens) if shape == head else max_tokens)
         name = f"{shape[0]}x{shape[1]}"
         known = {int(n): tuple(t) for n, t in mine.get(name, {}).items()}
         todo = [n for n in sizes if n not in known]
         if todo:
-            known.update(measure_shape(w, todo))
+            known.update(measure_shape(cold_set(ws), todo))
             mine[name] = {str(n): list(t) for n, t in sorted(known.items())}
             dirty = True
         plans[shape] = plan_from_times({n: known[n] for n in sizes})
