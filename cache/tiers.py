@@ -22,6 +22,7 @@ queue; the tiers are a store beside it. The manager (manager.py) calls in:
 tier work: the engine's stats report it per step)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -39,6 +40,14 @@ from .host_tier import HostTier
 
 log = logging.getLogger("ridge.cache")
 WRITE_QUEUE_BYTES = 256 << 20  # disk writes waiting beyond this are dropped (the block stays in host RAM)
+
+
+def _stop_at_exit(ref) -> None:
+    """Stop a live engine's tier threads before the interpreter tears down: a daemon thread
+    still inside a torch op or a file write then aborted the process at exit ("terminate
+    called without an active exception"). Queued writes get a few seconds, not a flush."""
+    if (tiers := ref()) is not None:
+        tiers.close(timeout=5.0)
 
 
 def _serve(q: queue.Queue, ref, fn) -> None:
@@ -97,6 +106,7 @@ class KVTiers:
                                              (self._write_q, KVTiers._write, "ridge-kv-write"))]
         for t in self._threads:
             t.start()
+        atexit.register(_stop_at_exit, me)
 
     def __del__(self):
         for q in (self._load_q, self._write_q):
@@ -306,6 +316,9 @@ class KVTiers:
         return self._write_bytes <= 0
 
     def close(self, timeout: float = 30.0) -> None:
+        """Stop the threads once they have served what is queued (idempotent)."""
+        if not any(t.is_alive() for t in self._threads):
+            return
         for q in (self._load_q, self._write_q):
             q.put(None)
         for t in self._threads:

@@ -295,3 +295,29 @@ def test_a_daemon_killed_with_sigkill_serves_the_prefix_from_disk_after_a_restar
         assert t["disk"]["hits"] == 4 and t["disk"]["corrupt"] == 0
     finally:
         assert again.stop() == 0, again.output()
+
+
+def test_tier_threads_stop_before_the_interpreter_exits(loaded, workload, tmp_path):
+    """An engine nobody closed (a script that just returns): its tier threads are stopped at
+    exit, after what they had queued, and the process exits cleanly."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = textwrap.dedent(f"""
+        import atexit, sys, threading
+        sys.path.insert(0, {tests_dir!r})
+        from engine_utils import greedy, make_engine
+        from ridge.models.loader import load_model
+        # Registered first, so it runs last (atexit is last-in, first-out): after the engine's.
+        atexit.register(lambda: print("alive at exit:", sorted(t.name for t in threading.enumerate()
+                                                             if t.name.startswith("ridge-kv")), flush=True))
+        eng = make_engine(load_model({str(loaded.path)!r}, device="cpu", use_cache=False, show_progress=False),
+                          kv_disk=True)
+        eng.add_request("a", {workload[0]!r}, greedy(4))
+        while eng.has_unfinished():
+            eng.step()
+        print("served", flush=True)
+    """)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines()[-2:] == ["served", "alive at exit: []"], p.stdout
+    assert len(list((tmp_path / "xdg").rglob("*.kvb"))) >= 4  # the prompt's full blocks, written before exit
