@@ -80,15 +80,16 @@ class FP8Linear(nn.Module):
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
 
-    def enable_lowp(self, plan: int | list[tuple[int, bool]]) -> None:
+    def enable_lowp(self, plan: int | list[tuple[int, bool]], packed: torch.Tensor | None = None) -> None:
         """Keep a bf16 copy for the CPU step sizes where it runs: plan is [(size bound, use bf16)]
-        ascending, or N for "steps of at most N rows" (0 drops the copy)."""
+        ascending, or N for "steps of at most N rows" (0 drops the copy). packed: that copy,
+        where the format measurement already made it (pack_bf16 of the weight)."""
         if isinstance(plan, int):
             plan = [(plan, True), (plan + 1, False)] if plan > 0 else []
         if not any(use for _, use in plan) or self.is_fp8:
             self.lowp, self.lowp_bounds, self.lowp_use = None, [], []
             return
-        self.lowp = pack_bf16(self.weight.to(torch.bfloat16))
+        self.lowp = packed if packed is not None else pack_bf16(self.weight.to(torch.bfloat16))
         self.lowp_bounds, self.lowp_use = [b for b, _ in plan], [u for _, u in plan]
 
     def uses_lowp(self, rows: int) -> bool:

@@ -55,13 +55,18 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
             self.a, self.b, self.lm_head = _linear(48, 32), _linear(48, 32), _linear(96, 32)
 
     m = Model()
-    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4)
+    packs = {}
+    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, packs=packs)
     assert set(plans) == {(48, 32), (96, 32)}
+    # The bf16 copies made to time the weights are handed back for the layers to keep.
+    assert set(packs) == {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
     assert [n for n, _ in plans[(48, 32)]] == [1, 2, 4, 8, 16, 20]
     assert [n for n, _ in plans[(96, 32)]] == [1, 2, 4]  # the head only sees sampled rows
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
-    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4)  # from the cache: the same plans
+    again_packs = {}
+    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, packs=again_packs)  # from the cache
     assert again == plans and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
+    assert again_packs == {}  # nothing timed, nothing packed
 
 
 def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):

@@ -111,20 +111,23 @@ def _save_cache(data: dict) -> None:
         log.warning("could not cache the CPU format timings in %s: %s", path, e)
 
 
-def measure_shape(weights: list[torch.Tensor], sizes: list[int]) -> dict[int, tuple[float, float]]:
+def measure_shape(weights: list[torch.Tensor], sizes: list[int],
+                  packed: list[torch.Tensor] | None = None) -> dict[int, tuple[float, float]]:
     """{size: (fp32 seconds, bf16 seconds)} for one x @ weight.T at each step size, averaged over
     the weights (all of one shape, together larger than the cache: each product runs cold).
-    Each pass is already an average of several products, so the best of two passes per format,
-    interleaved, after one product per format has primed oneDNN's kernel for the size."""
-    packed = [pack_bf16(w.to(torch.bfloat16)) for w in weights]
+    Each pass is already an average of several products; a second pass (best of two, the
+    formats interleaved) only where the first left the choice close. One bf16 product
+    first primes oneDNN's kernel for the size. packed: the weights' bf16 copies, where made."""
+    packed = packed or [pack_bf16(w.to(torch.bfloat16)) for w in weights]
     times = {}
     for n in sizes:
         x = torch.randn(n, weights[0].shape[1])
         xb = x.to(torch.bfloat16)
-        F.linear(x, weights[0])
         bf16_linear(xb, packed[0])
         best = [float("inf"), float("inf")]
-        for _ in range(2):
+        for round_ in range(2):
+            if round_ and not 0.6 * MARGIN < best[1] / best[0] < 1.5 * MARGIN:
+                break
             for i, (run, ws, inp) in enumerate(((F.linear, weights, x), (bf16_linear, packed, xb))):
                 t0 = time.perf_counter()
                 for w in ws:
@@ -139,9 +142,11 @@ def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bo
     return [(n, t16 <= MARGIN * t32) for n, (t32, t16) in sorted(times.items())]
 
 
-def measure_plans(model, max_tokens: int, max_head_rows: int) -> dict[tuple[int, int], list[tuple[int, bool]]]:
+def measure_plans(model, max_tokens: int, max_head_rows: int,
+                  packs: dict[int, torch.Tensor] | None = None) -> dict[tuple[int, int], list[tuple[int, bool]]]:
     """One plan per weight shape, from timings cached on disk where this machine has them. The head
-    sees only the rows that sample (at most max_head_rows), the other products every token."""
+    sees only the rows that sample (at most max_head_rows), the other products every token.
+    packs (out): id(weight) -> the bf16 copy made to time it, for the layer to keep."""
     head = tuple(model.lm_head.weight.shape)
     shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in model.modules():
@@ -156,7 +161,11 @@ def measure_plans(model, max_tokens: int, max_head_rows: int) -> dict[tuple[int,
         known = {int(n): tuple(t) for n, t in mine.get(name, {}).items()}
         todo = [n for n in sizes if n not in known]
         if todo:
-            known.update(measure_shape(cold_set(ws), todo))
+            cold = cold_set(ws)
+            packed = [pack_bf16(w.to(torch.bfloat16)) for w in cold]
+            if packs is not None:
+                packs.update((id(w), pk) for w, pk in zip(cold, packed))
+            known.update(measure_shape(cold, todo, packed))
             mine[name] = {str(n): list(t) for n, t in sorted(known.items())}
             dirty = True
         plans[shape] = plan_from_times({n: known[n] for n in sizes})
@@ -194,10 +203,11 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
         log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (set)", limit)
         return limit
     t0 = time.perf_counter()
-    plans = measure_plans(model, max_tokens, max_head_rows)
+    packs: dict[int, torch.Tensor] = {}
+    plans = measure_plans(model, max_tokens, max_head_rows, packs)
     for m in model.modules():
         if isinstance(m, FP8Linear) and m.weight.numel():
-            m.enable_lowp(plans[tuple(m.weight.shape)])
+            m.enable_lowp(plans[tuple(m.weight.shape)], packs.get(id(m.weight)))
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
              "; ".join(f"{o}x{i}: {describe(p)}" for (o, i), p in plans.items()))
     return max((n for p in plans.values() for n, use in p if use), default=0)
