@@ -16,7 +16,9 @@ with no scale to apply; activations and outputs are rounded to bf16, as on a
 GPU. The copy is laid out once in oneDNN's
 blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
 out on every call, a cost that grows with the step's token count; packed, a
-verification of k drafts costs about what one token does (docs/benchmarks.md)."""
+verification of k drafts costs about what one token does (docs/benchmarks.md).
+A one-row step may instead take a plain bf16 copy through ATen's own GEMV
+(gemv_bf16), where that measures faster still."""
 from __future__ import annotations
 
 import bisect
@@ -37,6 +39,19 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
     except (AttributeError, RuntimeError):  # no oneDNN in this torch build
         return w
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for one bf16 row and a plain bf16 [out, in] weight, through ATen's own bf16 GEMV
+    (fp32 accumulation) rather than oneDNN: with oneDNN switched off for the call, torch takes
+    its native path, which streams the weight at close to memory bandwidth where oneDNN's
+    one-row kernel does not (docs/benchmarks.md, issue 17). The switch is a global flag read
+    at dispatch, restored at once; the engine runs its steps on one thread."""
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, w)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -61,6 +76,7 @@ class FP8Linear(nn.Module):
         # choice of the first bound >= n, the last one's past the end.
         self.lowp_bounds: list[int] = []
         self.lowp_use: list[bool] = []
+        self.gemv: torch.Tensor | None = None  # plain bf16 copy for one-row steps, where gemv_bf16 is faster
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
@@ -92,6 +108,13 @@ class FP8Linear(nn.Module):
         self.lowp = packed if packed is not None else pack_bf16(self.weight.to(torch.bfloat16))
         self.lowp_bounds, self.lowp_use = [b for b, _ in plan], [u for _, u in plan]
 
+    def enable_gemv(self, on: bool, plain: torch.Tensor | None = None) -> None:
+        """Keep a plain bf16 copy (plain, where already made) for one-row steps: gemv_bf16."""
+        if not on or self.is_fp8:
+            self.gemv = None
+            return
+        self.gemv = plain if plain is not None else self.weight.to(torch.bfloat16)
+
     def uses_lowp(self, rows: int) -> bool:
         if self.lowp is None:
             return False
@@ -105,6 +128,9 @@ class FP8Linear(nn.Module):
             return self._cpu_forward(x)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1:
+            y = gemv_bf16(x.to(torch.bfloat16), self.gemv).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if self.lowp is not None and self.uses_lowp(x.shape[0]):
             y = bf16_linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
             return y if self.bias is None else y + self.bias

@@ -2,6 +2,8 @@
 at every size the scheduler makes, and the timings are cached per machine."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from ridge.engine import cpu_format
@@ -35,6 +37,25 @@ def test_each_size_takes_the_faster_format_and_a_loss_does_not_end_the_search():
     assert cpu_format.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
 
 
+def test_one_row_steps_take_the_gemv_where_it_is_kept():
+    """enable_gemv: one-row steps through ATen's bf16 GEMV on a plain bf16 copy, every other step
+    size as before; the result is the bf16 product's, and oneDNN is switched back on after."""
+    lin = _linear()
+    lin.enable_lowp([(1, True), (8, True)])
+    lin.enable_gemv(True)
+    assert lin.gemv.dtype == torch.bfloat16 and not lin.gemv.is_mkldnn
+    from ridge.quant.linear import gemv_bf16
+    for rows in (1, 3):
+        x = torch.randn(rows, 32)
+        ref = torch.nn.functional.linear(x, lin.weight)
+        torch.testing.assert_close(lin(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    x = torch.randn(1, 32)
+    assert torch.equal(lin(x), gemv_bf16(x.to(torch.bfloat16), lin.gemv).float())
+    assert torch._C._get_mkldnn_enabled()  # switched back on
+    lin.enable_gemv(False)
+    assert lin.gemv is None
+
+
 def test_a_layer_follows_its_plan_by_step_size():
     lin = _linear()
     lin.enable_lowp([(1, False), (4, True), (8, False)])
@@ -55,18 +76,21 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
             self.a, self.b, self.lm_head = _linear(48, 32), _linear(48, 32), _linear(96, 32)
 
     m = Model()
-    packs = {}
-    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, packs=packs)
+    made = {}
+    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=made)
     assert set(plans) == {(48, 32), (96, 32)}
     # The bf16 copies made to time the weights are handed back for the layers to keep.
-    assert set(packs) == {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
-    assert [n for n, _ in plans[(48, 32)]] == [1, 2, 4, 8, 16, 20]
-    assert [n for n, _ in plans[(96, 32)]] == [1, 2, 4]  # the head only sees sampled rows
+    ids = {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
+    assert set(made) == {(i, kind) for i in ids for kind in ("packed", "plain")}
+    assert [n for n, _ in plans[(48, 32)].plan] == [1, 2, 4, 8, 16, 20]
+    assert [n for n, _ in plans[(96, 32)].plan] == [1, 2, 4]  # the head only sees sampled rows
+    timings = json.loads((tmp_path / "ridge" / "cpu-format.json").read_text())
+    assert all(t["48x32"]["gemv"] > 0 for t in timings.values())  # the one-row GEMV timed too
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
-    again_packs = {}
-    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, packs=again_packs)  # from the cache
+    again_made = {}
+    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=again_made)  # from the cache
     assert again == plans and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
-    assert again_packs == {}  # nothing timed, nothing packed
+    assert again_made == {}  # nothing timed, nothing packed
 
 
 def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):

@@ -18,17 +18,18 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
+from ridge.quant.linear import FP8Linear, bf16_linear, gemv_bf16, pack_bf16
 
 log = logging.getLogger("ridge.engine")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
-CACHE_VERSION = 2  # 2: timed cold, over several weights
+CACHE_VERSION = 3  # 2: timed cold, over several weights; 3: the one-row GEMV timed too
 
 
 def keep_freed_memory() -> bool:
@@ -137,16 +138,42 @@ def measure_shape(weights: list[torch.Tensor], sizes: list[int],
     return times
 
 
+def measure_gemv(plain: list[torch.Tensor]) -> float:
+    """Seconds for one row through gemv_bf16, averaged over the weights' plain bf16 copies
+    (cold, as in measure_shape); best of two passes."""
+    x = torch.randn(1, plain[0].shape[1], dtype=torch.bfloat16)
+    gemv_bf16(x, plain[0])
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for w in plain:
+            gemv_bf16(x, w)
+        best = min(best, (time.perf_counter() - t0) / len(plain))
+    return best
+
+
+@dataclass
+class ShapeFormat:
+    """The formats one weight shape runs in: packed bf16 by step size (plan: [(size bound, use
+    bf16)]), else fp32; and one-row steps through gemv_bf16 where that beat both."""
+    plan: list[tuple[int, bool]]
+    gemv: bool = False
+
+    def describe(self) -> str:
+        return ("gemv 1 row, " if self.gemv else "") + describe(self.plan)
+
+
 def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bool]]:
     """-> [(size bound, use bf16)]: each measured size takes the faster format."""
     return [(n, t16 <= MARGIN * t32) for n, (t32, t16) in sorted(times.items())]
 
 
 def measure_plans(model, max_tokens: int, max_head_rows: int,
-                  packs: dict[int, torch.Tensor] | None = None) -> dict[tuple[int, int], list[tuple[int, bool]]]:
-    """One plan per weight shape, from timings cached on disk where this machine has them. The head
-    sees only the rows that sample (at most max_head_rows), the other products every token.
-    packs (out): id(weight) -> the bf16 copy made to time it, for the layer to keep."""
+                  made: dict[tuple[int, str], torch.Tensor] | None = None) -> dict[tuple[int, int], ShapeFormat]:
+    """The formats of each weight shape, from timings cached on disk where this machine has them.
+    The head sees only the rows that sample (at most max_head_rows), the other products every
+    token. made (out): (id(weight), "packed" | "plain") -> the bf16 copy made to time it, for
+    the layer to keep."""
     head = tuple(model.lm_head.weight.shape)
     shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in model.modules():
@@ -158,17 +185,23 @@ def measure_plans(model, max_tokens: int, max_head_rows: int,
     for shape, ws in shapes.items():
         sizes = step_sizes(min(max_head_rows, max_tokens) if shape == head else max_tokens)
         name = f"{shape[0]}x{shape[1]}"
-        known = {int(n): tuple(t) for n, t in mine.get(name, {}).items()}
+        entry = mine.get(name, {})
+        known = {int(n): tuple(t) for n, t in entry.items() if n.isdigit()}
+        gemv_s = entry.get("gemv")
         todo = [n for n in sizes if n not in known]
-        if todo:
+        if todo or gemv_s is None:
             cold = cold_set(ws)
-            packed = [pack_bf16(w.to(torch.bfloat16)) for w in cold]
-            if packs is not None:
-                packs.update((id(w), pk) for w, pk in zip(cold, packed))
-            known.update(measure_shape(cold, todo, packed))
-            mine[name] = {str(n): list(t) for n, t in sorted(known.items())}
+            plain = [w.to(torch.bfloat16) for w in cold]
+            packed = [pack_bf16(w) for w in plain]
+            if made is not None:
+                made.update(((id(w), "packed"), pk) for w, pk in zip(cold, packed))
+                made.update(((id(w), "plain"), pl) for w, pl in zip(cold, plain))
+            known.update(measure_shape(cold, todo, packed) if todo else {})
+            gemv_s = measure_gemv(plain)
+            mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s}
             dirty = True
-        plans[shape] = plan_from_times({n: known[n] for n in sizes})
+        # One-row steps take the GEMV where it beats both other formats at one row.
+        plans[shape] = ShapeFormat(plan_from_times({n: known[n] for n in sizes}), gemv_s <= MARGIN * min(known[1]))
     if dirty:
         _save_cache(cache)
     return plans
@@ -203,11 +236,13 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
         log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (set)", limit)
         return limit
     t0 = time.perf_counter()
-    packs: dict[int, torch.Tensor] = {}
-    plans = measure_plans(model, max_tokens, max_head_rows, packs)
+    made: dict[tuple[int, str], torch.Tensor] = {}
+    formats = measure_plans(model, max_tokens, max_head_rows, made)
     for m in model.modules():
         if isinstance(m, FP8Linear) and m.weight.numel():
-            m.enable_lowp(plans[tuple(m.weight.shape)], packs.get(id(m.weight)))
+            f = formats[tuple(m.weight.shape)]
+            m.enable_lowp(f.plan, made.get((id(m.weight), "packed")))
+            m.enable_gemv(f.gemv, made.get((id(m.weight), "plain")))
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
-             "; ".join(f"{o}x{i}: {describe(p)}" for (o, i), p in plans.items()))
-    return max((n for p in plans.values() for n, use in p if use), default=0)
+             "; ".join(f"{o}x{i}: {f.describe()}" for (o, i), f in formats.items()))
+    return max((n for f in formats.values() for n, use in f.plan if use), default=0)
