@@ -126,3 +126,12 @@ def test_shapes_are_timed_cold_over_enough_weights(monkeypatch):
     assert len(cpu_format.cold_set([torch.zeros(100, 100)])) == 1  # larger than the cache alone
     times = cpu_format.measure_shape(cpu_format.cold_set(ws), [1, 3])
     assert set(times) == {1, 3} and all(t32 > 0 and t16 > 0 for t32, t16 in times.values())
+
+
+def test_timings_are_kept_per_instruction_set(tmp_path, monkeypatch):
+    """The same CPU capped to AVX2 (ONEDNN_MAX_CPU_ISA) is another machine to the timings."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    full = cpu_format._cpu_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_format._cpu_key() != full and torch.backends.cpu.get_cpu_capability() in full

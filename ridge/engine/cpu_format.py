@@ -86,7 +86,11 @@ def _cpu_key() -> str:
             name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    return f"v{CACHE_VERSION}|{name or os.uname().machine}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    # The instruction sets torch and oneDNN may use are part of the machine: ATEN_CPU_CAPABILITY and
+    # ONEDNN_MAX_CPU_ISA can cap them below what the CPU has (an AVX-512 CPU run as an AVX2 one).
+    isa = f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
+    return (f"v{CACHE_VERSION}|{name or os.uname().machine}|{isa}|torch {torch.__version__}"
+            f"|threads {torch.get_num_threads()}")
 
 
 def _cache_path() -> Path:
@@ -112,29 +116,44 @@ def _save_cache(data: dict) -> None:
         log.warning("could not cache the CPU format timings in %s: %s", path, e)
 
 
+def _pass(run, ws: list[torch.Tensor], x: torch.Tensor, stop_after: float = float("inf")) -> float:
+    """Seconds per product over the weights; stops early once stop_after seconds have passed
+    (the average of the products done is then already known to be that slow)."""
+    t0 = time.perf_counter()
+    for i, w in enumerate(ws, 1):
+        run(x, w)
+        if (elapsed := time.perf_counter() - t0) > stop_after:
+            return elapsed / i
+    return (time.perf_counter() - t0) / len(ws)
+
+
 def measure_shape(weights: list[torch.Tensor], sizes: list[int],
                   packed: list[torch.Tensor] | None = None) -> dict[int, tuple[float, float]]:
     """{size: (fp32 seconds, bf16 seconds)} for one x @ weight.T at each step size, averaged over
     the weights (all of one shape, together larger than the cache: each product runs cold).
-    Each pass is already an average of several products; a second pass (best of two, the
-    formats interleaved) only where the first left the choice close. One bf16 product
-    first primes oneDNN's kernel for the size. packed: the weights' bf16 copies, where made."""
+    The format that was faster at the previous size runs first; the other stops once it has
+    taken twice as long (it has lost by then, whatever the rest would take), which keeps a
+    format that is far slower at large sizes cheap to rule out. A second round (best of two)
+    only where the first left the choice close. One bf16 product first primes oneDNN's kernel
+    for the size (where the copies are oneDNN's). packed: the weights' bf16 copies, where made."""
     packed = packed or [pack_bf16(w.to(torch.bfloat16)) for w in weights]
     times = {}
+    first = 1  # bf16 first until a size shows otherwise
     for n in sizes:
         x = torch.randn(n, weights[0].shape[1])
         xb = x.to(torch.bfloat16)
-        bf16_linear(xb, packed[0])
+        if packed[0].is_mkldnn:  # a plain bf16 fallback has no kernel to prime
+            bf16_linear(xb, packed[0])
+        runs = ((F.linear, weights, x), (bf16_linear, packed, xb))
         best = [float("inf"), float("inf")]
         for round_ in range(2):
             if round_ and not 0.6 * MARGIN < best[1] / best[0] < 1.5 * MARGIN:
                 break
-            for i, (run, ws, inp) in enumerate(((F.linear, weights, x), (bf16_linear, packed, xb))):
-                t0 = time.perf_counter()
-                for w in ws:
-                    run(inp, w)
-                best[i] = min(best[i], (time.perf_counter() - t0) / len(ws))
+            lead = _pass(*runs[first])
+            best[first] = min(best[first], lead)
+            best[1 - first] = min(best[1 - first], _pass(*runs[1 - first], stop_after=2 * lead * len(weights)))
         times[n] = (best[0], best[1])
+        first = 0 if best[0] < best[1] else 1
     return times
 
 
