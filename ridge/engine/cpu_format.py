@@ -10,8 +10,10 @@ A step streams every layer's weights through the cache, so a shape is timed
 cold: over as many of the model's own weights of that shape as it takes to
 overflow the last-level cache (timing one weight again and again kept small
 ones cache-resident and chose fp32 where bf16 is faster in a real step).
-The timings are cached per CPU model, torch version and thread count, so only
-the first start on a machine pays for them."""
+One-row steps may also take a third path, ATen's own bf16 GEMV on a plain copy
+(quant/linear.gemv_bf16), timed the same way. The timings are cached per CPU
+model, instruction set, torch version and thread count, so only the first start
+on a machine pays for them."""
 from __future__ import annotations
 
 import json
