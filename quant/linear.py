@@ -41,17 +41,23 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
         return w
 
 
+_SET_MKLDNN = getattr(torch._C, "_set_mkldnn_enabled", None)  # private: None where a torch lacks it
+HAS_GEMV = _SET_MKLDNN is not None
+
+
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for one bf16 row and a plain bf16 [out, in] weight, through ATen's own bf16 GEMV
     (fp32 accumulation) rather than oneDNN: with oneDNN switched off for the call, torch takes
     its native path, which streams the weight at close to memory bandwidth where oneDNN's
     one-row kernel does not (docs/benchmarks.md, issue 17). The switch is a global flag read
     at dispatch, restored at once; the engine runs its steps on one thread."""
-    torch._C._set_mkldnn_enabled(False)
+    if not HAS_GEMV:
+        return F.linear(x, w)
+    _SET_MKLDNN(False)
     try:
         return F.linear(x, w)
     finally:
-        torch._C._set_mkldnn_enabled(True)
+        _SET_MKLDNN(True)
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

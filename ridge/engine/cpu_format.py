@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ridge.quant.linear import FP8Linear, bf16_linear, gemv_bf16, pack_bf16
+from ridge.quant.linear import HAS_GEMV, FP8Linear, bf16_linear, gemv_bf16, pack_bf16
 
 log = logging.getLogger("ridge.engine")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
@@ -222,7 +222,8 @@ def measure_plans(model, max_tokens: int, max_head_rows: int,
             mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s}
             dirty = True
         # One-row steps take the GEMV where it beats both other formats at one row.
-        plans[shape] = ShapeFormat(plan_from_times({n: known[n] for n in sizes}), gemv_s <= MARGIN * min(known[1]))
+        plans[shape] = ShapeFormat(plan_from_times({n: known[n] for n in sizes}),
+                                   HAS_GEMV and gemv_s <= MARGIN * min(known[1]))
     if dirty:
         _save_cache(cache)
     return plans
