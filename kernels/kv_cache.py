@@ -34,13 +34,15 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
-    """key/value: [T, Hkv, D]; slot_mapping: [T] int64 (-1 skips the token)."""
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                 all_valid: bool | None = None) -> None:
+    """key/value: [T, Hkv, D]; slot_mapping: [T] int64 (-1 skips the token). all_valid: whether
+    no slot is -1, where the caller knows (None: checked here)."""
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
     assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
     assert slot_mapping.shape == (key.shape[0],)
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if not (all_valid if all_valid is not None else bool((slot_mapping >= 0).all())):
+        keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(num_blocks * block_size, num_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_heads, head_dim)
@@ -57,23 +59,18 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     flat_v.index_copy_(0, slot_mapping, value)
 
 
-
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                  meta=None) -> None:
-    """CPU path: write_kv_ref's contract, but whether every slot is real (no padding to skip) is
-    asked once a step, kept on `meta` for the other layers: the check is three ops and a host
-    read, a third of a batch-1 layer's write."""
-    if k_cache.dtype == FP8 or meta is None or meta.slot_mapping is not slot_mapping:
-        return write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-    if meta.all_slots_valid is None:
-        meta.all_slots_valid = bool((slot_mapping >= 0).all())
-    if not meta.all_slots_valid:
-        return write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-    num_blocks, block_size, num_heads, head_dim = k_cache.shape
-    assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
-    k_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """CPU path: write_kv_ref, with whether any slot is padding asked once a step and kept on
+    `meta` for the other layers: the check is three ops and a host read, a third of a batch-1
+    layer's write."""
+    valid = None
+    if meta is not None and meta.slot_mapping is slot_mapping:
+        if meta.all_slots_valid is None:
+            meta.all_slots_valid = bool((slot_mapping >= 0).all())
+        valid = meta.all_slots_valid
+    write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, valid)
 
 
 # ---------------------------------------------------------------------------
