@@ -42,12 +42,16 @@ log = logging.getLogger("ridge.cache")
 WRITE_QUEUE_BYTES = 256 << 20  # disk writes waiting beyond this are dropped (the block stays in host RAM)
 
 
-def _stop_at_exit(ref) -> None:
-    """Stop a live engine's tier threads before the interpreter tears down: a daemon thread
-    still inside a torch op or a file write then aborted the process at exit ("terminate
-    called without an active exception"). Queued writes get a few seconds, not a flush."""
+def _stop_at_exit(ref, threads: list[threading.Thread]) -> None:
+    """Let the tier threads end before the interpreter tears down: a daemon thread still
+    running then, even one on its way out, aborted the process at exit ("terminate called
+    without an active exception"). A live engine's threads are stopped after a few seconds
+    of queued writes, not a flush; a dropped engine's were told to stop by __del__ and only
+    need joining."""
     if (tiers := ref()) is not None:
         tiers.close(timeout=5.0)
+    for t in threads:
+        t.join(5.0)
 
 
 def _serve(q: queue.Queue, ref, fn) -> None:
@@ -106,7 +110,7 @@ class KVTiers:
                                              (self._write_q, KVTiers._write, "ridge-kv-write"))]
         for t in self._threads:
             t.start()
-        atexit.register(_stop_at_exit, me)
+        atexit.register(_stop_at_exit, me, list(self._threads))
 
     def __del__(self):
         for q in (self._load_q, self._write_q):

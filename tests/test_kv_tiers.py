@@ -297,9 +297,11 @@ def test_a_daemon_killed_with_sigkill_serves_the_prefix_from_disk_after_a_restar
         assert again.stop() == 0, again.output()
 
 
-def test_tier_threads_stop_before_the_interpreter_exits(loaded, workload, tmp_path):
-    """An engine nobody closed (a script that just returns): its tier threads are stopped at
-    exit, after what they had queued, and the process exits cleanly."""
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
+def test_tier_threads_stop_before_the_interpreter_exits(loaded, workload, tmp_path, drop):
+    """An engine nobody closed (a script that just returns, holding it or having dropped it):
+    its tier threads have ended before the interpreter tears down, after what they had
+    queued, and the process exits cleanly."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     script = textwrap.dedent(f"""
         import atexit, sys, threading
@@ -314,6 +316,9 @@ def test_tier_threads_stop_before_the_interpreter_exits(loaded, workload, tmp_pa
         eng.add_request("a", {workload[0]!r}, greedy(4))
         while eng.has_unfinished():
             eng.step()
+        if {drop!r}:
+            eng.tiers.flush()
+            del eng  # the tiers' __del__ tells the threads to stop; they may still be on their way out
         print("served", flush=True)
     """)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
