@@ -4,11 +4,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up] -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """CPU path: one C call (kernels/csrc/small_ops.c) for contiguous fp32 input where the library
+    is built, silu_and_mul_ref otherwise."""
+    lib = native.library()
+    if lib is None or x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] % 2:
+        return silu_and_mul_ref(x)
+    n = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    lib.silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1] if n else 0, n, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 # ---------------------------------------------------------------------------

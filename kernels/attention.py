@@ -1,9 +1,15 @@
 """Paged attention over a mixed batch (prefill chunks and decodes in one call).
 
 Reference implementation in torch. It is the oracle for the Triton kernel and
-the path the engine runs on CPU, so it is written for CPU speed: every
-single-token query (a decode) is handled in one batched call, and each
-multi-token query (a prefill chunk) in one call of its own, O(batch) Python.
+ridge's C kernel (kernels/csrc/paged_attention.c), and the CPU path where that
+kernel is unavailable, so it is written for CPU speed: every single-token query
+(a decode) is handled in one batched call, and each multi-token query (a
+prefill chunk) in one call of its own, O(batch) Python.
+
+On CPU the engine takes paged_attention_cpu: the C kernel for every query of up
+to NATIVE_MAX_Q tokens (decodes, speculative verification, short chunks),
+reading K/V in place through the block table; longer chunks still go through
+the reference, whose blocked SDPA is faster there (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -12,8 +18,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .kv_cache import FP8
 from .metadata import AttentionMetadata
+
+NATIVE_MAX_Q = 64  # longer queries run faster through SDPA's blocked products (docs/benchmarks.md)
 
 
 def _attend(q, k, v, mask, scale):
@@ -47,14 +56,29 @@ class _RefPlan:
             mask = (torch.arange(nb * block_size, device=device) < lens[:, None])[:, None, None, :]
             self.decode = (len(decodes), nb * block_size, blocks, mask)
         # Multi-token queries (prefill chunks, speculative verification): one causal call each.
-        self.chunks = []
-        for i, n in enumerate(qlens):
-            if n > 1:
-                L = slens[i]
-                blocks = table[i, :math.ceil(L / block_size)].long()
-                q_pos = torch.arange(L - n, L, device=device)
-                mask = (torch.arange(L, device=device)[None, :] <= q_pos[:, None])[None, None]
-                self.chunks.append((starts[i], n, L, blocks, mask))
+        self.chunks = _chunks(meta, table, starts, block_size, 1, device)
+
+
+def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], block_size: int,
+            longer_than: int, device: torch.device) -> list[tuple]:
+    """(start, n, L, blocks, causal mask) of each query longer than `longer_than` tokens."""
+    out = []
+    for i, n in enumerate(meta.query_lens_host):
+        if n > longer_than:
+            L = meta.seq_lens_host[i]
+            blocks = table[i, :math.ceil(L / block_size)].long()
+            q_pos = torch.arange(L - n, L, device=device)
+            mask = (torch.arange(L, device=device)[None, :] <= q_pos[:, None])[None, None]
+            out.append((starts[i], n, L, blocks, mask))
+    return out
+
+
+def _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out) -> None:
+    for start, n, L, blocks, mask in chunks:
+        k = _gather(k_cache, k_scale, blocks, q.dtype, 1, L)  # [1, Hkv, L, D]
+        v = _gather(v_cache, v_scale, blocks, q.dtype, 1, L)
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale)[0].transpose(0, 1)
 
 
 def _gather(cache, scale, blocks, dtype, rows: int, length: int):
@@ -93,11 +117,61 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     if plan.decode is not None:
         out[plan.decode_rows] = o
-    for start, n, L, blocks, mask in plan.chunks:
-        k = _gather(k_cache, k_scale, blocks, q.dtype, 1, L)  # [1, Hkv, L, D]
-        v = _gather(v_cache, v_scale, blocks, q.dtype, 1, L)
-        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale)[0].transpose(0, 1)
+    _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
+    return out
+
+
+ONE_THREAD_PAIRS = 4096  # (query head, key) pairs below which a thread team costs more than it saves
+
+
+class _NativePlan:
+    """What the C kernel's caller needs about one step's batch, once per step (every layer shares
+    the metadata): the queries too long for the kernel, its scratch, the metadata's pointers."""
+
+    def __init__(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
+        qlens, slens = meta.query_lens_host, meta.seq_lens_host
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        self.key = (k_cache.shape[1], k_cache.shape[2], q.shape[0])
+        self.chunks = _chunks(meta, meta.block_table, starts, k_cache.shape[1], NATIVE_MAX_Q, q.device)
+        table, seq_lens, loc = meta.block_table, meta.seq_lens, meta.query_start_loc
+        assert table.dtype == seq_lens.dtype == loc.dtype == torch.int32 and table.is_contiguous(), "int32 metadata"
+        assert q.shape[0] == starts[-1], (q.shape, starts[-1])
+        self.work = torch.empty(q.shape[0] * k_cache.shape[2], dtype=torch.int64)
+        pairs = q.shape[1] * sum(n * L for n, L in zip(qlens, slens) if n <= NATIVE_MAX_Q)
+        threads = 1 if pairs < ONE_THREAD_PAIRS else torch.get_num_threads()
+        self.args = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
+                     k_cache.shape[1], NATIVE_MAX_Q)
+        self.tail = (self.work.data_ptr(), threads)
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                        meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+    """paged_attention_ref's contract, through the C kernel where it applies (fp32 queries, an
+    fp32 or FP8 cache, head sizes it was built for); the reference otherwise."""
+    lib = native.library()
+    fp8 = k_cache.dtype == FP8
+    if (lib is None or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or fp8)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or meta.num_seqs >= 1 << 20
+            or (fp8 and not (k_scale.dtype == v_scale.dtype == torch.float16))):
+        return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    assert k_cache.shape[-1] == head_dim, (q.shape, k_cache.shape)
+    plan = meta.native_plan
+    if not isinstance(plan, _NativePlan) or plan.key != (k_cache.shape[1], k_cache.shape[2], num_tokens):
+        plan = meta.native_plan = _NativePlan(meta, q, k_cache)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rc = lib.paged_attention(q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim,
+                             k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, fp8,
+                             *plan.args[:5], plan.args[5], softmax_scale, plan.args[6], out.data_ptr(), *plan.tail)
+    if rc != 0:  # a shape past the kernel's fixed limits (head size, GQA group, block size)
+        return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+    if plan.chunks:
+        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
     return out
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import native
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_DTYPE = torch.float16
@@ -62,9 +64,24 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                  meta=None) -> None:
-    """CPU path: write_kv_ref, with whether any slot is padding asked once a step and kept on
-    `meta` for the other layers: the check is three ops and a host read, a third of a batch-1
-    layer's write."""
+    """CPU path: write_kv_ref's contract. An fp32 cache takes one C call for K and V
+    (kernels/csrc/small_ops.c) where the library is built. Otherwise write_kv_ref, with whether
+    any slot is padding asked once a step and kept on `meta` for the other layers: the check
+    is three ops and a host read, a third of a batch-1 layer's write."""
+    lib = native.library()
+    num_blocks, block_size, num_heads, head_dim = k_cache.shape
+    if (lib is not None and k_cache.dtype == v_cache.dtype == key.dtype == value.dtype == torch.float32
+            and key.shape == value.shape and key.shape[1:] == (num_heads, head_dim)
+            and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (key, value))
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and slot_mapping.shape == (key.shape[0],)):
+        rc = lib.write_kv(key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0),
+                          num_heads * head_dim, slot_mapping.data_ptr(), num_blocks * block_size,
+                          k_cache.data_ptr(), v_cache.data_ptr())
+        if rc != 0:
+            raise IndexError(f"write_kv: a slot past the cache's {num_blocks * block_size} slots")
+        return
     valid = None
     if meta is not None and meta.slot_mapping is slot_mapping:
         if meta.all_slots_valid is None:

@@ -18,9 +18,11 @@ class AttentionMetadata:
     # Host copies, so that a reference path can plan its work without device syncs.
     seq_lens_host: list[int]
     query_lens_host: list[int]
-    # Built once per step by the torch reference and reused by every layer (kernels/attention.py),
-    # the step's RoPE angles and slot check for the CPU paths (kernels/rope.py, kernels/kv_cache.py).
+    # Built once per step and reused by every layer: the attention plans of the torch reference and
+    # the C kernel's caller (kernels/attention.py), the step's RoPE angles and slot check for the
+    # CPU paths (kernels/rope.py, kernels/kv_cache.py).
     ref_plan: object = None
+    native_plan: object = None
     rope_plan: object = None
     all_slots_valid: bool | None = None  # no padding slot (-1) among slot_mapping; None = not asked yet
 

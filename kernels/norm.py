@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import native
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,11 +21,21 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU path: rms_norm_ref's contract for fp32, allocating less: the residual is added into x
-    IN PLACE (x is a layer's fresh output, which becomes the residual stream), and the norm is
-    torch.rms_norm (a composite on CPU in torch 2.13, but fewer ops than the reference: 12
-    against 16 us at batch 1; docs/benchmarks.md, issue 17)."""
+    IN PLACE (x is a layer's fresh output, which becomes the residual stream). One C call
+    (kernels/csrc/small_ops.c) where the library is built; else torch.rms_norm (a composite
+    on CPU in torch 2.13, but fewer ops than the reference: 12 against 16 us at batch 1;
+    docs/benchmarks.md, issue 17)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return rms_norm_ref(x, weight, eps, residual)
+    lib = native.library()
+    if (lib is not None and x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]
+            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
+                                      and residual.dtype == x.dtype))):
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
+                     out.data_ptr(), x.numel() // n if n else 0, n, torch.get_num_threads())
+        return out, x
     if residual is not None:
         x = x.add_(residual)
     return torch.rms_norm(x, (x.shape[-1],), weight, eps), x

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .activation import silu_and_mul_ref
-from .attention import paged_attention_ref
+from .activation import silu_and_mul_cpu, silu_and_mul_ref
+from .attention import paged_attention_cpu, paged_attention_ref
 from .kv_cache import write_kv_cpu, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
@@ -89,7 +89,7 @@ def rope(q, k, positions, cos_sin, meta: AttentionMetadata | None = None):
 
 def silu_and_mul(x):
     with section("act"):
-        return _pick("silu_and_mul", silu_and_mul_ref, x)(x)
+        return _pick("silu_and_mul", silu_and_mul_ref, x, silu_and_mul_cpu)(x)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None):
@@ -108,7 +108,8 @@ def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta:
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):
     with section("attention"):
-        return _pick("paged_attention", paged_attention_ref, q)(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+        return _pick("paged_attention", paged_attention_ref, q, paged_attention_cpu)(
+            q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
 
 
 if torch.cuda.is_available():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import native
+
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,12 +33,21 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
              meta=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU path: rope_ref's contract, but q and k are rotated IN PLACE (as rope_triton does),
-    and the step's angles are looked up once and kept on `meta` for every layer. fp32 only.
+    """CPU path: rope_ref's contract, but q and k are rotated IN PLACE (as rope_triton does):
+    one C call for both where the library is built (kernels/csrc/small_ops.c); else torch ops
+    with the step's angles looked up once and kept on `meta` for every layer. fp32 only.
     A batch-1 layer then runs 5 small ops per tensor instead of about 10, allocating one
     half-width temporary instead of five full ones (docs/benchmarks.md, issue 17)."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
         return rope_ref(q, k, positions, cos_sin)
+    lib = native.library()
+    views = _adjacent(q, k)
+    if (lib is not None and positions.dtype == torch.int64 and positions.is_contiguous()
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and all(x.stride(2) == 1 for x in views)):
+        for x in views:
+            lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), x.shape[2], positions.data_ptr(),
+                     cos_sin.data_ptr(), torch.get_num_threads())
+        return q, k
     plan = getattr(meta, "rope_plan", None)
     if plan is None or plan[0] is not positions or plan[1] is not cos_sin:
         cs = cos_sin[positions].float()
@@ -46,7 +57,7 @@ def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
             meta.rope_plan = plan
     cos, sin = plan[2], plan[3]
     half = cos.shape[-1]
-    for x in _adjacent(q, k):
+    for x in views:
         x1, x2 = x[..., :half], x[..., half:]
         t = x1 * sin
         x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin

@@ -18,7 +18,11 @@ blocked format where torch has oneDNN: a plain bf16 F.linear re-lays the weight
 out on every call, a cost that grows with the step's token count; packed, a
 verification of k drafts costs about what one token does (docs/benchmarks.md).
 A one-row step may instead take a plain bf16 copy through ATen's own GEMV
-(gemv_bf16), where that measures faster still."""
+(gemv_bf16), where that measures faster still.
+
+Fastest where it applies: ridge's own e4m3 product (kernels/csrc/fp8_linear.c),
+which streams the FP8 weight itself, one byte a weight, in the layout pack_fp8
+makes; chosen per shape and step size by the same measurement."""
 from __future__ import annotations
 
 import bisect
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.kernels import ops
+from ridge.kernels import native, ops
 from ridge.kernels.timing import section
 
 FP8 = torch.float8_e4m3fn
@@ -43,6 +47,18 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 _SET_MKLDNN = getattr(torch._C, "_set_mkldnn_enabled", None)  # private: None where a torch lacks it
 HAS_GEMV = _SET_MKLDNN is not None
+
+
+def pack_fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """An e4m3 [out, in] weight (w, or w / scale rounded back to e4m3 where w is its upcast
+    copy: exact, as fp8 * scale was) as native.fp8_linear's [out/16, in/2, 16, 2] bytes;
+    None for a shape the kernel does not take (out % 16, in % 2)."""
+    n, k = w.shape
+    if n % 16 or k % 2:
+        return None
+    if w.dtype != FP8:
+        w = (w.float() / scale.float()[:, None]).to(FP8)
+    return w.view(torch.uint8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -83,6 +99,13 @@ class FP8Linear(nn.Module):
         self.lowp_bounds: list[int] = []
         self.lowp_use: list[bool] = []
         self.gemv: torch.Tensor | None = None  # plain bf16 copy for one-row steps, where gemv_bf16 is faster
+        # e4m3 bytes for native.fp8_linear (pack_fp8), the scale times 256, the instruction set to
+        # run, and the step sizes it runs at (as lowp_bounds / lowp_use).
+        self.fp8: torch.Tensor | None = None
+        self.fp8_scale: torch.Tensor | None = None
+        self.fp8_isa = 0
+        self.fp8_bounds: list[int] = []
+        self.fp8_use: list[bool] = []
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
@@ -121,11 +144,26 @@ class FP8Linear(nn.Module):
             return
         self.gemv = plain if plain is not None else self.weight.to(torch.bfloat16)
 
+    def enable_fp8(self, plan: list[tuple[int, bool]], isa: int, packed: torch.Tensor | None = None) -> None:
+        """Run the step sizes plan marks through ridge's e4m3 kernel (plan as in enable_lowp; no
+        size, or isa 0, drops it). packed: pack_fp8 of the weight, where already made."""
+        packed = packed if packed is not None else (pack_fp8(self.weight, self.cpu_scale)
+                                                    if self.cpu_scale is not None else None)
+        if not isa or packed is None or not any(use for _, use in plan):
+            self.fp8, self.fp8_scale, self.fp8_isa, self.fp8_bounds, self.fp8_use = None, None, 0, [], []
+            return
+        self.fp8, self.fp8_scale, self.fp8_isa = packed, (self.cpu_scale * 256).contiguous(), isa
+        self.fp8_bounds, self.fp8_use = [b for b, _ in plan], [u for _, u in plan]
+
+    @staticmethod
+    def _runs(bounds: list[int], use: list[bool], rows: int) -> bool:
+        return bool(use) and use[min(bisect.bisect_left(bounds, rows), len(use) - 1)]
+
     def uses_lowp(self, rows: int) -> bool:
-        if self.lowp is None:
-            return False
-        i = bisect.bisect_left(self.lowp_bounds, rows)
-        return self.lowp_use[min(i, len(self.lowp_use) - 1)]
+        return self.lowp is not None and self._runs(self.lowp_bounds, self.lowp_use, rows)
+
+    def uses_fp8(self, rows: int) -> bool:
+        return self.fp8 is not None and self._runs(self.fp8_bounds, self.fp8_use, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
@@ -134,6 +172,9 @@ class FP8Linear(nn.Module):
             return self._cpu_forward(x)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None and x.dtype == torch.float32 and self.uses_fp8(x.shape[0]):
+            y = native.fp8_linear(x, self.fp8, self.fp8_scale, self.fp8_isa)
+            return y if self.bias is None else y + self.bias
         if self.gemv is not None and x.shape[0] == 1:
             y = gemv_bf16(x.to(torch.bfloat16), self.gemv).to(x.dtype)
             return y if self.bias is None else y + self.bias

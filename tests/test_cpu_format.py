@@ -7,6 +7,7 @@ import json
 import torch
 
 from ridge.engine import cpu_format
+from ridge.kernels import native
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.linear import FP8Linear
 
@@ -35,6 +36,18 @@ def test_each_size_takes_the_faster_format_and_a_loss_does_not_end_the_search():
     plan = cpu_format.plan_from_times(times)
     assert plan == [(1, False), (2, False), (16, True), (64, True), (128, False)]
     assert cpu_format.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
+
+
+def test_fp8_takes_the_sizes_where_it_is_fastest_of_all():
+    """The e4m3 kernel takes a size only where it beats every other format there; a size it takes
+    needs no bf16 copy, and one row needs no GEMV copy if fp8 beats that too."""
+    known = {1: (10.0, 6.0), 4: (12.0, 6.5), 16: (20.0, 9.0), 64: (50.0, 20.0)}
+    f = cpu_format._format([1, 4, 16, 64], known, gemv_s=4.0, fp8={1: 3.0, 4: 4.0, 16: 9.5, 64: 30.0})
+    assert f.fp8 == [(1, True), (4, True), (16, False), (64, False)]
+    assert f.plan == [(1, False), (4, False), (16, True), (64, True)] and not f.gemv
+    f = cpu_format._format([1, 4], known, gemv_s=4.0, fp8={1: 5.0, 4: 7.0})  # the GEMV wins one row
+    assert f.fp8 is None and f.gemv == cpu_format.HAS_GEMV
+    assert cpu_format._format([1, 4], known, gemv_s=4.0, fp8={}).fp8 is None  # no kernel here
 
 
 def test_one_row_steps_take_the_gemv_where_it_is_kept():
@@ -79,13 +92,17 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
     made = {}
     plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=made)
     assert set(plans) == {(48, 32), (96, 32)}
-    # The bf16 copies made to time the weights are handed back for the layers to keep.
+    # The copies made to time the weights are handed back for the layers to keep (the e4m3 bytes
+    # too, where ridge's C kernels are built).
     ids = {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
-    assert set(made) == {(i, kind) for i in ids for kind in ("packed", "plain")}
+    kinds = ("packed", "plain") + (("fp8",) if native.fp8_linear_isa() else ())
+    assert set(made) == {(i, kind) for i in ids for kind in kinds}
     assert [n for n, _ in plans[(48, 32)].plan] == [1, 2, 4, 8, 16, 20]
     assert [n for n, _ in plans[(96, 32)].plan] == [1, 2, 4]  # the head only sees sampled rows
     timings = json.loads((tmp_path / "ridge" / "cpu-format.json").read_text())
     assert all(t["48x32"]["gemv"] > 0 for t in timings.values())  # the one-row GEMV timed too
+    if native.fp8_linear_isa():
+        assert all(sorted(map(int, t["48x32"]["fp8"])) == [1, 2, 4, 8, 16, 20] for t in timings.values())
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
     again_made = {}
     again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=again_made)  # from the cache

@@ -16,8 +16,8 @@ CLIENT_TIMEOUT, GRACE = 2.0, 1.0
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    path, _, _ = make_tiny(tmp_path_factory.mktemp("model"), "llama")
-    d = Daemon(tmp_path_factory.mktemp("drain"), str(path), "--num-kv-blocks", 96, "--max-num-seqs", 1,
+    path, _, _ = make_tiny(tmp_path_factory.mktemp("model"), "llama", max_position=4096)
+    d = Daemon(tmp_path_factory.mktemp("drain"), str(path), "--num-kv-blocks", 300, "--max-num-seqs", 1,
                "--client-timeout", CLIENT_TIMEOUT, "--drain-grace", GRACE)
     yield d
     d.stop()
@@ -51,8 +51,11 @@ def test_sigterm_drains_every_request_to_a_final_frame(daemon):
     clients = [Raw(daemon.endpoint) for _ in range(6)]
     late = Raw(daemon.endpoint)
     assert late.call({"type": "health", "id": "h"})["status"] == "ok"
+    # The first request runs and finishes within the grace; the 20,000 steps queued behind it take
+    # longer than that even at a fast machine's ~0.1 ms a step (240 each once all finished in time).
+    lengths = [240] + [4000] * (len(clients) - 1)
     for i, c in enumerate(clients):
-        c.generate(f"d{i}", prompt=f"drain {i}", params={"max_tokens": 240, "ignore_eos": True})
+        c.generate(f"d{i}", prompt=f"drain {i}", params={"max_tokens": lengths[i], "ignore_eos": True})
     pump_all(clients, lambda: any(s["deltas"] for c in clients for s in c.streams.values()), timeout=30)
     daemon.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10  # the signal is handled between two of the engine's steps
@@ -63,7 +66,7 @@ def test_sigterm_drains_every_request_to_a_final_frame(daemon):
     assert refused["type"] == "error" and refused["code"] == "shutting_down"
     pump_all(clients, lambda: all(not c.open for c in clients), timeout=30)
     reasons = []
-    for c in clients:
+    for c, n in zip(clients, lengths):
         (s,) = c.streams.values()
         assert s["error"] is None and s["final"] is not None
         f = s["final"]
@@ -72,7 +75,7 @@ def test_sigterm_drains_every_request_to_a_final_frame(daemon):
         if f["finish_reason"] == "abort":
             assert f["detail"] == "shutdown"
         else:
-            assert f["finish_reason"] == "length" and len(s["tokens"]) == 240
+            assert f["finish_reason"] == "length" and len(s["tokens"]) == n
         assert any(m["type"] == "shutdown" and m["grace"] == GRACE for m in c.other)
         c.close()
     assert "length" in reasons and "abort" in reasons, reasons

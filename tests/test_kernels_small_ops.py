@@ -3,6 +3,7 @@ import pytest
 import torch
 from kernel_utils import poison_empty, assert_close
 
+from ridge.kernels import native
 from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.norm import rms_norm_cpu, rms_norm_ref, rms_norm_triton
@@ -91,6 +92,11 @@ def test_rms_norm_cpu_adds_the_residual_in_place(dtype, rows, cols):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (3, 1, 18)])
 def test_rope_cpu_in_place_with_the_steps_angles_kept(heads, kv_heads, dim):
+    with native.off():  # torch's path (the C kernel's is in tests/test_native.py)
+        _rope_in_place(heads, kv_heads, dim)
+
+
+def _rope_in_place(heads, kv_heads, dim):
     num_tokens = 23
     cos_sin = rope_cos_sin(dim, 512, 10000.0)
     positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(dim))

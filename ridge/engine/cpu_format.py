@@ -11,7 +11,10 @@ cold: over as many of the model's own weights of that shape as it takes to
 overflow the last-level cache (timing one weight again and again kept small
 ones cache-resident and chose fp32 where bf16 is faster in a real step).
 One-row steps may also take a third path, ATen's own bf16 GEMV on a plain copy
-(quant/linear.gemv_bf16), timed the same way. The timings are cached per CPU
+(quant/linear.gemv_bf16), timed the same way. Where ridge's C kernels are built,
+a fourth runs at every size: the e4m3 product on the FP8 weight itself
+(kernels/native.fp8_linear), which reads a quarter of fp32's bytes; it takes each
+size where it is the fastest of all. The timings are cached per CPU
 model, instruction set, torch version and thread count, so only the first start
 on a machine pays for them."""
 from __future__ import annotations
@@ -26,12 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ridge.quant.linear import HAS_GEMV, FP8Linear, bf16_linear, gemv_bf16, pack_bf16
+from ridge.kernels import native
+from ridge.quant.linear import HAS_GEMV, FP8Linear, bf16_linear, gemv_bf16, pack_bf16, pack_fp8
 
 log = logging.getLogger("ridge.engine")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
-CACHE_VERSION = 3  # 2: timed cold, over several weights; 3: the one-row GEMV timed too
+CACHE_VERSION = 4  # 2: timed cold, over several weights; 3: the one-row GEMV timed too; 4: fp8 too
 
 
 def keep_freed_memory() -> bool:
@@ -67,9 +71,11 @@ def llc_bytes() -> int:
     return best or 32 << 20
 
 
-def cold_set(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Enough of the weights (all, if they fit) to overflow the last-level cache twice in fp32."""
-    one = weights[0].numel() * 4
+def cold_set(weights: list, bytes_per_weight: int = 4, numel: int | None = None) -> list:
+    """Enough of the weights (all, if they fit) to overflow the last-level cache twice in the
+    format timed (fp32 unless bytes_per_weight says otherwise); numel: each one's, where the
+    items are not tensors."""
+    one = (numel or weights[0].numel()) * bytes_per_weight
     return weights[: max(1, min(len(weights), -(-2 * llc_bytes() // one)))]
 
 
@@ -90,7 +96,8 @@ def _cpu_key() -> str:
         pass
     # The instruction sets torch and oneDNN may use are part of the machine: ATEN_CPU_CAPABILITY and
     # ONEDNN_MAX_CPU_ISA can cap them below what the CPU has (an AVX-512 CPU run as an AVX2 one).
-    isa = f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
+    isa = (f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
+           f"/fp8 {native.fp8_linear_isa()}")
     return (f"v{CACHE_VERSION}|{name or os.uname().machine}|{isa}|torch {torch.__version__}"
             f"|threads {torch.get_num_threads()}")
 
@@ -173,15 +180,37 @@ def measure_gemv(plain: list[torch.Tensor]) -> float:
     return best
 
 
+def measure_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int], isa: int,
+                 best: dict[int, float]) -> dict[int, float]:
+    """{size: seconds} for one product through native.fp8_linear, over the weights' pack_fp8
+    bytes (scales: theirs, times 256), as measure_shape; a size stops once it has taken twice
+    the best other format's time there (best)."""
+    times = {}
+    run = lambda x, ws: native.fp8_linear(x, ws[0], ws[1], isa)  # noqa: E731
+    pairs = list(zip(weights, scales))
+    for n in sizes:
+        x = torch.randn(n, weights[0].shape[1] * 2)
+        run(x, pairs[0])
+        t = _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs))
+        if 0.6 < t / best[n] < 1.5:  # close: best of two
+            t = min(t, _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs)))
+        times[n] = t
+    return times
+
+
 @dataclass
 class ShapeFormat:
     """The formats one weight shape runs in: packed bf16 by step size (plan: [(size bound, use
-    bf16)]), else fp32; and one-row steps through gemv_bf16 where that beat both."""
+    bf16)]), else fp32; one-row steps through gemv_bf16 where that beat both; and ridge's e4m3
+    product at the sizes fp8 marks (over all of them)."""
     plan: list[tuple[int, bool]]
     gemv: bool = False
+    fp8: list[tuple[int, bool]] | None = None
 
     def describe(self) -> str:
-        return ("gemv 1 row, " if self.gemv else "") + describe(self.plan)
+        fp8 = [n for n, use in self.fp8 or [] if use]
+        lead = f"fp8 at {','.join(map(str, fp8))} rows, " if fp8 else ""
+        return lead + ("gemv 1 row, " if self.gemv else "") + describe(self.plan)
 
 
 def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bool]]:
@@ -193,23 +222,28 @@ def measure_plans(model, max_tokens: int, max_head_rows: int,
                   made: dict[tuple[int, str], torch.Tensor] | None = None) -> dict[tuple[int, int], ShapeFormat]:
     """The formats of each weight shape, from timings cached on disk where this machine has them.
     The head sees only the rows that sample (at most max_head_rows), the other products every
-    token. made (out): (id(weight), "packed" | "plain") -> the bf16 copy made to time it, for
+    token. made (out): (id(weight), "packed" | "plain" | "fp8") -> the copy made to time it, for
     the layer to keep."""
     head = tuple(model.lm_head.weight.shape)
-    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+    shapes: dict[tuple[int, int], list[FP8Linear]] = {}
     for m in model.modules():
         if isinstance(m, FP8Linear) and m.weight.numel():
-            shapes.setdefault(tuple(m.weight.shape), []).append(m.weight)
+            shapes.setdefault(tuple(m.weight.shape), []).append(m)
+    isa = native.fp8_linear_isa()
     cache, key, dirty = _load_cache(), _cpu_key(), False
     mine = cache.setdefault(key, {})
     plans = {}
-    for shape, ws in shapes.items():
+    for shape, layers in shapes.items():
+        ws = [m.weight for m in layers]
         sizes = step_sizes(min(max_head_rows, max_tokens) if shape == head else max_tokens)
         name = f"{shape[0]}x{shape[1]}"
         entry = mine.get(name, {})
         known = {int(n): tuple(t) for n, t in entry.items() if n.isdigit()}
         gemv_s = entry.get("gemv")
+        fp8_ok = isa > 0 and all(m.cpu_scale is not None for m in layers) and shape[0] % 16 == 0 and shape[1] % 2 == 0
+        fp8_known = {int(n): t for n, t in entry.get("fp8", {}).items()}
         todo = [n for n in sizes if n not in known]
+        fp8_todo = [n for n in sizes if n not in fp8_known] if fp8_ok else []
         if todo or gemv_s is None:
             cold = cold_set(ws)
             plain = [w.to(torch.bfloat16) for w in cold]
@@ -219,14 +253,32 @@ def measure_plans(model, max_tokens: int, max_head_rows: int,
                 made.update(((id(w), "plain"), pl) for w, pl in zip(cold, plain))
             known.update(measure_shape(cold, todo, packed) if todo else {})
             gemv_s = measure_gemv(plain)
-            mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s}
             dirty = True
-        # One-row steps take the GEMV where it beats both other formats at one row.
-        plans[shape] = ShapeFormat(plan_from_times({n: known[n] for n in sizes}),
-                                   HAS_GEMV and gemv_s <= MARGIN * min(known[1]))
+        if fp8_todo:
+            cold = cold_set(layers, bytes_per_weight=1, numel=ws[0].numel())
+            packs = [pack_fp8(m.weight, m.cpu_scale) for m in cold]
+            if made is not None:
+                made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
+            best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
+            fp8_known.update(measure_fp8(packs, [m.cpu_scale * 256 for m in cold], fp8_todo, isa, best))
+            dirty = True
+        mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
+                      **({"fp8": {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
+        plans[shape] = _format(sizes, known, gemv_s, fp8_known if fp8_ok else {})
     if dirty:
         _save_cache(cache)
     return plans
+
+
+def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float,
+            fp8: dict[int, float]) -> ShapeFormat:
+    """Each size takes the fastest format: fp8 where it beats every other at that size (no copy
+    to pay for beyond its own byte a weight); else bf16 against fp32 with a margin, and one row
+    through the GEMV where that beats both."""
+    gemv = HAS_GEMV and gemv_s <= MARGIN * min(known[1])
+    use8 = {n: n in fp8 and fp8[n] < min(known[n] + ((gemv_s,) if n == 1 and gemv else ())) for n in sizes}
+    plan = [(n, use and not use8[n]) for n, use in plan_from_times({n: known[n] for n in sizes})]
+    return ShapeFormat(plan, gemv and not use8[1], [(n, use8[n]) for n in sizes] if any(use8.values()) else None)
 
 
 def describe(plan: list[tuple[int, bool]]) -> str:
@@ -265,6 +317,7 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
             f = formats[tuple(m.weight.shape)]
             m.enable_lowp(f.plan, made.get((id(m.weight), "packed")))
             m.enable_gemv(f.gemv, made.get((id(m.weight), "plain")))
+            m.enable_fp8(f.fp8 or [], native.fp8_linear_isa(), made.get((id(m.weight), "fp8")))
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
              "; ".join(f"{o}x{i}: {f.describe()}" for (o, i), f in formats.items()))
     return max((n for f in formats.values() for n, use in f.plan if use), default=0)

@@ -17,6 +17,7 @@ from ridge.cache.manager import KVCacheManager
 from ridge.config import kv_bytes_per_token
 from ridge.models.loader import LoadedModel, load_model
 
+from ridge.kernels import native
 from ridge.kernels.timing import section
 
 from .budget import default_token_budget
@@ -45,6 +46,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        device = loaded.device.type if loaded else config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":
+            native.start_build()  # ridge's CPU kernels compile (first start) while the model loads
         self.loaded = loaded or load_model(config.model, device=config.device, max_model_len=config.max_model_len,
                                            quantize=config.quantize)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer

@@ -1,0 +1,227 @@
+/* y = x . (w * scale)^T with e4m3 weights read as they are stored: one byte a weight, half
+   of what a bf16 copy streams, which is what a step of few rows is bound by on CPU.
+
+   Weight layout (packed once at load, quant/linear.py): [N/16][K/2][16][2] bytes, 16
+   output columns by pairs of k, the order AVX-512 BF16's dot-product instruction takes.
+   An e4m3 byte becomes fp16 bits worth e4m3 / 256 by two shifts (exactly, subnormals
+   included; fp16's exponent range holds e4m3's), so `scale` arrives times 256.
+
+   Two variants, picked by the caller from what the CPU has:
+   - AVX-512 BF16: weights widened to bf16 (exact: e4m3 has 3 mantissa bits), activations
+     rounded to bf16, fp32 accumulation, as the bf16 paths and a GPU do;
+   - AVX2 + F16C + FMA: weights and activations in fp32. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+#define T256 __attribute__((target("avx2,f16c,fma")))
+#define INL inline __attribute__((always_inline))
+
+/* ---- AVX-512 BF16 ------------------------------------------------------------------- */
+
+T512 static INL __m512bh e4m3_bf16x32(const uint8_t *p) {
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7),
+                                _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+    __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* One row: a block of 16 columns, two accumulators to halve the dependency chain. */
+T512 static void row1_512(const uint32_t *xr, int64_t kp, const uint8_t *w, const float *s, float *y) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= kp; p += 2) {
+        a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
+        a1 = _mm512_dpbf16_ps(a1, e4m3_bf16x32(w + p * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[p + 1]));
+    }
+    if (p < kp) a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(a0, a1), _mm512_loadu_ps(s)));
+}
+
+/* MRC rows x NB blocks of 16 columns. CONV: e4m3 bytes converted as they are read, else
+   bf16 words already converted (same order). */
+#define TILE512(NAME, MRC, NB, CONV)                                                             \
+T512 static void NAME(const uint32_t *xr, int64_t kp, const void *w0, const void *w1,            \
+                      const float *s, float *y, int64_t ldy) {                                   \
+    __m512 acc[MRC][NB];                                                                         \
+    for (int i = 0; i < MRC; i++)                                                                \
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();                            \
+    for (int64_t p = 0; p < kp; p++) {                                                           \
+        __m512bh wv[NB];                                                                         \
+        wv[0] = CONV ? e4m3_bf16x32((const uint8_t *)w0 + p * 32)                                \
+                     : (__m512bh)_mm512_loadu_si512((const uint16_t *)w0 + p * 32);             \
+        if (NB > 1) wv[NB - 1] = CONV ? e4m3_bf16x32((const uint8_t *)w1 + p * 32)               \
+                     : (__m512bh)_mm512_loadu_si512((const uint16_t *)w1 + p * 32);             \
+        for (int i = 0; i < MRC; i++) {                                                          \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[i * kp + p]);                      \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);     \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < NB; j++) {                                                               \
+        __m512 sv = _mm512_loadu_ps(s + j * 16);                                                 \
+        for (int i = 0; i < MRC; i++) _mm512_storeu_ps(y + i * ldy + j * 16, _mm512_mul_ps(acc[i][j], sv)); \
+    }                                                                                            \
+}
+#define TILES512(M) TILE512(c2_##M, M, 2, 1) TILE512(b2_##M, M, 2, 0) TILE512(c1_##M, M, 1, 1) TILE512(b1_##M, M, 1, 0)
+TILES512(1) TILES512(2) TILES512(3) TILES512(4) TILES512(5) TILES512(6) TILES512(7) TILES512(8)
+typedef void (*tile_fn)(const uint32_t *, int64_t, const void *, const void *, const float *, float *, int64_t);
+#define MR512 8
+static const tile_fn C2[9] = {0, c2_1, c2_2, c2_3, c2_4, c2_5, c2_6, c2_7, c2_8};
+static const tile_fn B2[9] = {0, b2_1, b2_2, b2_3, b2_4, b2_5, b2_6, b2_7, b2_8};
+static const tile_fn C1[9] = {0, c1_1, c1_2, c1_3, c1_4, c1_5, c1_6, c1_7, c1_8};
+static const tile_fn B1[9] = {0, b1_1, b1_2, b1_3, b1_4, b1_5, b1_6, b1_7, b1_8};
+
+T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(xb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    for (; i < n; i++) {  /* round to nearest even, as the instruction does */
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        xb[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* Up to MR512 rows convert the weights as they stream; more rows convert each 32-column
+   panel once into a per-thread bf16 buffer and run every row tile over it. */
+T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
+                            int64_t N, float *y, int nthreads) {
+    const int64_t kp = K / 2, blk = kp * 32, nblocks = N / 16;
+    uint16_t *xb = malloc((size_t)(M * K) * 2);
+    to_bf16(x, xb, M * K);
+    const uint32_t *xr = (const uint32_t *)xb;
+    if (M == 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, w + nb * blk, scale + nb * 16, y + nb * 16);
+        free(xb);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *buf = M > MR512 ? malloc((size_t)blk * 2 * 2) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < (nblocks + 1) / 2; pn++) {
+            int64_t nb = pn * 2;
+            int two = nb + 1 < nblocks;
+            const uint8_t *w0 = w + nb * blk, *w1 = w0 + blk;
+            const void *a = w0, *b = w1;
+            if (buf) {
+                for (int64_t p = 0; p < kp; p++) {
+                    _mm512_storeu_si512(buf + p * 32, (__m512i)e4m3_bf16x32(w0 + p * 32));
+                    if (two) _mm512_storeu_si512(buf + blk + p * 32, (__m512i)e4m3_bf16x32(w1 + p * 32));
+                }
+                a = buf;
+                b = buf + blk;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += MR512) {
+                int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
+                const tile_fn *t = buf ? (two ? B2 : B1) : (two ? C2 : C1);
+                t[mr](xr + m0 * kp, kp, a, b, scale + nb * 16, y + m0 * N + nb * 16, N);
+            }
+        }
+        free(buf);
+    }
+    free(xb);
+}
+
+/* ---- AVX2 + F16C + FMA ---------------------------------------------------------------- */
+
+/* 16 bytes (8 columns x a k pair) -> two fp32 vectors, each 4 columns x (k, k+1). */
+T256 static INL void e4m3_f32x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* acc holds (column, k parity) pairs for 4 + 4 columns: add each pair, in column order. */
+T256 static INL void store8(float *y, __m256 a, __m256 b, const float *s) {
+    __m256 h = (__m256)_mm256_permute4x64_pd((__m256d)_mm256_hadd_ps(a, b), 0xd8);
+    _mm256_storeu_ps(y, _mm256_mul_ps(h, _mm256_loadu_ps(s)));
+}
+
+/* MRC rows x 16 columns. CONV: e4m3 bytes converted as they are read; else fp32 already
+   converted, 4 vectors a k pair. */
+#define TILE256(NAME, MRC, CONV)                                                                 \
+T256 static void NAME(const float *x, int64_t K, const void *w, const float *s, float *y, int64_t ldy) { \
+    __m256 acc[MRC][4];                                                                          \
+    for (int i = 0; i < MRC; i++)                                                                \
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();                             \
+    for (int64_t p = 0; p < K / 2; p++) {                                                        \
+        __m256 wv[4];                                                                            \
+        if (CONV) {                                                                              \
+            e4m3_f32x16((const uint8_t *)w + p * 32, &wv[0], &wv[1]);                            \
+            e4m3_f32x16((const uint8_t *)w + p * 32 + 16, &wv[2], &wv[3]);                       \
+        } else {                                                                                 \
+            for (int c = 0; c < 4; c++) wv[c] = _mm256_loadu_ps((const float *)w + p * 32 + c * 8); \
+        }                                                                                        \
+        for (int i = 0; i < MRC; i++) {                                                          \
+            __m256 xv = (__m256)_mm256_broadcast_sd((const double *)(x + i * K + 2 * p));        \
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm256_fmadd_ps(wv[c], xv, acc[i][c]);       \
+        }                                                                                        \
+    }                                                                                            \
+    for (int i = 0; i < MRC; i++) {                                                              \
+        store8(y + i * ldy, acc[i][0], acc[i][1], s);                                            \
+        store8(y + i * ldy + 8, acc[i][2], acc[i][3], s + 8);                                    \
+    }                                                                                            \
+}
+TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
+typedef void (*tile256_fn)(const float *, int64_t, const void *, const float *, float *, int64_t);
+static const tile256_fn F256[4] = {0, f1, f2, f3};
+
+/* Up to 2 rows convert as they stream; more convert each 16-column block once into a
+   per-thread fp32 buffer and run 3-row tiles over it. */
+T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
+                            int64_t N, float *y, int nthreads) {
+    const int64_t blk = K * 16, nblocks = N / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = M > 2 ? aligned_alloc(64, (size_t)blk * 4) : NULL;  /* stored whole vectors */
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const uint8_t *wb = w + nb * blk;
+            if (!buf) {
+                (M == 1 ? v1 : v2)(x, K, wb, scale + nb * 16, y + nb * 16, N);
+                continue;
+            }
+            for (int64_t q = 0; q < blk; q += 16) e4m3_f32x16(wb + q, (__m256 *)(buf + q), (__m256 *)(buf + q + 8));
+            for (int64_t m0 = 0; m0 < M; m0 += 3) {
+                int mr = M - m0 < 3 ? (int)(M - m0) : 3;
+                F256[mr](x + m0 * K, K, buf, scale + nb * 16, y + m0 * N + nb * 16, N);
+            }
+        }
+        free(buf);
+    }
+}
+
+/* 2: AVX-512 BF16, 1: AVX2 + F16C + FMA, 0: neither (the caller keeps torch's formats). */
+int fp8_linear_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;  /* F16C comes with both */
+    return 0;
+}
+
+/* x [M][K] fp32 contiguous, y [M][N] fp32; N % 16 == 0, K % 2 == 0 (the caller checks).
+   isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not built here. */
+int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
+               float *y, int isa, int nthreads) {
+    if (isa == 2) linear_512(x, M, K, w, scale, N, y, nthreads);
+    else if (isa == 1) linear_256(x, M, K, w, scale, N, y, nthreads);
+    else return -1;
+    return 0;
+}
+#else
+int fp8_linear_isa(void) { return 0; }
+int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
+               float *y, int isa, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)y; (void)isa; (void)nthreads;
+    return -1;
+}
+#endif

@@ -1,0 +1,137 @@
+/* Paged attention over a mixed batch on CPU: the fused path the engine takes where the
+   torch reference (kernels/attention.py, the oracle in tests) would gather every context
+   into fresh tensors and build masks. Reads K/V in place through the block table, one
+   (query token, KV head) pair per work item, the query heads of a GQA group together so
+   each key is loaded once. Plain C with GCC vector types; target_clones compiles it for
+   AVX-512, AVX2 and baseline x86-64 and picks at load time. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#include "common.h"
+
+#define MAXG 16
+#define MAXD 256
+#define BS_MAX 64
+
+static float E4M3[256];
+static int e4m3_ready;
+static void init_e4m3(void) {
+    if (__atomic_load_n(&e4m3_ready, __ATOMIC_ACQUIRE)) return;
+    for (int b = 0; b < 256; b++) {
+        int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+        if ((b & 0x7f) == 0x7f) v = NAN;
+        E4M3[b] = s ? -v : v;
+    }
+    __atomic_store_n(&e4m3_ready, 1, __ATOMIC_RELEASE);
+}
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32)));
+#define LD(p) (*(const v16u *)(p))
+
+static inline __attribute__((always_inline)) float hsum16(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    return ((b[0] + b[4]) + (b[1] + b[5])) + ((b[2] + b[6]) + (b[3] + b[7]));
+}
+
+/* One query token x one KV head: the G query heads sharing that KV head, over keys 0..len-1
+   of the sequence's blocks. Online softmax a block at a time. kc/vc: fp32 or e4m3 bytes
+   ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales [num_blocks][bs][hkv] for e4m3.
+   DC: D / 16, a constant where inlined for the common head sizes. */
+static inline __attribute__((always_inline)) void attend(
+        const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int len,
+        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int fp8, float scale, float *out) {
+    const int D = DC * 16;
+    v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
+    float m[MAXG], l[MAXG], s[MAXG][BS_MAX];
+    float kb[fp8 ? BS_MAX : 1][fp8 ? MAXD : 1] __attribute__((aligned(64)));
+    float vb[fp8 ? BS_MAX : 1][fp8 ? MAXD : 1] __attribute__((aligned(64)));
+    for (int h = 0; h < G; h++) {
+        m[h] = -INFINITY; l[h] = 0.0f;
+        for (int c = 0; c < DC; c++) { acc[h][c] = (v16){0}; qv[h][c] = LD(q + h * D + c * 16) * scale; }
+    }
+    for (int start = 0; start < len; start += bs) {
+        int n = len - start < bs ? len - start : bs;
+        int64_t base = ((int64_t)blocks[start / bs] * bs) * hkv + g;  /* (slot, head) row of key 0 */
+        const float *kr[BS_MAX], *vr[BS_MAX];
+        if (fp8) {
+            const uint8_t *k8 = kc, *v8 = vc;
+            for (int j = 0; j < n; j++) {
+                int64_t r = base + (int64_t)j * hkv;
+                _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
+                float sk = (float)a, sv = (float)b;
+                for (int d = 0; d < D; d++) { kb[j][d] = E4M3[k8[r * D + d]] * sk; vb[j][d] = E4M3[v8[r * D + d]] * sv; }
+                kr[j] = kb[j]; vr[j] = vb[j];
+            }
+        } else {
+            for (int j = 0; j < n; j++) {
+                int64_t r = base + (int64_t)j * hkv;
+                kr[j] = (const float *)kc + r * D; vr[j] = (const float *)vc + r * D;
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            float mx = m[h];
+            for (int j = 0; j < n; j++) {
+                v16 a = qv[h][0] * LD(kr[j]);
+                for (int c = 1; c < DC; c++) a += qv[h][c] * LD(kr[j] + c * 16);
+                s[h][j] = hsum16(a);
+                mx = s[h][j] > mx ? s[h][j] : mx;
+            }
+            float corr = exp_neg(m[h] - mx);  /* m = -inf at first: exp_neg clamps to 2^-126 ~ 0 */
+            m[h] = mx;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n; j++) { s[h][j] = exp_neg(s[h][j] - mx); sum += s[h][j]; }
+            l[h] = l[h] * corr + sum;
+            for (int c = 0; c < DC; c++) {
+                v16 a = acc[h][c] * corr;
+                for (int j = 0; j < n; j++) a += s[h][j] * LD(vr[j] + c * 16);
+                acc[h][c] = a;
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int c = 0; c < DC; c++) *(v16u *)(out + h * D + c * 16) = acc[h][c] * inv;
+    }
+}
+
+CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
+                              int len, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs,
+                              int fp8, float scale, float *out) {
+    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
+    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
+    else attend(q, G, D / 16, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
+}
+
+/* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
+   position seq_lens[i] - qlen + j and sees keys 0 .. that position. Sequences whose query is
+   longer than max_q are skipped (their rows of out untouched): a long prefill chunk runs
+   faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
+   Returns 0, or -1 when a shape is past the kernel's fixed limits. */
+int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
+                    const uint16_t *ks, const uint16_t *vs, int fp8, const int32_t *block_table,
+                    int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
+                    int bs, float scale, int max_q, float *out, int64_t *work, int nthreads) {
+    int G = H / hkv;
+    if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
+    if (fp8) init_e4m3();
+    int64_t nw = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        if (qsl[i + 1] - qsl[i] > max_q) continue;
+        for (int64_t t = qsl[i]; t < qsl[i + 1]; t++)
+            for (int g = 0; g < hkv; g++) work[nw++] = ((t * hkv + g) << 20) | i;  /* i < 2^20 */
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t w = 0; w < nw; w++) {
+        int64_t i = work[w] & ((1 << 20) - 1), tg = work[w] >> 20, t = tg / hkv;
+        int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
+        int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1;
+        attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, len,
+                   kc, vc, ks, vs, fp8, scale, out + (t * H + (int64_t)g * G) * D);
+    }
+    return 0;
+}

@@ -1,0 +1,174 @@
+"""ridge's own CPU kernels (kernels/csrc/*.c): compiled on first use with the system's C
+compiler, cached, and called through ctypes on tensors' memory.
+
+Why C and not torch: a CPU step of few rows is bound by bytes and by the number of ops,
+and torch has neither an e4m3 weight product (it casts the whole weight first) nor an
+attention over a paged cache (the reference gathers every context into fresh tensors and
+builds masks, about a fifth of a batch-1 step and more at batch 64); and each small op
+(norm, RoPE, the KV write, the activation) is several torch ops of a few microseconds of
+dispatch each where the arithmetic takes less than one. Each kernel keeps
+its torch reference as the oracle in tests, and the engine takes a kernel only where it
+is measured or known faster (engine/cpu_format.py, kernels/attention.py).
+
+The library is built once per source, compiler and machine type into
+$XDG_CACHE_HOME/ridge/native/, in a background thread started with the engine so that
+the build overlaps loading the model. No compiler, a failed build or RIDGE_NATIVE=0:
+the engine runs torch's paths, as before, and says so once. The .so links libgomp by its
+soname, so it shares the OpenMP runtime torch already loaded: one thread team, no two
+pools spinning against each other."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ridge.kernels")
+SRC = Path(__file__).with_name("csrc")
+SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c")
+FLAGS = ("-O3", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-psabi")
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": CDLL | None once tried; "why": the reason it is None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ridge" / "native"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _digest(cc: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(SRC.glob("*.[ch]")):  # the sources and the header they share
+        h.update(path.name.encode() + path.read_bytes())
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    h.update(f"{version}|{FLAGS}|{platform.machine()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile each source in its own process (they build in parallel), then link."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".build-{os.getpid()}-{threading.get_ident()}"
+    tmp.mkdir(exist_ok=True)
+    try:
+        objs = [tmp / (name[:-2] + ".o") for name in SOURCES]
+        procs = [subprocess.Popen([cc, *FLAGS, "-c", str(SRC / name), "-o", str(o)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for name, o in zip(SOURCES, objs)]
+        output = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("".join(output)[-2000:])
+        so = tmp / "libridge_cpu.so"
+        link = subprocess.run([cc, "-shared", "-fopenmp", *map(str, objs), "-o", str(so), "-lm"],
+                              capture_output=True, text=True)
+        if link.returncode:
+            raise RuntimeError(link.stdout + link.stderr)
+        so.replace(out)  # atomic: a concurrent start loads one whole library or builds its own
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
+    lib.fp8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32, i32]
+    lib.fp8_linear.restype = i32
+    lib.paged_attention.argtypes = [p, i64, i32, i32, i32, p, p, p, p, i32, p, i64, p, p, i64, i32, f32, i32,
+                                    p, p, i32]
+    lib.paged_attention.restype = i32
+    lib.rms_norm.argtypes = [p, p, p, f32, p, i64, i64, i32]
+    lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]
+    lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, p]
+    lib.silu_and_mul.argtypes = [p, i64, i64, p, i32]
+    for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
+        fn.restype = i32
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("RIDGE_NATIVE", "1") == "0":
+        return None, "RIDGE_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc) found"
+    path = _cache_dir() / _digest(cc) / "libridge_cpu.so"
+    try:
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, RuntimeError, AttributeError) as e:
+        return None, f"build failed: {str(e).strip()[:500]}"
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first call; None where they cannot be had."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                lib, why = _load()
+                if lib is None:
+                    log.warning("ridge's CPU kernels are off (%s): torch's paths run instead", why)
+                _state.update(lib=lib, why=why)
+    return _state["lib"]
+
+
+@contextmanager
+def off():
+    """Run torch's paths within, as where the library is not built: tests check those paths, and
+    benchmarks compare the two in one process."""
+    library()
+    saved = _state["lib"]
+    _state["lib"] = None
+    try:
+        yield
+    finally:
+        _state["lib"] = saved
+
+
+def start_build() -> threading.Thread:
+    """Build (or find) the library in the background; library() then waits for it."""
+    t = threading.Thread(target=library, name="ridge-native-build", daemon=True)
+    t.start()
+    return t
+
+
+def fp8_linear_isa() -> int:
+    """2: AVX-512 BF16, 1: AVX2, 0: no fp8 product here. Capped by torch's own instruction
+    set, so that ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one throughout."""
+    lib = library()
+    if lib is None:
+        return 0
+    cap = {"AVX512": 2, "AVX2": 1}.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return min(lib.fp8_linear_isa(), cap)
+
+
+def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
+    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: quant/linear.pack_fp8's
+    [N/16, K/2, 16, 2] bytes; scale256: the per-column scale times 256 (fp32, contiguous)."""
+    nb, kp, sixteen, two = packed.shape
+    m, k = x.shape
+    assert (sixteen, two) == (16, 2) and k == 2 * kp and packed.dtype == torch.uint8, (x.shape, packed.shape)
+    assert x.dtype == torch.float32 and scale256.shape == (nb * 16,) and scale256.dtype == torch.float32
+    x = x.contiguous()
+    y = torch.empty((m, nb * 16), dtype=torch.float32)
+    rc = library().fp8_linear(x.data_ptr(), m, k, packed.data_ptr(), scale256.data_ptr(), nb * 16, y.data_ptr(),
+                              isa, torch.get_num_threads())
+    assert rc == 0, f"fp8_linear: isa {isa} not built"
+    return y

@@ -1,0 +1,216 @@
+"""ridge's C kernels (kernels/csrc) against their torch references, the way the engine
+calls them; and the build: cached per source, off without a compiler."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ridge.kernels import native
+from ridge.kernels.attention import NATIVE_MAX_Q, paged_attention_cpu, paged_attention_ref
+from ridge.kernels.kv_cache import quantize_kv, write_kv_ref
+from ridge.kernels.metadata import AttentionMetadata
+from ridge.quant.fp8 import quantize_fp8
+from ridge.quant.linear import FP8, FP8Linear, pack_fp8
+
+needs_cc = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+
+
+def _isas():
+    return [isa for isa in (1, 2) if isa <= native.fp8_linear_isa()]
+
+
+@needs_cc
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 34), (960, 576), (576, 1536), (4096 + 16, 130)])
+def test_fp8_linear_matches_the_reference(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    # Rows of very different magnitudes: small ones land on e4m3 subnormals, which must convert exactly.
+    w = torch.randn(n, k, generator=g) * torch.logspace(-4, 1, n)[:, None]
+    q, scale = quantize_fp8(w)
+    tiny = torch.randn(n, k, generator=g) * 1e-5
+    tiny[:, 0] = 1.0  # each row's scale set by one large weight: the rest quantize to subnormals
+    q2, s2 = quantize_fp8(tiny)
+    assert ((q2.view(torch.uint8) & 0x78) == 0).float().mean() > 0.3, "the test needs subnormal weights"
+    for qw, s in ((q, scale), (q2, s2)):
+        packed = pack_fp8(qw, s)
+        ref_w = qw.float() * s.float()[:, None]
+        for isa in _isas():
+            for m in (1, 2, 3, 7, 8, 9, 17, 33):
+                x = torch.randn(m, k, generator=g)
+                y = native.fp8_linear(x, packed, (s.float() * 256).contiguous(), isa)
+                # AVX-512 BF16 rounds activations to bf16, as the bf16 paths do; the weights are exact.
+                xr = x.to(torch.bfloat16).float() if isa == 2 else x
+                ref = xr @ ref_w.T
+                torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+
+
+@needs_cc
+def test_pack_fp8_recovers_the_bytes_from_the_upcast_copy():
+    """The CPU layer keeps only fp8 * scale in fp32; dividing by the scale and rounding to e4m3
+    gives back exactly the bytes it was loaded from."""
+    q, s = quantize_fp8(torch.randn(64, 96) * torch.logspace(-3, 2, 64)[:, None])
+    lin = FP8Linear(96, 64)
+    lin.load(q, s, None, torch.device("cpu"), torch.float32)
+    assert torch.equal(pack_fp8(lin.weight, lin.cpu_scale), pack_fp8(q, s))
+    assert pack_fp8(torch.zeros(24, 96, dtype=FP8), s) is None  # 24 outputs: not a multiple of 16
+
+
+@needs_cc
+def test_a_layer_runs_fp8_at_the_sizes_its_plan_marks():
+    q, s = quantize_fp8(torch.randn(48, 32))
+    lin = FP8Linear(32, 48)
+    lin.load(q, s, None, torch.device("cpu"), torch.float32)
+    lin.enable_fp8([(1, True), (4, True), (8, False)], isa=1)
+    assert [lin.uses_fp8(n) for n in (1, 2, 4, 5, 8, 64)] == [True, True, True, False, False, False]
+    x = torch.randn(3, 32)
+    assert torch.equal(lin(x), native.fp8_linear(x, lin.fp8, lin.fp8_scale, 1))
+    torch.testing.assert_close(lin(torch.randn(6, 32)).shape, (6, 48))
+    lin.enable_fp8([(1, False)], isa=1)
+    assert lin.fp8 is None and not lin.uses_fp8(1)
+
+
+H, HKV, D, BS = 12, 3, 64, 16
+
+
+def _setup(lengths, query_lens, dtype, num_blocks=4096, d=D, h=H, hkv=HKV, seed=0):
+    """Contexts written through write_kv_ref into blocks scattered over a large pool (block ids
+    in the thousands), and the step's queries."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    kc = torch.zeros(num_blocks, BS, hkv, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    ks = vs = None
+    if dtype == FP8:
+        ks = torch.ones(num_blocks, BS, hkv, dtype=torch.float16)
+        vs = torch.ones_like(ks)
+    tables = []
+    for L in lengths:
+        table = [perm.pop() for _ in range(-(-L // BS))]
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(L)])
+        write_kv_ref(torch.randn(L, hkv, d, generator=g) * 3, torch.randn(L, hkv, d, generator=g), kc, vc, ks, vs, slots)
+        tables.append(table)
+    meta = AttentionMetadata.build(query_lens, lengths, tables, [0] * sum(query_lens))
+    return torch.randn(sum(query_lens), h, d, generator=g), kc, vc, ks, vs, meta
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("lengths,query_lens", [
+    ([1], [1]),
+    ([300], [1]),
+    ([1, 17, 129, 33, 1000], [1, 1, 1, 1, 1]),  # decodes, one context ending mid-block
+    ([129, 40, 5, 64, 300], [1, 18, 5, 1, NATIVE_MAX_Q + 40]),  # mixed; the last chunk goes to the reference
+    ([70, 90], [NATIVE_MAX_Q, 7]),  # a chunk exactly at the kernel's limit
+])
+def test_paged_attention_cpu_matches_the_reference(dtype, lengths, query_lens):
+    q, kc, vc, ks, vs, meta = _setup(lengths, query_lens, dtype)
+    out = paged_attention_cpu(q, kc, vc, ks, vs, meta, D ** -0.5)
+    ref = paged_attention_ref(q, kc, vc, ks, vs, meta, D ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_cc
+@pytest.mark.parametrize("d,h,hkv", [(32, 4, 4), (128, 8, 2), (80, 15, 5), (40, 4, 2)])
+def test_paged_attention_cpu_other_head_shapes(d, h, hkv):
+    """Head sizes and GQA groups of other models; 40 is not a multiple of 16: the reference runs."""
+    q, kc, vc, ks, vs, meta = _setup([50, 200], [1, 9], torch.float32, num_blocks=64, d=d, h=h, hkv=hkv)
+    out = paged_attention_cpu(q, kc, vc, ks, vs, meta, d ** -0.5)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, ks, vs, meta, d ** -0.5), atol=2e-5, rtol=1e-4)
+
+
+@needs_cc
+def test_fp8_cache_with_real_scales():
+    q, kc, vc, _, _, meta = _setup([150, 33], [1, 33], torch.float32)
+    k8, ks = quantize_kv(kc.view(-1, HKV, D))
+    v8, vs = quantize_kv(vc.view(-1, HKV, D))
+    k8, v8 = k8.view(kc.shape), v8.view(vc.shape)
+    ks, vs = ks.view(kc.shape[:3]), vs.view(kc.shape[:3])
+    out = paged_attention_cpu(q, k8, v8, ks, vs, meta, D ** -0.5)
+    torch.testing.assert_close(out, paged_attention_ref(q, k8, v8, ks, vs, meta, D ** -0.5), atol=2e-5, rtol=1e-4)
+
+
+def test_without_a_compiler_the_kernels_are_off_and_attention_still_answers(tmp_path):
+    code = ("import torch, logging; logging.basicConfig();"
+            "from ridge.kernels import native; from ridge.kernels.attention import paged_attention_cpu;"
+            "from tests.test_native import _setup;"
+            "q, kc, vc, ks, vs, meta = _setup([40], [1], torch.float32, num_blocks=8);"
+            "print('LIB', native.library() is not None, tuple(paged_attention_cpu(q, kc, vc, ks, vs, meta, 0.1).shape))")
+    env = {**os.environ, "PATH": str(tmp_path / "empty"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop("CC", None)
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "LIB False (1, 12, 64)" in off.stdout and "no C compiler" in off.stderr, off.stderr
+
+
+@needs_cc
+def test_the_library_is_built_once_per_source(tmp_path):
+    """A second process finds the built library instead of compiling it again."""
+    code = ("import torch, logging; logging.basicConfig();"
+            "from ridge.kernels import native; from ridge.kernels.attention import paged_attention_cpu;"
+            "print('LIB', native.library() is not None)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop("CC", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "LIB True" in first.stdout, first.stderr
+    built = list((tmp_path / "xdg" / "ridge" / "native").glob("*/libridge_cpu.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "LIB True" in again.stdout and built[0].stat().st_mtime_ns == mtime
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_small_ops_match_their_references(rows):
+    from ridge.kernels.activation import silu_and_mul_cpu, silu_and_mul_ref
+    from ridge.kernels.norm import rms_norm_cpu, rms_norm_ref
+    from ridge.kernels.rope import rope_cpu, rope_ref
+    from ridge.models.rope import rope_cos_sin
+
+    g = torch.Generator().manual_seed(rows)
+    x, res, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.rand(576, generator=g)
+    normed, new_res = rms_norm_ref(x, w, 1e-5, res)
+    x2 = x.clone()
+    got, got_res = rms_norm_cpu(x2, w, 1e-5, res)
+    assert got_res is x2  # the residual added in place, as the torch CPU path does
+    torch.testing.assert_close(got, normed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_res, new_res)
+    torch.testing.assert_close(rms_norm_cpu(x.clone(), w, 1e-5)[0], rms_norm_ref(x, w, 1e-5)[0], atol=1e-5, rtol=1e-5)
+
+    # RoPE on the fused qkv output's views (k's heads right after q's), and on separate tensors.
+    cos_sin = rope_cos_sin(64, 4096, 10000.0, None).float()
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    qkv = torch.randn(rows, (9 + 3 + 3) * 64, generator=g)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.reshape(rows, 9, 64), k.reshape(rows, 3, 64)
+    rq, rk = rope_ref(q, k, positions, cos_sin)
+    got_q, got_k = rope_cpu(q, k, positions, cos_sin)
+    torch.testing.assert_close(got_q, rq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, rk, atol=1e-5, rtol=1e-5)
+    q, k = torch.randn(rows, 4, 64, generator=g), torch.randn(rows, 2, 64, generator=g)
+    rq, rk = rope_ref(q, k, positions, cos_sin)
+    torch.testing.assert_close(rope_cpu(q, k, positions, cos_sin), (rq, rk), atol=1e-5, rtol=1e-5)
+
+    # silu(gate) * up, with gates far out on both sides.
+    gu = torch.randn(rows, 2 * 1536, generator=g) * 30
+    torch.testing.assert_close(silu_and_mul_cpu(gu), silu_and_mul_ref(gu), atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
+    from ridge.kernels.kv_cache import write_kv_cpu
+
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(5, 2 * 3 * 64, generator=g)
+    k, v = (t.reshape(5, 3, 64) for t in kv.split([192, 192], dim=-1))  # strided views, as in a layer
+    slots = torch.tensor([7, -1, 4095, 0, 300])
+    caches = [torch.zeros(256, 16, 3, 64) for _ in range(4)]
+    write_kv_ref(k, v, caches[0], caches[1], None, None, slots)
+    write_kv_cpu(k, v, caches[2], caches[3], None, None, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="past the cache"):
+        write_kv_cpu(k, v, caches[2], caches[3], None, None, torch.tensor([1, 2, 3, 4096, 5]))
+    assert torch.equal(caches[0], caches[2])  # nothing written
