@@ -121,7 +121,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-ONE_THREAD_PAIRS = 4096  # (query head, key) pairs below which a thread team costs more than it saves
+_NATIVE_KV = {torch.float32: 0, FP8: 1, torch.bfloat16: 2}  # cache dtype -> the kernel's `kind`
 
 
 class _NativePlan:
@@ -139,21 +139,20 @@ class _NativePlan:
         assert table.dtype == seq_lens.dtype == loc.dtype == torch.int32 and table.is_contiguous(), "int32 metadata"
         assert q.shape[0] == starts[-1], (q.shape, starts[-1])
         self.work = torch.empty(q.shape[0] * k_cache.shape[2], dtype=torch.int64)
-        pairs = q.shape[1] * sum(n * L for n, L in zip(qlens, slens) if n <= NATIVE_MAX_Q)
-        threads = 1 if pairs < ONE_THREAD_PAIRS else torch.get_num_threads()
         self.args = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
                      k_cache.shape[1], NATIVE_MAX_Q)
-        self.tail = (self.work.data_ptr(), threads)
+        self.tail = (self.work.data_ptr(), torch.get_num_threads())
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                         meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
     """paged_attention_ref's contract, through the C kernel where it applies (fp32 queries, an
-    fp32 or FP8 cache, head sizes it was built for); the reference otherwise."""
+    fp32, bf16 or FP8 cache, head sizes it was built for); the reference otherwise."""
     lib = native.library()
     fp8 = k_cache.dtype == FP8
-    if (lib is None or q.dtype != torch.float32 or not (k_cache.dtype == torch.float32 or fp8)
+    kind = _NATIVE_KV.get(k_cache.dtype)
+    if (lib is None or q.dtype != torch.float32 or kind is None or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or meta.num_seqs >= 1 << 20
             or (fp8 and not (k_scale.dtype == v_scale.dtype == torch.float16))):
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
@@ -166,7 +165,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     rc = lib.paged_attention(q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim,
                              k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, fp8,
+                             k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, kind,
                              *plan.args[:5], plan.args[5], softmax_scale, plan.args[6], out.data_ptr(), *plan.tail)
     if rc != 0:  # a shape past the kernel's fixed limits (head size, GQA group, block size)
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)

@@ -49,6 +49,15 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _flags() -> tuple[str, ...]:
+    """FLAGS, capped like torch: an AVX-512 machine run as an AVX2 one (ATEN_CPU_CAPABILITY)
+    must not take AVX-512 clones behind its back."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() not in ("x86_64", "AMD64") or cap.startswith("AVX512"):
+        return FLAGS
+    return FLAGS + (("-DRIDGE_MAX_AVX2",) if cap == "AVX2" else ("-DRIDGE_BASELINE",))
+
+
 def _digest(cc: str) -> str:
     h = hashlib.sha256()
     for path in sorted(SRC.glob("*.[ch]")):  # the sources and the header they share
@@ -57,7 +66,7 @@ def _digest(cc: str) -> str:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    h.update(f"{version}|{FLAGS}|{platform.machine()}".encode())
+    h.update(f"{version}|{_flags()}|{platform.machine()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -68,7 +77,7 @@ def _build(cc: str, out: Path) -> None:
     tmp.mkdir(exist_ok=True)
     try:
         objs = [tmp / (name[:-2] + ".o") for name in SOURCES]
-        procs = [subprocess.Popen([cc, *FLAGS, "-c", str(SRC / name), "-o", str(o)],
+        procs = [subprocess.Popen([cc, *_flags(), "-c", str(SRC / name), "-o", str(o)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for name, o in zip(SOURCES, objs)]
         output = [p.communicate()[0] for p in procs]
@@ -94,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention.restype = i32
     lib.rms_norm.argtypes = [p, p, p, f32, p, i64, i64, i32]
     lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]
-    lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, p]
+    lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, p, i32]
     lib.silu_and_mul.argtypes = [p, i64, i64, p, i32]
     for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
         fn.restype = i32

@@ -97,7 +97,7 @@ def _setup(lengths, query_lens, dtype, num_blocks=4096, d=D, h=H, hkv=HKV, seed=
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
 @pytest.mark.parametrize("lengths,query_lens", [
     ([1], [1]),
     ([300], [1]),
@@ -207,10 +207,11 @@ def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
     kv = torch.randn(5, 2 * 3 * 64, generator=g)
     k, v = (t.reshape(5, 3, 64) for t in kv.split([192, 192], dim=-1))  # strided views, as in a layer
     slots = torch.tensor([7, -1, 4095, 0, 300])
-    caches = [torch.zeros(256, 16, 3, 64) for _ in range(4)]
-    write_kv_ref(k, v, caches[0], caches[1], None, None, slots)
-    write_kv_cpu(k, v, caches[2], caches[3], None, None, slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    for dtype in (torch.bfloat16, torch.float32):  # bf16: rounded as torch's cast rounds
+        caches = [torch.zeros(256, 16, 3, 64, dtype=dtype) for _ in range(4)]
+        write_kv_ref(k, v, caches[0], caches[1], None, None, slots)
+        write_kv_cpu(k, v, caches[2], caches[3], None, None, slots)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(IndexError, match="past the cache"):
         write_kv_cpu(k, v, caches[2], caches[3], None, None, torch.tensor([1, 2, 3, 4096, 5]))
     assert torch.equal(caches[0], caches[2])  # nothing written

@@ -100,7 +100,7 @@ def test_panels_show_the_daemons_figures(served):
             assert f"KV {F.size(mem['kv_pool'])}" in widget_text(app, "#device-legend")
             assert f"weights {F.size(mem['weights'])}" in widget_text(app, "#device-legend")
             model = widget_text(app, "#model-info")
-            assert "tiny-llama" in model and "KV fp32" in model and f"{BLOCKS} blocks" in model
+            assert "tiny-llama" in model and f"KV {ref['model']['kv_dtype']}" in model and f"{BLOCKS} blocks" in model
             assert f"ridge point {ref['model']['ridge_point']:.1f} FLOP/B" in model
             # tokens/s: every token the daemon counted since the first snapshot is in the 1-minute window
             prefill, decode = app.throughput.series(60)

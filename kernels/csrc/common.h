@@ -3,8 +3,15 @@
 #define RIDGE_COMMON_H
 #include <stdint.h>
 
-/* Compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one per CPU. */
-#if defined(__x86_64__)
+/* Compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one per CPU. A machine
+   whose torch is capped below what its CPU has (ATEN_CPU_CAPABILITY=avx2) gets a build capped
+   the same way (kernels/native.py): RIDGE_MAX_AVX2 drops the AVX-512 clone, RIDGE_BASELINE
+   both. */
+#if defined(__x86_64__) && defined(RIDGE_BASELINE)
+#define CLONES
+#elif defined(__x86_64__) && defined(RIDGE_MAX_AVX2)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#elif defined(__x86_64__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES

@@ -13,6 +13,7 @@
 #define MAXG 16
 #define MAXD 256
 #define BS_MAX 64
+enum { KV_FP32 = 0, KV_FP8 = 1, KV_BF16 = 2 };  /* the cache's element type */
 
 static float E4M3[256];
 static int e4m3_ready;
@@ -38,17 +39,17 @@ static inline __attribute__((always_inline)) float hsum16(v16 a) {
 }
 
 /* One query token x one KV head: the G query heads sharing that KV head, over keys 0..len-1
-   of the sequence's blocks. Online softmax a block at a time. kc/vc: fp32 or e4m3 bytes
+   of the sequence's blocks. Online softmax a block at a time. kc/vc: fp32, bf16 or e4m3 (kind)
    ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales [num_blocks][bs][hkv] for e4m3.
    DC: D / 16, a constant where inlined for the common head sizes. */
 static inline __attribute__((always_inline)) void attend(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int len,
-        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int fp8, float scale, float *out) {
+        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale, float *out) {
     const int D = DC * 16;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
     float m[MAXG], l[MAXG], s[MAXG][BS_MAX];
-    float kb[fp8 ? BS_MAX : 1][fp8 ? MAXD : 1] __attribute__((aligned(64)));
-    float vb[fp8 ? BS_MAX : 1][fp8 ? MAXD : 1] __attribute__((aligned(64)));
+    float kb[kind ? BS_MAX : 1][kind ? MAXD : 1] __attribute__((aligned(64)));
+    float vb[kind ? BS_MAX : 1][kind ? MAXD : 1] __attribute__((aligned(64)));
     for (int h = 0; h < G; h++) {
         m[h] = -INFINITY; l[h] = 0.0f;
         for (int c = 0; c < DC; c++) { acc[h][c] = (v16){0}; qv[h][c] = LD(q + h * D + c * 16) * scale; }
@@ -57,13 +58,21 @@ static inline __attribute__((always_inline)) void attend(
         int n = len - start < bs ? len - start : bs;
         int64_t base = ((int64_t)blocks[start / bs] * bs) * hkv + g;  /* (slot, head) row of key 0 */
         const float *kr[BS_MAX], *vr[BS_MAX];
-        if (fp8) {
+        if (kind == KV_FP8) {
             const uint8_t *k8 = kc, *v8 = vc;
             for (int j = 0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
                 _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
                 float sk = (float)a, sv = (float)b;
                 for (int d = 0; d < D; d++) { kb[j][d] = E4M3[k8[r * D + d]] * sk; vb[j][d] = E4M3[v8[r * D + d]] * sv; }
+                kr[j] = kb[j]; vr[j] = vb[j];
+            }
+        } else if (kind == KV_BF16) {  /* bf16 is fp32's top half: widen by a shift */
+            const uint16_t *k16 = kc, *v16p = vc;
+            for (int j = 0; j < n; j++) {
+                int64_t r = (base + (int64_t)j * hkv) * D;
+                uint32_t *kw = (uint32_t *)kb[j], *vw = (uint32_t *)vb[j];
+                for (int d = 0; d < D; d++) { kw[d] = (uint32_t)k16[r + d] << 16; vw[d] = (uint32_t)v16p[r + d] << 16; }
                 kr[j] = kb[j]; vr[j] = vb[j];
             }
         } else {
@@ -101,10 +110,10 @@ static inline __attribute__((always_inline)) void attend(
 
 CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
                               int len, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs,
-                              int fp8, float scale, float *out) {
-    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
-    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
-    else attend(q, G, D / 16, hkv, g, bs, blocks, len, kc, vc, ks, vs, fp8, scale, out);
+                              int kind, float scale, float *out) {
+    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
+    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
+    else attend(q, G, D / 16, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
 }
 
 /* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
@@ -113,12 +122,12 @@ CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int 
    faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
    Returns 0, or -1 when a shape is past the kernel's fixed limits. */
 int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
-                    const uint16_t *ks, const uint16_t *vs, int fp8, const int32_t *block_table,
+                    const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table,
                     int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
                     int bs, float scale, int max_q, float *out, int64_t *work, int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
-    if (fp8) init_e4m3();
+    if (kind == KV_FP8) init_e4m3();
     int64_t nw = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (qsl[i + 1] - qsl[i] > max_q) continue;
@@ -131,7 +140,7 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
         int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
         int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1;
         attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, len,
-                   kc, vc, ks, vs, fp8, scale, out + (t * H + (int64_t)g * G) * D);
+                   kc, vc, ks, vs, kind, scale, out + (t * H + (int64_t)g * G) * D);
     }
     return 0;
 }

@@ -55,16 +55,30 @@ CLONES int rope(float *x, int64_t T, int64_t H, int64_t stride_t, int64_t stride
 }
 
 /* k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t] for each token whose slot is not -1: rows
-   of width Hkv*D floats, row t of k at k + t * stride_k (its heads contiguous). Returns -1,
-   writing nothing, if a slot is past the cache's num_slots. */
-int write_kv(const float *k, const float *v, int64_t T, int64_t stride_k, int64_t stride_v, int64_t width,
-             const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache) {
+   of width Hkv*D, row t of k at k + t * stride_k floats (its heads contiguous). bf16: the
+   cache holds bf16 (rounded to nearest even, as torch's cast; caches hold no NaN), else
+   fp32. Returns -1, writing nothing, if a slot is past the cache's num_slots. */
+static inline void put_row(void *cache, int64_t slot, const float *x, int64_t width, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + slot * width, x, (size_t)width * 4);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + slot * width;
+    for (int64_t i = 0; i < width; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        dst[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+CLONES int write_kv(const float *k, const float *v, int64_t T, int64_t stride_k, int64_t stride_v, int64_t width,
+                    const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int bf16) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * width, k + t * stride_k, (size_t)width * 4);
-        memcpy(v_cache + slots[t] * width, v + t * stride_v, (size_t)width * 4);
+        put_row(k_cache, slots[t], k + t * stride_k, width, bf16);
+        put_row(v_cache, slots[t], v + t * stride_v, width, bf16);
     }
     return 0;
 }

@@ -23,7 +23,8 @@ class EngineConfig:
     model: str | None = _opt(None, "GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
                              example="/path/to/model.gguf")
     device: str | None = _opt(None, "cuda or cpu (default: cuda if available)", example="cuda")
-    kv_dtype: str | None = _opt(None, "KV cache dtype (default: fp8 on CUDA, fp32 on CPU, by measurement)",
+    kv_dtype: str | None = _opt(None, "KV cache dtype (default: fp8 on CUDA; on CPU bf16 with ridge's C kernels, "
+                                "else fp32; by measurement)",
                                 choices=("fp8", "bf16", "fp16", "fp32"), example="fp8")
     block_size: int = _opt(16, "tokens per KV block")
     max_model_len: int | None = _opt(None, "cap the context below the model's own", example=8192)
@@ -66,9 +67,17 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
-        # CPU default, measured: reading an FP8 cache through torch costs a slow
-        # fp8 -> fp32 cast every step (docs/benchmarks.md), so CPU serves fp32 KV.
-        return self.kv_dtype or ("fp8" if device.type == "cuda" else "fp32")
+        # CPU default, measured (`ridge bench kv`, docs/benchmarks.md): with ridge's C kernels a
+        # bf16 cache is fastest at every batch (attention reads half of fp32's bytes; widening
+        # bf16 is a shift); without them torch's attention gathers and casts, so fp32. FP8 on CPU
+        # costs a per-element decode and a torch-side quantized write, slower at every batch.
+        if self.kv_dtype:
+            return self.kv_dtype
+        if device.type == "cuda":
+            return "fp8"
+        from ridge.kernels import native
+
+        return "bf16" if native.library() is not None else "fp32"
 
 
 def engine_options() -> list[Option]:
