@@ -102,6 +102,7 @@ class FP8Linear(nn.Module):
         # e4m3 bytes for native.fp8_linear (pack_fp8), the scale times 256, the instruction set to
         # run, and the step sizes it runs at (as lowp_bounds / lowp_use).
         self.fp8: torch.Tensor | None = None
+        self.fp8_packed: torch.Tensor | None = None  # pack_fp8 of the loaded bytes, until the format is chosen
         self.fp8_scale: torch.Tensor | None = None
         self.fp8_isa = 0
         self.fp8_bounds: list[int] = []
@@ -117,6 +118,9 @@ class FP8Linear(nn.Module):
         elif weight.dtype == FP8:
             self.weight = (weight.float() * scale.float()[:, None]).to(dtype).to(device)
             self.cpu_scale = scale.float().to(device)
+            # The e4m3 kernel's layout from the bytes at hand (a permute: recovering them from the
+            # upcast copy costs a slow fp32 -> e4m3 cast); kept until the CPU format is chosen.
+            self.fp8_packed = pack_fp8(weight, scale)
         else:
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -147,8 +151,10 @@ class FP8Linear(nn.Module):
     def enable_fp8(self, plan: list[tuple[int, bool]], isa: int, packed: torch.Tensor | None = None) -> None:
         """Run the step sizes plan marks through ridge's e4m3 kernel (plan as in enable_lowp; no
         size, or isa 0, drops it). packed: pack_fp8 of the weight, where already made."""
-        packed = packed if packed is not None else (pack_fp8(self.weight, self.cpu_scale)
-                                                    if self.cpu_scale is not None else None)
+        if packed is None:
+            packed = self.fp8_packed if self.fp8_packed is not None else (
+                pack_fp8(self.weight, self.cpu_scale) if self.cpu_scale is not None else None)
+        self.fp8_packed = None
         if not isa or packed is None or not any(use for _, use in plan):
             self.fp8, self.fp8_scale, self.fp8_isa, self.fp8_bounds, self.fp8_use = None, None, 0, [], []
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from ridge.engine import cpu_format
@@ -152,3 +153,19 @@ def test_timings_are_kept_per_instruction_set(tmp_path, monkeypatch):
     full = cpu_format._cpu_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert cpu_format._cpu_key() != full and torch.backends.cpu.get_cpu_capability() in full
+
+
+@pytest.mark.skipif(not native.fp8_linear_isa(), reason="no e4m3 kernel built on this machine")
+def test_fp8_stops_timing_once_it_loses_a_size():
+    """Past the first size the e4m3 kernel loses, the larger sizes are not timed (it only falls
+    further behind as a step grows): that keeps the start-up measurement under 2 s."""
+    from ridge.quant.linear import pack_fp8
+
+    lins = [_linear(48, 32) for _ in range(3)]
+    packs = [pack_fp8(m.weight, m.cpu_scale) for m in lins]
+    scales = [m.cpu_scale * 256 for m in lins]
+    isa = native.fp8_linear_isa()
+    won = cpu_format.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1.0, 4: 1.0})
+    assert all(0 < t < 1.0 for t in won.values())  # a second per product: every size timed, every size won
+    lost = cpu_format.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1e-12, 4: 1.0})
+    assert 0 < lost[1] < 1.0 and lost[2] > 1e-12 and lost[4] == float("inf")

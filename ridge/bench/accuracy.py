@@ -83,6 +83,8 @@ def _self_draft(model, ids) -> list[dict]:
 
 def run_accuracy(args, rep) -> None:
     from ridge.engine.cpu_format import choose_cpu_format
+    from ridge.kernels import native
+    from ridge.quant.linear import FP8Linear
     from ridge.models.oneshot import prompt_logits
     from ridge.quant.fp8 import quantize_state_dict
     from ridge.quant.convert import convert
@@ -96,6 +98,14 @@ def run_accuracy(args, rep) -> None:
     base = prompt_logits(fp8, ids)
     choose_cpu_format(fp8, 1 << 40, "bf16:100000")
     rows.append({"case": "CPU bf16 small-step format vs the fp32 FP8 path", **agreement(prompt_logits(fp8, ids), base)})
+    isa = native.fp8_linear_isa()
+    if isa:  # every product of the layers through ridge's e4m3 kernel (the head is not FP8)
+        for m in fp8.modules():
+            if isinstance(m, FP8Linear):
+                m.enable_lowp(0)
+                m.enable_fp8([(1 << 30, True)], isa)
+        rows.append({"case": f"CPU e4m3 kernel ({'AVX-512 BF16' if isa == 2 else 'AVX2'}) vs the fp32 FP8 path",
+                     **agreement(prompt_logits(fp8, ids), base)})
     rows += _self_draft(ref_model, ids)
     rep.data["env"].update(model=conv.config.name, positions=len(ids), text=args.text)
     rep.add("accuracy", rows)

@@ -63,7 +63,8 @@ class Report:
                        prefill_chunk=engine.budget_info.get("prefill_chunk"),
                        max_num_batched_tokens=engine.sched_config.max_num_batched_tokens,
                        kv_pool_blocks=engine.kv_cache_manager.num_blocks, max_model_len=engine.max_model_len,
-                       cpu_lowp_max_tokens=getattr(engine, "lowp_max_tokens", 0))
+                       cpu_lowp_max_tokens=getattr(engine, "lowp_max_tokens", 0),
+                       cpu_fp8_max_tokens=getattr(engine, "fp8_max_tokens", 0))
             if engine.device.type == "cuda":
                 env["gpu"] = torch.cuda.get_device_name(engine.device)
         elif args is not None:
@@ -76,8 +77,11 @@ class Report:
         e = self.data["env"]
         label = (f"device={e.get('device')} threads={e.get('threads')} kv={e.get('kv_dtype')} "
                  f"block={e.get('block_size', '-')} model={e.get('model', '-')} git={e.get('git', '-')}")
+        if e.get("cpu_fp8_max_tokens"):
+            label += f" weights=e4m3 kernel where fastest (up to {e['cpu_fp8_max_tokens']} tok)"
         if e.get("cpu_lowp_max_tokens"):
-            label += f" weights=bf16 where faster (up to {e['cpu_lowp_max_tokens']} tok), else fp32"
+            label += (", " if e.get("cpu_fp8_max_tokens") else " weights=") + \
+                f"bf16 where faster (up to {e['cpu_lowp_max_tokens']} tok), else fp32"
         return f"[{label}]\n$ {self.data['command']}"
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:

@@ -35,6 +35,9 @@ from ridge.quant.linear import HAS_GEMV, FP8Linear, bf16_linear, gemv_bf16, pack
 log = logging.getLogger("ridge.engine")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
+# A format still running once it has taken this many times the leader's time has lost: past the
+# "close" band (1.5 * MARGIN) that would call for a second round, so its partial time decides.
+LOSER_STOP = 1.5
 CACHE_VERSION = 4  # 2: timed cold, over several weights; 3: the one-row GEMV timed too; 4: fp8 too
 
 
@@ -141,7 +144,7 @@ def measure_shape(weights: list[torch.Tensor], sizes: list[int],
     """{size: (fp32 seconds, bf16 seconds)} for one x @ weight.T at each step size, averaged over
     the weights (all of one shape, together larger than the cache: each product runs cold).
     The format that was faster at the previous size runs first; the other stops once it has
-    taken twice as long (it has lost by then, whatever the rest would take), which keeps a
+    taken LOSER_STOP times as long (it has lost by then, whatever the rest would take), which keeps a
     format that is far slower at large sizes cheap to rule out. A second round (best of two)
     only where the first left the choice close. One bf16 product first primes oneDNN's kernel
     for the size (where the copies are oneDNN's). packed: the weights' bf16 copies, where made."""
@@ -160,7 +163,7 @@ def measure_shape(weights: list[torch.Tensor], sizes: list[int],
                 break
             lead = _pass(*runs[first])
             best[first] = min(best[first], lead)
-            best[1 - first] = min(best[1 - first], _pass(*runs[1 - first], stop_after=2 * lead * len(weights)))
+            best[1 - first] = min(best[1 - first], _pass(*runs[1 - first], stop_after=LOSER_STOP * lead * len(weights)))
         times[n] = (best[0], best[1])
         first = 0 if best[0] < best[1] else 1
     return times
@@ -184,17 +187,24 @@ def measure_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor], sizes: 
                  best: dict[int, float]) -> dict[int, float]:
     """{size: seconds} for one product through native.fp8_linear, over the weights' pack_fp8
     bytes (scales: theirs, times 256), as measure_shape; a size stops once it has taken twice
-    the best other format's time there (best)."""
+    the best other format's time there (best). The kernel's lead shrinks as a step grows (it
+    saves bytes, and larger steps are bound by arithmetic), so once it loses a size the larger
+    ones are not timed (inf): that kept the measurement under 2 s on an AVX2 machine."""
     times = {}
     run = lambda x, ws: native.fp8_linear(x, ws[0], ws[1], isa)  # noqa: E731
     pairs = list(zip(weights, scales))
+    lost = False
     for n in sizes:
+        if lost:
+            times[n] = float("inf")
+            continue
         x = torch.randn(n, weights[0].shape[1] * 2)
         run(x, pairs[0])
         t = _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs))
         if 0.6 < t / best[n] < 1.5:  # close: best of two
             t = min(t, _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs)))
         times[n] = t
+        lost = t >= best[n]
     return times
 
 
@@ -256,7 +266,7 @@ def measure_plans(model, max_tokens: int, max_head_rows: int,
             dirty = True
         if fp8_todo:
             cold = cold_set(layers, bytes_per_weight=1, numel=ws[0].numel())
-            packs = [pack_fp8(m.weight, m.cpu_scale) for m in cold]
+            packs = [m.fp8_packed if m.fp8_packed is not None else pack_fp8(m.weight, m.cpu_scale) for m in cold]
             if made is not None:
                 made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
             best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
@@ -281,6 +291,12 @@ def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: flo
     return ShapeFormat(plan, gemv and not use8[1], [(n, use8[n]) for n in sizes] if any(use8.values()) else None)
 
 
+def fp8_max_tokens(model) -> int:
+    """The largest step size any layer runs through the e4m3 kernel (0 = none)."""
+    return max((n for m in model.modules() if isinstance(m, FP8Linear) and m.fp8 is not None
+                for n, use in zip(m.fp8_bounds, m.fp8_use) if use), default=0)
+
+
 def describe(plan: list[tuple[int, bool]]) -> str:
     """[(1, T), (2, T), (4, F)] -> "bf16 <= 2, fp32 4+"-style runs."""
     runs, start = [], 0
@@ -295,7 +311,17 @@ def describe(plan: list[tuple[int, bool]]) -> str:
 def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: int = 64,
                       max_head_rows: int = 64) -> int:
     """Enable the bf16 copy where it is faster, per linear layer; -> the largest step size that
-    runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to N rows)."""
+    runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to N rows).
+    The e4m3 bytes each layer packed at load are kept only where the e4m3 kernel runs."""
+    try:
+        return _choose(model, weight_bytes, mode, max_tokens, max_head_rows)
+    finally:
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.fp8_packed = None
+
+
+def _choose(model, weight_bytes: int, mode: str, max_tokens: int, max_head_rows: int) -> int:
     if mode == "fp32" or model.cos_sin.device.type != "cpu" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         return 0
     if mode == "auto" and not any(isinstance(m, FP8Linear) and m.cpu_scale is not None for m in model.modules()):

@@ -22,7 +22,7 @@ from ridge.kernels.timing import section
 
 from .budget import default_token_budget
 from .config import EngineConfig
-from .cpu_format import choose_cpu_format, keep_freed_memory
+from .cpu_format import choose_cpu_format, fp8_max_tokens, keep_freed_memory
 from .kv_tiers import build_tiers
 from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
@@ -67,6 +67,7 @@ class LLMEngine:
                                                             if config.speculative_config.enabled else 0)))
         self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format,
                                                  budget, head_rows)
+        self.fp8_max_tokens = fp8_max_tokens(self.model)
         spec = config.speculative_config
         draft = load_draft(spec, self.device, config.quantize, self.max_model_len, self.tokenizer)
         self.spec_policy = build_policy(spec, self.budget_info["knee_tokens"], self.model, draft)
