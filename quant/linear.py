@@ -93,6 +93,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
         self.cpu_scale: torch.Tensor | None = None  # per-channel scale of an upcast FP8 weight (marks it FP8)
+        self.fp8_device = False  # the weight stays FP8 on the device (CUDA), set by load
         self.lowp: torch.Tensor | None = None  # bf16 copy for the CPU step sizes where it is faster
         # Step sizes (ascending bounds) and whether bf16 runs at each: a step of n rows takes the
         # choice of the first bound >= n, the last one's past the end.
@@ -112,7 +113,8 @@ class FP8Linear(nn.Module):
              device: torch.device, dtype: torch.dtype) -> None:
         assert weight.shape == (self.out_features, self.in_features), (weight.shape, self.out_features, self.in_features)
         assert (bias is not None) == self.has_bias
-        if weight.dtype == FP8 and device.type == "cuda":
+        self.fp8_device = weight.dtype == FP8 and device.type == "cuda"  # FP8 kept: the FP8 kernels run
+        if self.fp8_device:
             self.weight = weight.to(device)
             self.weight_scale = scale.float().to(device)
         elif weight.dtype == FP8:
@@ -172,19 +174,20 @@ class FP8Linear(nn.Module):
         return self.fp8 is not None and self._runs(self.fp8_bounds, self.fp8_use, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_fp8:
+        if self.fp8_device:
             return ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         with section("linear"):
             return self._cpu_forward(x)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Buffers (weight, bias) are looked up through nn.Module.__getattr__, about a microsecond
+        # each: a batch-1 step makes ~120 of these calls, so has_bias guards the bias lookups.
         if self.fp8 is not None and x.dtype == torch.float32 and self.uses_fp8(x.shape[0]):
             y = native.fp8_linear(x, self.fp8, self.fp8_scale, self.fp8_isa)
-            return y if self.bias is None else y + self.bias
-        if self.gemv is not None and x.shape[0] == 1:
+        elif self.gemv is not None and x.shape[0] == 1:
             y = gemv_bf16(x.to(torch.bfloat16), self.gemv).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        if self.lowp is not None and self.uses_lowp(x.shape[0]):
+        elif self.lowp is not None and self.uses_lowp(x.shape[0]):
             y = bf16_linear(x.to(torch.bfloat16), self.lowp).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return y + self.bias if self.has_bias else y
