@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .kv_cache import FP8
+from .kv_cache import FP8, NATIVE_KV
 from .metadata import AttentionMetadata
 
 NATIVE_MAX_Q = 64  # longer queries run faster through SDPA's blocked products (docs/benchmarks.md)
@@ -121,9 +121,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-_NATIVE_KV = {torch.float32: 0, FP8: 1, torch.bfloat16: 2}  # cache dtype -> the kernel's `kind`
-
-
 class _NativePlan:
     """What the C kernel's caller needs about one step's batch, once per step (every layer shares
     the metadata): the queries too long for the kernel, its scratch, the metadata's pointers."""
@@ -151,7 +148,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp32, bf16 or FP8 cache, head sizes it was built for); the reference otherwise."""
     lib = native.library()
     fp8 = k_cache.dtype == FP8
-    kind = _NATIVE_KV.get(k_cache.dtype)
+    kind = NATIVE_KV.get(k_cache.dtype)
     if (lib is None or q.dtype != torch.float32 or kind is None or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or meta.num_seqs >= 1 << 20
             or (fp8 and not (k_scale.dtype == v_scale.dtype == torch.float16))):

@@ -61,25 +61,35 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     flat_v.index_copy_(0, slot_mapping, value)
 
 
+NATIVE_KV = {torch.float32: 0, FP8: 1, torch.bfloat16: 2}  # cache dtype -> the C kernels' `kind`
+
+
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                  meta=None) -> None:
-    """CPU path: write_kv_ref's contract. An fp32 or bf16 cache takes one C call for K and V
-    (kernels/csrc/small_ops.c) where the library is built. Otherwise write_kv_ref, with whether
-    any slot is padding asked once a step and kept on `meta` for the other layers: the check
-    is three ops and a host read, a third of a batch-1 layer's write."""
+    """CPU path: write_kv_ref's contract, byte for byte: one C call for K and V
+    (kernels/csrc/small_ops.c) where the library is built, FP8 quantized there by the same
+    rule. Otherwise write_kv_ref, with whether any slot is padding asked once a step and kept
+    on `meta` for the other layers: the check is three ops and a host read, a third of a
+    batch-1 layer's write."""
     lib = native.library()
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
-    if (lib is not None and k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    kind = NATIVE_KV.get(k_cache.dtype)
+    fp8 = k_cache.dtype == FP8
+    if (lib is not None and kind is not None and v_cache.dtype == k_cache.dtype
             and key.dtype == value.dtype == torch.float32
             and key.shape == value.shape and key.shape[1:] == (num_heads, head_dim)
             and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (key, value))
             and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and (not fp8 or (k_scale is not None and v_scale is not None
+                             and k_scale.dtype == v_scale.dtype == SCALE_DTYPE
+                             and k_scale.is_contiguous() and v_scale.is_contiguous()))
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
             and slot_mapping.shape == (key.shape[0],)):
         rc = lib.write_kv(key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0),
-                          num_heads * head_dim, slot_mapping.data_ptr(), num_blocks * block_size,
-                          k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16)
+                          num_heads, head_dim, slot_mapping.data_ptr(), num_blocks * block_size,
+                          k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
+                          v_scale.data_ptr() if fp8 else None, kind)
         if rc != 0:
             raise IndexError(f"write_kv: a slot past the cache's {num_blocks * block_size} slots")
         return

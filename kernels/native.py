@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention.restype = i32
     lib.rms_norm.argtypes = [p, p, p, f32, p, i64, i64, i32]
     lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]
-    lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, p, i64, p, p, i32]
+    lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, p, p, p, p, i32]
     lib.silu_and_mul.argtypes = [p, i64, i64, p, i32]
     for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
         fn.restype = i32

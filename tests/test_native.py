@@ -212,6 +212,18 @@ def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
         write_kv_ref(k, v, caches[0], caches[1], None, None, slots)
         write_kv_cpu(k, v, caches[2], caches[3], None, None, slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    # FP8: the same bytes and fp16 scales as the reference, over magnitudes from e4m3's
+    # subnormals to its top (and rows whose amax floors the scale at 2^-14).
+    wide = torch.randn(5, 2 * 3 * 64, generator=g) * torch.logspace(-7, 3, 5)[:, None]
+    k8, v8 = (t.reshape(5, 3, 64) for t in wide.split([192, 192], dim=-1))
+    caches = [torch.zeros(256, 16, 3, 64, dtype=FP8) for _ in range(4)]
+    scales = [torch.zeros(256, 16, 3, dtype=torch.float16) for _ in range(4)]
+    write_kv_ref(k8, v8, caches[0], caches[1], scales[0], scales[1], slots)
+    write_kv_cpu(k8, v8, caches[2], caches[3], scales[2], scales[3], slots)
+    for a, b in ((0, 2), (1, 3)):
+        assert torch.equal(caches[a].view(torch.uint8), caches[b].view(torch.uint8))
+        assert torch.equal(scales[a], scales[b])
+    caches = [torch.zeros(256, 16, 3, 64) for _ in range(2)]
     with pytest.raises(IndexError, match="past the cache"):
-        write_kv_cpu(k, v, caches[2], caches[3], None, None, torch.tensor([1, 2, 3, 4096, 5]))
-    assert torch.equal(caches[0], caches[2])  # nothing written
+        write_kv_cpu(k, v, caches[0], caches[1], None, None, torch.tensor([1, 2, 3, 4096, 5]))
+    assert not caches[0].any() and not caches[1].any()  # nothing written

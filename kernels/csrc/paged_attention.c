@@ -15,23 +15,25 @@
 #define BS_MAX 64
 enum { KV_FP32 = 0, KV_FP8 = 1, KV_BF16 = 2 };  /* the cache's element type */
 
-static float E4M3[256];
-static int e4m3_ready;
-static void init_e4m3(void) {
-    if (__atomic_load_n(&e4m3_ready, __ATOMIC_ACQUIRE)) return;
-    for (int b = 0; b < 256; b++) {
-        int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
-        if ((b & 0x7f) == 0x7f) v = NAN;
-        E4M3[b] = s ? -v : v;
-    }
-    __atomic_store_n(&e4m3_ready, 1, __ATOMIC_RELEASE);
-}
-
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32)));
 #define LD(p) (*(const v16u *)(p))
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef _Float16 h16x16 __attribute__((vector_size(32)));
+
+/* 16 e4m3 bytes -> 16 floats worth value / 256: two shifts make exact fp16 bits (fp16's range
+   holds e4m3's, subnormals included), which the CPU widens (F16C where the clone has it). */
+static inline __attribute__((always_inline)) v16 e4m3x16(const uint8_t *p) {
+    u8x16 b;
+    memcpy(&b, p, 16);
+    u16x16 w = __builtin_convertvector(b, u16x16);
+    u16x16 bits = ((w & 0x7f) << 7) | ((w & 0x80) << 8);
+    h16x16 h;
+    memcpy(&h, &bits, sizeof h);
+    return __builtin_convertvector(h, v16);
+}
 
 static inline __attribute__((always_inline)) float hsum16(v16 a) {
     v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -63,8 +65,11 @@ static inline __attribute__((always_inline)) void attend(
             for (int j = 0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
                 _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
-                float sk = (float)a, sv = (float)b;
-                for (int d = 0; d < D; d++) { kb[j][d] = E4M3[k8[r * D + d]] * sk; vb[j][d] = E4M3[v8[r * D + d]] * sv; }
+                float sk = (float)a * 256.0f, sv = (float)b * 256.0f;  /* e4m3x16 gives value / 256 */
+                for (int c = 0; c < DC; c++) {
+                    *(v16u *)(kb[j] + c * 16) = e4m3x16(k8 + r * D + c * 16) * sk;
+                    *(v16u *)(vb[j] + c * 16) = e4m3x16(v8 + r * D + c * 16) * sv;
+                }
                 kr[j] = kb[j]; vr[j] = vb[j];
             }
         } else if (kind == KV_BF16) {  /* bf16 is fp32's top half: widen by a shift */
@@ -127,7 +132,6 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
                     int bs, float scale, int max_q, float *out, int64_t *work, int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
-    if (kind == KV_FP8) init_e4m3();
     int64_t nw = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (qsl[i + 1] - qsl[i] > max_q) continue;

@@ -55,30 +55,67 @@ CLONES int rope(float *x, int64_t T, int64_t H, int64_t stride_t, int64_t stride
 }
 
 /* k_cache[slot[t]] = k[t], v_cache[slot[t]] = v[t] for each token whose slot is not -1: rows
-   of width Hkv*D, row t of k at k + t * stride_k floats (its heads contiguous). bf16: the
-   cache holds bf16 (rounded to nearest even, as torch's cast; caches hold no NaN), else
-   fp32. Returns -1, writing nothing, if a slot is past the cache's num_slots. */
-static inline void put_row(void *cache, int64_t slot, const float *x, int64_t width, int bf16) {
-    if (!bf16) {
-        memcpy((float *)cache + slot * width, x, (size_t)width * 4);
-        return;
+   of width Hkv*D, row t of k at k + t * stride_k floats (its heads contiguous). kind: the
+   cache's element type, as in paged_attention.c. Returns -1, writing nothing, if a slot is
+   past the cache's num_slots. */
+enum { KV_FP32 = 0, KV_FP8 = 1, KV_BF16 = 2 };
+
+/* fp32 -> e4m3fn, round to nearest even, for |v| <= 448 (the caller clamps): the normal range
+   rounds the fp32 mantissa to 3 bits (a carry moves into the exponent, as it should); below
+   2^-6 the value is a multiple of 2^-9, and 8 * 2^-9 = 2^-6 encodes as 0x08 on its own. */
+static inline uint8_t e4m3_of(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    uint32_t b = u & 0x7fffffffu;
+    if (b >= 0x3c800000u) {  /* 2^-6 */
+        b += 0x7ffffu + ((b >> 20) & 1);
+        return sign | (uint8_t)((((b >> 23) - 120) << 3) | ((b >> 20) & 7));
     }
-    uint16_t *dst = (uint16_t *)cache + slot * width;
-    for (int64_t i = 0; i < width; i++) {
-        uint32_t u;
-        memcpy(&u, x + i, 4);
-        dst[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    float a;
+    memcpy(&a, &b, 4);
+    return sign | (uint8_t)nearbyintf(a * 512.0f);
+}
+
+/* One (token, head) row of D values into an FP8 cache, as kernels/kv_cache.quantize_kv: the
+   scale max(amax / 448, 2^-14) rounded to fp16 and stored, the values divided by that rounded
+   scale, clamped to +-448, rounded to e4m3. */
+static inline void put_fp8(uint8_t *dst, uint16_t *scale, const float *x, int64_t D) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+    _Float16 s = (_Float16)fmaxf(amax / 448.0f, 0x1p-14f);
+    memcpy(scale, &s, 2);
+    float sf = (float)s;
+    for (int64_t i = 0; i < D; i++) dst[i] = e4m3_of(fminf(fmaxf(x[i] / sf, -448.0f), 448.0f));
+}
+
+static inline void put_row(void *cache, uint16_t *scales, int64_t slot, const float *x, int64_t heads, int64_t D,
+                           int kind) {
+    const int64_t width = heads * D;
+    if (kind == KV_FP32) {
+        memcpy((float *)cache + slot * width, x, (size_t)width * 4);
+    } else if (kind == KV_BF16) {  /* rounded to nearest even, as torch's cast; caches hold no NaN */
+        uint16_t *dst = (uint16_t *)cache + slot * width;
+        for (int64_t i = 0; i < width; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            dst[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+        }
+    } else {
+        for (int64_t h = 0; h < heads; h++)
+            put_fp8((uint8_t *)cache + slot * width + h * D, scales + slot * heads + h, x + h * D, D);
     }
 }
 
-CLONES int write_kv(const float *k, const float *v, int64_t T, int64_t stride_k, int64_t stride_v, int64_t width,
-                    const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int bf16) {
+CLONES int write_kv(const float *k, const float *v, int64_t T, int64_t stride_k, int64_t stride_v, int64_t heads,
+                    int64_t D, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache,
+                    uint16_t *k_scale, uint16_t *v_scale, int kind) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        put_row(k_cache, slots[t], k + t * stride_k, width, bf16);
-        put_row(v_cache, slots[t], v + t * stride_v, width, bf16);
+        put_row(k_cache, k_scale, slots[t], k + t * stride_k, heads, D, kind);
+        put_row(v_cache, v_scale, slots[t], v + t * stride_v, heads, D, kind);
     }
     return 0;
 }
