@@ -40,14 +40,41 @@ static inline __attribute__((always_inline)) float hsum16(v16 a) {
     return ((b[0] + b[4]) + (b[1] + b[5])) + ((b[2] + b[6]) + (b[3] + b[7]));
 }
 
+/* The same decode of one row with F16C on 256-bit vectors, where the CPU has it: GCC lowers
+   the generic version above to 128-bit conversions. Called, not inlined, from every clone. */
+#if defined(__x86_64__) && !defined(RIDGE_BASELINE)
+#include <immintrin.h>
+__attribute__((target("avx2,f16c"), noinline)) static void e4m3_row_f16c(const uint8_t *p, int D, float s,
+                                                                         float *out) {
+    const __m256 sv = _mm256_set1_ps(s);
+    for (int c = 0; c < D; c += 16) {
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + c)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), sv));
+        _mm256_storeu_ps(out + c + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), sv));
+    }
+}
+static int f16c_rows_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#else
+static void e4m3_row_f16c(const uint8_t *p, int D, float s, float *out) { (void)p; (void)D; (void)s; (void)out; }
+static int f16c_rows_ok(void) { return 0; }
+#endif
+
 /* One query token x one KV head: the G query heads sharing that KV head, over keys 0..len-1
    of the sequence's blocks. Online softmax a block at a time. kc/vc: fp32, bf16 or e4m3 (kind)
    ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales [num_blocks][bs][hkv] for e4m3.
    DC: D / 16, a constant where inlined for the common head sizes. */
+static int f16c_ready;  /* set once per call of paged_attention, before the threads start */
+
 static inline __attribute__((always_inline)) void attend(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int len,
         const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale, float *out) {
     const int D = DC * 16;
+    const int f16c_rows = kind == KV_FP8 && f16c_ready;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
     float m[MAXG], l[MAXG], s[MAXG][BS_MAX];
     float kb[kind ? BS_MAX : 1][kind ? MAXD : 1] __attribute__((aligned(64)));
@@ -66,9 +93,14 @@ static inline __attribute__((always_inline)) void attend(
                 int64_t r = base + (int64_t)j * hkv;
                 _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
                 float sk = (float)a * 256.0f, sv = (float)b * 256.0f;  /* e4m3x16 gives value / 256 */
-                for (int c = 0; c < DC; c++) {
-                    *(v16u *)(kb[j] + c * 16) = e4m3x16(k8 + r * D + c * 16) * sk;
-                    *(v16u *)(vb[j] + c * 16) = e4m3x16(v8 + r * D + c * 16) * sv;
+                if (f16c_rows) {
+                    e4m3_row_f16c(k8 + r * D, D, sk, kb[j]);
+                    e4m3_row_f16c(v8 + r * D, D, sv, vb[j]);
+                } else {
+                    for (int c = 0; c < DC; c++) {
+                        *(v16u *)(kb[j] + c * 16) = e4m3x16(k8 + r * D + c * 16) * sk;
+                        *(v16u *)(vb[j] + c * 16) = e4m3x16(v8 + r * D + c * 16) * sv;
+                    }
                 }
                 kr[j] = kb[j]; vr[j] = vb[j];
             }
@@ -132,6 +164,7 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
                     int bs, float scale, int max_q, float *out, int64_t *work, int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
+    if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
     int64_t nw = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (qsl[i + 1] - qsl[i] > max_q) continue;

@@ -66,15 +66,13 @@ enum { KV_FP32 = 0, KV_FP8 = 1, KV_BF16 = 2 };
 static inline uint8_t e4m3_of(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
-    uint32_t b = u & 0x7fffffffu;
-    if (b >= 0x3c800000u) {  /* 2^-6 */
-        b += 0x7ffffu + ((b >> 20) & 1);
-        return sign | (uint8_t)((((b >> 23) - 120) << 3) | ((b >> 20) & 7));
-    }
+    uint32_t sign = (u >> 24) & 0x80, b = u & 0x7fffffffu;
+    uint32_t r = b + 0x7ffffu + ((b >> 20) & 1);
+    uint32_t normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7);
     float a;
     memcpy(&a, &b, 4);
-    return sign | (uint8_t)nearbyintf(a * 512.0f);
+    uint32_t sub = (uint32_t)(int32_t)nearbyintf(a * 512.0f);  /* both computed: the loop vectorizes */
+    return (uint8_t)(sign | (b >= 0x3c800000u ? normal : sub));  /* 2^-6 */
 }
 
 /* One (token, head) row of D values into an FP8 cache, as kernels/kv_cache.quantize_kv: the
@@ -82,11 +80,20 @@ static inline uint8_t e4m3_of(float v) {
    scale, clamped to +-448, rounded to e4m3. */
 static inline void put_fp8(uint8_t *dst, uint16_t *scale, const float *x, int64_t D) {
     float amax = 0.0f;
-    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
-    _Float16 s = (_Float16)fmaxf(amax / 448.0f, 0x1p-14f);
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < D; i++) {  /* comparisons, not fmaxf: that is a libm call per value */
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float t = amax / 448.0f;
+    _Float16 s = (_Float16)(t < 0x1p-14f ? 0x1p-14f : t);
     memcpy(scale, &s, 2);
     float sf = (float)s;
-    for (int64_t i = 0; i < D; i++) dst[i] = e4m3_of(fminf(fmaxf(x[i] / sf, -448.0f), 448.0f));
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) {
+        float q = x[i] / sf;
+        dst[i] = e4m3_of(q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q));
+    }
 }
 
 static inline void put_row(void *cache, uint16_t *scales, int64_t slot, const float *x, int64_t heads, int64_t D,
