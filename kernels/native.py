@@ -59,14 +59,19 @@ def _flags() -> tuple[str, ...]:
 
 
 def _digest(cc: str) -> str:
+    """The sources, the header they share, the flags, the machine type and the compiler: its
+    resolved file, size and mtime stand for its version (asking it would start a process on
+    every start of the engine), so an upgraded compiler builds afresh."""
     h = hashlib.sha256()
-    for path in sorted(SRC.glob("*.[ch]")):  # the sources and the header they share
+    for path in sorted(SRC.glob("*.[ch]")):
         h.update(path.name.encode() + path.read_bytes())
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    h.update(f"{version}|{_flags()}|{platform.machine()}".encode())
+        real = os.path.realpath(shutil.which(cc) or cc)
+        st = os.stat(real)
+        compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        compiler = cc
+    h.update(f"{compiler}|{_flags()}|{platform.machine()}".encode())
     return h.hexdigest()[:16]
 
 

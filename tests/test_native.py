@@ -132,6 +132,13 @@ def test_fp8_cache_with_real_scales():
     torch.testing.assert_close(out, paged_attention_ref(q, k8, v8, ks, vs, meta, D ** -0.5), atol=2e-5, rtol=1e-4)
 
 
+def test_where_a_compiler_is_found_the_kernels_build():
+    """The kernels' tests skip only on a machine without a C compiler: a build that fails where
+    one is found fails here, not silently."""
+    if native._compiler() is not None and os.environ.get("RIDGE_NATIVE", "1") != "0":
+        assert native.library() is not None, native._state.get("why")
+
+
 def test_without_a_compiler_the_kernels_are_off_and_attention_still_answers(tmp_path):
     code = ("import torch, logging; logging.basicConfig();"
             "from ridge.kernels import native; from ridge.kernels.attention import paged_attention_cpu;"
