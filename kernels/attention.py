@@ -38,9 +38,7 @@ class _RefPlan:
 
     def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device):
         qlens, slens = meta.query_lens_host, meta.seq_lens_host
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
+        starts = _starts(qlens)
         decodes = [i for i, n in enumerate(qlens) if n == 1]
         table = meta.block_table.to(device)
         self.block_size = block_size
@@ -57,6 +55,14 @@ class _RefPlan:
             self.decode = (len(decodes), nb * block_size, blocks, mask)
         # Multi-token queries (prefill chunks, speculative verification): one causal call each.
         self.chunks = _chunks(meta, table, starts, block_size, 1, device)
+
+
+def _starts(query_lens: list[int]) -> list[int]:
+    """Each query's first row in the flattened batch, and the total (query_start_loc, on the host)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], block_size: int,
@@ -126,18 +132,15 @@ class _NativePlan:
     the metadata): the queries too long for the kernel, its scratch, the metadata's pointers."""
 
     def __init__(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
-        qlens, slens = meta.query_lens_host, meta.seq_lens_host
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
+        starts = _starts(meta.query_lens_host)
         self.key = (k_cache.shape[1], k_cache.shape[2], q.shape[0])
         self.chunks = _chunks(meta, meta.block_table, starts, k_cache.shape[1], NATIVE_MAX_Q, q.device)
         table, seq_lens, loc = meta.block_table, meta.seq_lens, meta.query_start_loc
         assert table.dtype == seq_lens.dtype == loc.dtype == torch.int32 and table.is_contiguous(), "int32 metadata"
         assert q.shape[0] == starts[-1], (q.shape, starts[-1])
         self.work = torch.empty(q.shape[0] * k_cache.shape[2], dtype=torch.int64)
-        self.args = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
-                     k_cache.shape[1], NATIVE_MAX_Q)
+        self.batch = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
+                      k_cache.shape[1])
         self.tail = (self.work.data_ptr(), torch.get_num_threads())
 
 
@@ -151,7 +154,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kind = NATIVE_KV.get(k_cache.dtype)
     if (lib is None or q.dtype != torch.float32 or kind is None or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or meta.num_seqs >= 1 << 20
-            or (fp8 and not (k_scale.dtype == v_scale.dtype == torch.float16))):
+            or (fp8 and (k_scale is None or v_scale is None or not k_scale.dtype == v_scale.dtype == torch.float16))):
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.shape[-1] == head_dim, (q.shape, k_cache.shape)
@@ -163,7 +166,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     rc = lib.paged_attention(q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim,
                              k_cache.data_ptr(), v_cache.data_ptr(),
                              k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, kind,
-                             *plan.args[:5], plan.args[5], softmax_scale, plan.args[6], out.data_ptr(), *plan.tail)
+                             *plan.batch, softmax_scale, NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
     if rc != 0:  # a shape past the kernel's fixed limits (head size, GQA group, block size)
         return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
     if plan.chunks:
