@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 import pytest
+import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
 from ridge.engine.sampling_params import SamplingParams
@@ -232,3 +233,36 @@ def test_policy_reads_the_knee_from_measured_steps():
         pol.record("r", 4, 1)
     assert pol.choose_k("r", batch_tokens=1) > SpecPolicy(knee_tokens=16, max_k=8, per_request=pol.per_request,
                                                           totals=pol.totals).choose_k("r", batch_tokens=1)
+
+
+def test_a_draft_that_agrees_with_the_target_has_every_draft_accepted(tmp_path):
+    """The draft model's KV must hold every accepted token. The draft here is the target's
+    first layer (its other layers add exactly zero), so its KV must equal the target's
+    layer 0 at every position it has read past, and every draft is accepted. A round whose
+    drafts were all accepted used to leave its last draft's position unwritten."""
+    cfg = tiny_config("llama", max_position=512, num_layers=4)
+    sd = random_state_dict(cfg, seed=5)
+    for i in range(1, cfg.num_layers):
+        sd[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
+        sd[f"model.layers.{i}.mlp.down_proj.weight"].zero_()
+    dcfg = tiny_config("llama", max_position=512, num_layers=1)
+    dsd = {k: v for k, v in sd.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    target = load_model(write_gguf(tmp_path / "target.gguf", cfg, sd), device="cpu", use_cache=False)
+    draft = write_gguf(tmp_path / "draft.gguf", dcfg, dsd)
+    eng = make_engine(target, speculative=f"draft:{draft}", ridge_point=100.0)
+    ps = prompts(cfg.vocab_size, [7, 33, 70])
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, greedy(40))
+    bs, checked = eng.kv_cache.block_size, 0
+    want, have = eng.kv_cache.layers[0].k, eng.proposer.kv_cache.layers[0].k
+    while eng.has_unfinished():
+        eng.step()
+        for r in eng.scheduler.running:
+            # Every position before the last computed one has been read by a draft pass.
+            pos = torch.arange(r.num_computed_tokens - 1)
+            blocks = torch.tensor(eng.kv_cache_manager.block_ids(r.request_id))[pos // bs]
+            torch.testing.assert_close(have[blocks, pos % bs], want[blocks, pos % bs], rtol=1e-4, atol=1e-5)
+            checked += 1
+    st = eng.stats()["speculative"]["total"]
+    assert checked > 10 and st["drafted"] > 60 and st["accepted"] == st["drafted"], st
+    assert_no_leak(eng)

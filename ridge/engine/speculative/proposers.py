@@ -58,14 +58,17 @@ class _ModelDrafter:
     block_size: int
     device: torch.device
 
-    def _single_token_pass(self, model, kv_layers, items, tokens, positions, num_layers=None) -> torch.Tensor:
+    def _feed(self, model, kv_layers, items, tokens, positions, num_layers=None) -> torch.Tensor:
+        """One token per item at its position: writes their KV -> hidden states."""
         bs = self.block_size
         slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(items, positions)]
         meta = AttentionMetadata.build([1] * len(items), [p + 1 for p in positions], [s.block_ids for s in items],
                                        slots, self.device)
-        h = model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), meta,
-                  kv_layers, num_layers=num_layers)
-        return model.compute_logits(h)
+        return model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), meta,
+                     kv_layers, num_layers=num_layers)
+
+    def _single_token_pass(self, model, kv_layers, items, tokens, positions, num_layers=None) -> torch.Tensor:
+        return model.compute_logits(self._feed(model, kv_layers, items, tokens, positions, num_layers))
 
     def _pick(self, logits: torch.Tensor, items) -> tuple[list[int], torch.Tensor | None]:
         reqs = [s.request for s in items]
@@ -131,17 +134,32 @@ class DraftModelProposer(_ModelDrafter):
         self.loaded, self.kv_cache, self.sampler, self.bufs = loaded, kv_cache, sampler, step_buffers
         self.block_size, self.device = kv_cache.block_size, loaded.model.cos_sin.device
         self.name = f"draft:{loaded.path.name}"
+        # request id -> (its last draft, that draft's position): drafting never feeds the last
+        # draft back, so when the target accepts all of them, that position has no draft KV.
+        self.unfed: dict[str, tuple[int, int]] = {}
 
     def propose(self, out) -> dict[str, Draft]:
-        model = self.loaded.model
+        model, layers = self.loaded.model, self.kv_cache.layers
+        self._feed_accepted_last_drafts(out)
         batch = plan_step(out, self.block_size, self.bufs, include_spec=False)
-        h = model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        h = model(batch.input_ids, batch.positions, batch.meta, layers)
         items = [s for s in out.scheduled if s.num_spec_tokens]
         if not items:
             return {}
         last = [batch.last_row[id(s)] for s in items]
-        return self._draft(model, self.kv_cache.layers, items,
-                           model.compute_logits(h[torch.tensor(last, device=self.device)]))
+        drafts = self._draft(model, layers, items, model.compute_logits(h[torch.tensor(last, device=self.device)]))
+        self.unfed = {s.request.request_id: (drafts[s.request.request_id].token_ids[-1], s.start + s.num_spec_tokens)
+                      for s in items}
+        return drafts
+
+    def _feed_accepted_last_drafts(self, out) -> None:
+        """As gpt-fast does: a request that starts right after its last draft had every draft
+        accepted, so that draft's KV is written now, before the draft model reads past it."""
+        fed = [(s, self.unfed[s.request.request_id]) for s in out.scheduled
+               if self.unfed.get(s.request.request_id, (0, -2))[1] == s.start - 1]
+        if fed:
+            self._feed(self.loaded.model, self.kv_cache.layers, [s for s, _ in fed],
+                       [tok for _, (tok, _) in fed], [pos for _, (_, pos) in fed])
 
 
 class AutoProposer:
