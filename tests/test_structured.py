@@ -303,3 +303,31 @@ def test_logprobs_are_the_model_s_not_the_mask_s(loaded, ps):
     digits = set(eng.tokenizer.encode("0123456789", add_special_tokens=False))
     assert len(lps) == 9  # eight digits and EOS
     assert any(t not in digits for _, top in lps for t, _ in top)  # refused tokens still show
+
+
+def test_one_constraint_asked_for_by_many_threads_at_once_compiles_once(loaded):
+    """The socket thread and the engine thread (and gateway workers) may ask for the same new
+    constraint at the same time: it is compiled once, and everyone gets that compilation."""
+    import threading
+
+    eng = make_engine(loaded)
+    fmt = parse_response_format(schema({"type": "object", "required": [f"k{i}" for i in range(40)],
+                                        "properties": {f"k{i}": {"type": "string", "pattern": f"^v{i}[a-z]{{2,9}}$"}
+                                                       for i in range(40)}}))
+    start, got = threading.Barrier(6), []
+
+    def ask():
+        start.wait()
+        got.append(eng.grammars.compile(fmt))
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6 and all(g is got[0] for g in got)
+    assert eng.grammars.misses == 1 and eng.grammars.hits + eng.grammars.misses <= 6
+    bad = parse_response_format(regex("(unclosed"))
+    for _ in range(2):  # a failure is not cached as in flight: it fails again, with its reason
+        with pytest.raises(InvalidRequest, match="does not compile"):
+            eng.grammars.compile(bad)

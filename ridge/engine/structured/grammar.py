@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from ..sampling_params import InvalidRequest
 from .format import Constraint
@@ -71,6 +72,9 @@ class GrammarCompiler:
         self._ll_tokenizer = None
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
+        # A constraint being compiled -> its result: a second thread that asks for it meanwhile
+        # waits for the first instead of compiling it again.
+        self._compiling: dict[tuple[str, str], Future] = {}
         self.hits = self.misses = 0
 
     @property
@@ -92,12 +96,25 @@ class GrammarCompiler:
                 self._cache.move_to_end(c.key)
                 self.hits += 1
                 return hit
-        compiled = CompiledConstraint(self._build(c))
+            pending = self._compiling.get(c.key)
+            if pending is None:
+                self._compiling[c.key] = mine = Future()
+                self.misses += 1
+        if pending is not None:
+            return pending.result()
+        try:
+            compiled = CompiledConstraint(self._build(c))
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[c.key]
+            mine.set_exception(e)
+            raise
         with self._lock:
-            self.misses += 1
+            del self._compiling[c.key]
             self._cache[c.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+        mine.set_result(compiled)
         return compiled
 
     def _build(self, c: Constraint):
