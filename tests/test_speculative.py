@@ -266,3 +266,70 @@ def test_a_draft_that_agrees_with_the_target_has_every_draft_accepted(tmp_path):
     st = eng.stats()["speculative"]["total"]
     assert checked > 10 and st["drafted"] > 60 and st["accepted"] == st["drafted"], st
     assert_no_leak(eng)
+
+
+def _reads_during(fn):
+    """fn() -> (its result, how many times it read a tensor's values onto the host)."""
+    count = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "__float__")}
+
+    def counted(orig):
+        def f(self, *a, **kw):
+            count[0] += 1
+            return orig(self, *a, **kw)
+        return f
+
+    try:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, counted(orig))
+        out = fn()
+    finally:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, orig)
+    return out, count[0]
+
+
+def test_a_step_verifies_every_request_at_once_and_reads_once():
+    """16 speculating requests, greedy and sampled, prompt-lookup and model drafts: the
+    verification queues on the device without reading it, and the step's one read returns
+    every request's tokens, greedy ones exactly by the rule."""
+    from ridge.engine.request import Request
+    from ridge.engine.sampler import Sampler
+    from ridge.engine.scheduler import ScheduledRequest
+    from ridge.engine.speculative.verify import verify_batch
+
+    V, g = 50, torch.Generator().manual_seed(0)
+    items, row, want = [], 0, {}
+    for i in range(16):
+        k = 1 + i % 4
+        sp = SamplingParams(max_tokens=8) if i % 2 else SamplingParams(max_tokens=8, temperature=0.8, seed=i)
+        req = Request(f"r{i}", [1, 2, 3], sp)
+        req.spec_token_ids = torch.randint(0, V, (k,), generator=g).tolist()
+        s = ScheduledRequest(req, k + 1, [])
+        s.num_spec_tokens = k
+        if i % 4 == 2:  # a model draft, with its distribution
+            s.draft_probs = torch.softmax(torch.randn(k, V, generator=g), dim=-1)
+        items.append((s, row, k + 1))
+        row += k + 1
+    logits = torch.randn(row, V, generator=g)
+    for s, first, n in items:  # greedy rows: make some drafts right, so acceptance varies
+        if s.request.params.greedy:
+            for j, d in enumerate(s.request.spec_token_ids[: n // 2]):
+                logits[first + j, d] += 100.0
+            best = logits[first:first + n].argmax(-1).tolist()
+            drafts = s.request.spec_token_ids
+            m = next((j for j, d in enumerate(drafts) if d != best[j]), len(drafts))
+            want[s.request.request_id] = drafts[:m] + [best[m]]
+    sampler = Sampler()
+    verified, reads = _reads_during(lambda: verify_batch(logits, items, sampler))
+    assert reads == 0
+    from ridge.engine.sampler import SampledRows
+    out = SampledRows(torch.empty(0, dtype=torch.int64), [], None, verified.values)
+    _, reads = _reads_during(out.read)
+    assert reads == 1
+    got = verified.resolve(out.extra)
+    assert set(got) == {s.request.request_id for s, _, _ in items}
+    for s, _, n in items:
+        toks = got[s.request.request_id]
+        assert 1 <= len(toks) <= n and toks[:-1] == s.request.spec_token_ids[:len(toks) - 1]
+    assert {r: got[r] for r in want} == want

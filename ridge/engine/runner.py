@@ -10,7 +10,8 @@ step's tokens are read with StepHandle.read(). A request whose last input is
 the previous step's sample gets it on the device (the feed), so the engine can
 plan and launch step N+1 before it reads step N. Drafting and verification
 read tokens on the host, so the engine does not overlap steps that speculate
-(the engine asks the proposer for drafts before it launches a step)."""
+(the engine asks the proposer for drafts before it launches a step). Every
+speculating request is verified in one batched pass, read with the samples."""
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ from ridge.kernels.timing import section
 from .graphs import StepGraphs
 from .sampler import SampledRows, Sampler, SampleResult, apply_token_bitmask
 from .scheduler import SchedulerOutput
-from .speculative.verify import verify
+from .speculative.verify import Verified, verify_batch
 from .step_batch import StepBatch, StepBuffers, plan_step
 from .structured.step import step_masks
 
@@ -31,24 +32,26 @@ from .structured.step import step_masks
 class StepHandle:
     """A launched step. read() -> (request id -> new tokens, request id -> sample result)."""
 
-    def __init__(self, out: SchedulerOutput, sampled: SampledRows | None, plain: list, spec_tokens: dict,
+    def __init__(self, out: SchedulerOutput, sampled: SampledRows | None, plain: list, verified: Verified | None,
                  started: float):
         self.out = out
-        self.sampled = sampled  # the plain rows' samples, on the device
+        self.sampled = sampled  # the plain rows' samples (and the verification's values), on the device
         self.plain = plain  # request ids of the plain rows, in order
         self.rows = {rid: i for i, rid in enumerate(plain)}  # what the next step's feed indexes
-        self.spec_tokens = spec_tokens  # verified drafts, already on the host
+        self.verified = verified
         self.t0 = started  # after drafting, which the policy prices on its own
         self._result = None
 
     def read(self) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
         if self._result is None:
-            tokens, results = dict(self.spec_tokens), {}
+            tokens, results = {}, {}
             if self.sampled is not None:
                 res = self.sampled.read()
                 for rid, t, lp in zip(self.plain, res.token_ids, res.logprobs):
                     tokens[rid] = [t]
                     results[rid] = SampleResult([t], [lp])
+                if self.verified is not None:
+                    tokens.update(self.verified.resolve(self.sampled.extra))
             self._result = tokens, results
         return self._result
 
@@ -110,33 +113,32 @@ class ModelRunner:
             masks = step_masks(out.scheduled, batch.sample_spans, raw.shape[0], raw.shape[-1], self.device)
             if masks is not None:  # every constrained row of the step, plain and verified, at once
                 logits = apply_token_bitmask(raw, masks.bitmask, masks.rows)
-        plain_rows, plain, spec = [], [], {}
+        plain_rows, plain, spec = [], [], []
         for s, (first, k) in zip(out.scheduled, batch.sample_spans):
             if k == 1:
                 plain_rows.append(first)
                 plain.append(s)
             elif k > 1:
-                spec[s.request.request_id] = self._verify(s, logits[first:first + k])
+                spec.append((s, first, k))
+        verified = None
+        if spec:
+            with section("verify"):
+                verified = verify_batch(logits, spec, self.sampler)
         sampled = None
-        if plain:
-            with section("sample"):
-                reqs = [s.request for s in plain]
-                if len(plain_rows) == logits.shape[0]:
-                    sampled = self.sampler.sample(logits, reqs, raw)
-                else:
-                    idx = torch.tensor(plain_rows, device=self.device)
-                    sampled = self.sampler.sample(logits.index_select(0, idx), reqs,
-                                                  raw.index_select(0, idx) if masks is not None else None)
-        self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], spec, started)
+        extra = verified.values if verified is not None else None
+        with section("sample"):
+            reqs = [s.request for s in plain]
+            if plain and len(plain_rows) == logits.shape[0]:
+                sampled = self.sampler.sample(logits, reqs, raw, extra)
+            elif plain:
+                idx = torch.tensor(plain_rows, device=self.device)
+                sampled = self.sampler.sample(logits.index_select(0, idx), reqs,
+                                              raw.index_select(0, idx) if masks is not None else None, extra)
+            elif verified is not None:
+                sampled = SampledRows(torch.empty(0, dtype=torch.int64, device=self.device), [], None, extra)
+        self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], verified, started)
         return self.last
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
         """launch() and read(): one step, synchronously."""
         return self.launch(out).read()
-
-    def _verify(self, s, logits: torch.Tensor) -> list[int]:
-        req = s.request
-        if req.params.greedy:
-            return verify(logits, req.spec_token_ids, None, True)
-        probs = self.sampler.probs(logits, [req] * logits.shape[0])
-        return verify(probs, req.spec_token_ids, s.draft_probs, False, self.sampler.generator(req, self.device))

@@ -30,12 +30,16 @@ class SampleResult:
 class SampledRows:
     """A step's samples, still on the device. The tokens can feed the next step
     directly; read() is the step's one wait for the device, and by the time the
-    engine calls it the copy it waits for was queued a step ago."""
+    engine calls it the copy it waits for was queued a step ago. extra: more int64
+    values the step reads at the same time (its verification), in `self.extra` after read()."""
 
-    def __init__(self, token_ids: torch.Tensor, want: list[int], lp: tuple | None):
+    def __init__(self, token_ids: torch.Tensor, want: list[int], lp: tuple | None, extra: torch.Tensor | None = None):
         self.token_ids = token_ids  # [n] int64, on the device
         self.want = want  # top-N logprobs per row (0 = none)
-        parts = [token_ids] + (list(lp) if lp is not None else [])
+        n = token_ids.shape[0]
+        first = token_ids if extra is None else torch.cat([token_ids, extra])
+        self.extra: list[int] = []
+        parts = [first] + (list(lp) if lp is not None else [])
         if token_ids.is_cuda:
             self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts]
             for h, d in zip(self._host, parts):
@@ -44,11 +48,13 @@ class SampledRows:
             self._ready.record()
         else:
             self._host, self._ready = parts, None
+        self._n = n
 
     def read(self) -> SampleResult:
         if self._ready is not None:
             self._ready.synchronize()
-        tokens = self._host[0].tolist()
+        values = self._host[0].tolist()
+        tokens, self.extra = values[:self._n], values[self._n:]
         if len(self._host) == 1:
             return SampleResult(tokens, [None] * len(tokens))
         tok_lp, top_idx, top_val = (h.tolist() for h in self._host[1:])
@@ -122,6 +128,15 @@ class Sampler:
                 e[i].exponential_(generator=g)
         return e
 
+    def uniform(self, reqs: list[Request], device) -> torch.Tensor:
+        """One U[0, 1) per row, from each seeded request's own generator."""
+        u = torch.rand(len(reqs), device=device)
+        for i, r in enumerate(reqs):
+            g = self.generator(r, device)
+            if g is not None:
+                u[i] = torch.rand((), generator=g, device=device)
+        return u
+
     def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """The distribution each row samples from (for sampled rows; greedy rows are ignored)."""
         dev = logits.device
@@ -136,10 +151,11 @@ class Sampler:
         # Normalised, so that ratios between two distributions (speculation) mean what they say.
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request], raw: torch.Tensor | None = None) -> SampledRows:
+    def sample(self, logits: torch.Tensor, reqs: list[Request], raw: torch.Tensor | None = None,
+               extra: torch.Tensor | None = None) -> SampledRows:
         """logits: [n, V] float32, one row per request in reqs (constrained rows already
         masked); raw: the same rows unmasked, for logprobs (None: logits). Queues everything
-        on the device; the result is read later (SampledRows.read)."""
+        on the device; the result is read later (SampledRows.read), with `extra`."""
         raw = logits if raw is None else raw
         logits = apply_penalties(logits.clone(), reqs) if any(r.params.repetition_penalty != 1.0 for r in reqs) else logits
         tokens = logits.argmax(dim=-1)
@@ -158,4 +174,4 @@ class Sampler:
             logp = torch.log_softmax(raw, dim=-1)
             top = logp.topk(max(want), dim=-1)
             lp = (logp.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
-        return SampledRows(tokens, want, lp)
+        return SampledRows(tokens, want, lp, extra)
