@@ -8,6 +8,7 @@
     ridge bench kv         decode step time per CPU KV dtype (fp32, bf16, fp8)
     ridge bench prefix     TTFT with a shared 2K-token prefix from each KV tier (cold, device, host, disk)
     ridge bench structured structured-output libraries compared, and the mask overhead
+    ridge bench host       a pure-decode step's host time (schedule, plan, update, emit) per context
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -96,6 +97,7 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--timeout", type=float, default=600.0)
 
     from .accuracy import add_accuracy_parser
+    from .host import add_host_parser
     from .prefix import add_prefix_parser
     from .speculative import add_spec_parser
     from .structured import add_structured_parser
@@ -103,6 +105,7 @@ def add_bench_parser(subparsers) -> None:
     add_accuracy_parser(sub, _common)
     add_prefix_parser(sub, _common)
     add_structured_parser(sub, _common)
+    add_host_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -328,10 +331,11 @@ def run_bench(args) -> int:
         run_structured(args, rep)
         _write_json(rep, args)
         return 0
-    needs_engine = name in ("throughput", "sweep", "overhead", "all") or (
+    needs_engine = name in ("throughput", "sweep", "overhead", "host", "all") or (
         name in ("hf", "server") and not args.no_ridge)
     if needs_engine:
         need = max([getattr(args, "in_flight", 1)] + (_ints(args.batches) if name == "overhead" else [])
+                   + ([args.batch] if name == "host" else [])
                    + ([64] if name == "all" else []))
         engine = make_engine(args, need)
         rep.set_env(engine)
@@ -351,6 +355,11 @@ def run_bench(args) -> int:
         part_server(rep, args, engine)
     elif name == "overhead":
         part_overhead(rep, engine, args)
+    elif name == "host":
+        from .host import host_table, run_host
+        rows = run_host(engine, args.batch, _ints(args.contexts), args.steps)
+        rep.add("host", rows)
+        host_table(rep, rows)
     elif name == "kv":
         part_kv(rep, args)
     elif name == "all":
