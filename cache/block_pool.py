@@ -5,7 +5,11 @@ goes to the tail, so the head is the least recently used; a block that still
 holds a cached prefix stays findable by its hash until it is handed out again.
 A prefix hit on a free block takes it out of the middle of the queue in O(1).
 Handing a cached block out again evicts its prefix: `on_evict` (the KV tiers)
-gets the evicted (block id, hash) pairs first, while their bytes are still there."""
+gets the evicted blocks first, while their bytes are still there.
+
+A cached block keeps its identity beside its hash, its parent's hash and its
+token ids, and a lookup that finds the hash uses the block only if both equal
+the request's (block_hash.py: the rule of a hit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +19,9 @@ from dataclasses import dataclass, field
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
+    parent: bytes | None = None  # while cached: the parent's hash and the block's tokens
+    tokens: tuple | None = None
     prev: "Block | None" = field(default=None, repr=False)
     next: "Block | None" = field(default=None, repr=False)
 
@@ -54,8 +60,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeQueue(self.blocks)
-        self.cached: dict[int, Block] = {}
-        self.on_evict = None  # called with [(block id, hash)] before those blocks are reused
+        self.cached: dict[bytes, Block] = {}
+        self.on_evict = None  # called with [(block id, hash, parent, tokens)] before those blocks are reused
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,9 +71,12 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def get_cached_block(self, block_hash: int) -> int | None:
+    def get_cached_block(self, block_hash: bytes, parent: bytes, tokens: tuple) -> int | None:
+        """The cached block under block_hash, if it is this very block (its parent and tokens)."""
         b = self.cached.get(block_hash)
-        return None if b is None else b.block_id
+        if b is None or b.tokens != tokens or b.parent != parent:
+            return None
+        return b.block_id
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks (a prefix hit), reviving free ones."""
@@ -85,8 +94,8 @@ class BlockPool:
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict the cached prefix it held
                 del self.cached[b.block_hash]
-                evicted.append((b.block_id, b.block_hash))
-                b.block_hash = None
+                evicted.append((b.block_id, b.block_hash, b.parent, b.tokens))
+                b.block_hash = b.parent = b.tokens = None
             b.ref_cnt = 1
             out.append(b.block_id)
         if evicted and self.on_evict is not None:
@@ -103,18 +112,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
+    def cache_block(self, block_id: int, block_hash: bytes, parent: bytes, tokens: tuple) -> bool:
         """Publish a full, computed block under its chained hash; -> whether it is new."""
         if not self.enable_caching:
             return False
         b = self.blocks[block_id]
         if b.block_hash is not None or block_hash in self.cached:
-            return False  # already published, or an identical block is
-        b.block_hash = block_hash
+            return False  # already published, or a block under the same hash is
+        b.block_hash, b.parent, b.tokens = block_hash, parent, tokens
         self.cached[block_hash] = b
         return True
 
     def reset_prefix_cache(self) -> None:
         for b in self.cached.values():
-            b.block_hash = None
+            b.block_hash = b.parent = b.tokens = None
         self.cached.clear()

@@ -3,7 +3,9 @@
 The scheduler asks `can_allocate` and then `allocate`, and gets back opaque
 block-id lists for the runner's block table; only the pool sees ref counts and
 hashes. Full blocks are published under a chained hash of (parent hash, token
-ids), so any request sharing a prefix finds the same physical blocks.
+ids) that starts from the request's cache salt (block_hash.py), so any request
+sharing a prefix and a salt finds the same physical blocks, and a hit is used
+only if the block's parent and tokens are the request's.
 
 With KV tiers (tiers.py) the chain goes on past the device: a block the pool
 evicted may still be in host RAM or on disk. Admission then asks
@@ -14,22 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .block_hash import BlockHasher, HashFn, keyed_blake2b
 from .block_pool import BlockPool
 from .tiers import KVTiers, TierBlock
-
-# The first block's parent. Not None: before Python 3.12 hash(None) is an address,
-# so the same prompt would hash differently in every process.
-NONE_HASH = 0
-
-
-def chain_hashes(token_ids: list[int], block_size: int, parent: int = NONE_HASH, start: int = 0) -> list[int]:
-    """Hashes of the full blocks of token_ids[start:], chained from `parent`.
-    Python's tuple-of-int hash is deterministic across runs (no hash seed)."""
-    out = []
-    for i in range(start, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[i:i + block_size])))
-        out.append(parent)
-    return out
 
 
 @dataclass(slots=True)
@@ -38,15 +27,18 @@ class Offloaded:
     token_ids: list[int]
     num_device_blocks: int  # the device hits before them
     blocks: list[TierBlock]
+    salt: str
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn: HashFn | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.hasher = BlockHasher(hash_fn)
+        self._hash_given = hash_fn is not None
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[bytes]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached (on the device, or loaded from a tier)
         self.device_hits = self.device_misses = 0  # blocks
@@ -57,21 +49,41 @@ class KVCacheManager:
         self.offloaded: dict[str, Offloaded] = {}
 
     def attach_tiers(self, tiers: KVTiers) -> None:
+        """Before any request. A disk tier's blocks are named by hashes under its key, so the
+        chain is hashed with that key (unless a test gave its own hash function)."""
         if self.enable_caching and tiers.enabled:
             self.tiers = tiers
             self.pool.on_evict = tiers.evict
+            if tiers.hash_key is not None and not self._hash_given:
+                self.set_hash(keyed_blake2b(tiers.hash_key))
+
+    def set_hash(self, hash_fn: HashFn) -> None:
+        """Hash blocks with hash_fn from now on; only while nothing is published under the old one."""
+        assert not self.pool.cached and not self.req_hashes, "the block hash changes only before any request"
+        self.hasher = BlockHasher(hash_fn)
+
+    def chain(self, token_ids: list[int], salt: str = "") -> list[bytes]:
+        """The hashes of token_ids' full blocks, for requests with this cache salt."""
+        return self.hasher.chain(token_ids, self.block_size, self.hasher.root(salt))
+
+    def _blocks_of(self, token_ids: list[int], salt: str) -> tuple[list[bytes], list[bytes], list[tuple]]:
+        """The full blocks of token_ids but the last token: (hashes, parents, tokens)."""
+        bs = self.block_size
+        root = self.hasher.root(salt)
+        hashes = self.hasher.chain(token_ids[:(len(token_ids) - 1) // bs * bs], bs, root)
+        tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(len(hashes))]
+        return hashes, [root] + hashes[:-1], tokens
 
     # -- prefix cache -------------------------------------------------------
-    def get_computed_blocks(self, req_id: str, token_ids: list[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, req_id: str, token_ids: list[int], salt: str = "") -> tuple[list[int], int]:
         """Longest cached prefix of full blocks -> (block ids, tokens covered).
         The last token is always left to compute: its logits pick the next token."""
         if not self.enable_caching:
             return [], 0
-        usable = (len(token_ids) - 1) // self.block_size * self.block_size
         hits = []
-        hashes = chain_hashes(token_ids[:usable], self.block_size)
-        for h in hashes:
-            block = self.pool.get_cached_block(h)
+        hashes, parents, tokens = self._blocks_of(token_ids, salt)
+        for h, parent, toks in zip(hashes, parents, tokens):
+            block = self.pool.get_cached_block(h, parent, toks)
             if block is None:
                 break
             hits.append(block)
@@ -86,18 +98,16 @@ class KVCacheManager:
         self.device_misses += missed
 
     # -- KV tiers ---------------------------------------------------------------
-    def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int) -> int:
+    def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int, salt: str = "") -> int:
         """After get_computed_blocks: how many more blocks of the chain the tiers hold. They are
         held for load_offloaded until the request is admitted, or abandon_offloaded."""
         if self.tiers is None:
             return 0
-        bs = self.block_size
-        hashes = chain_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs)
-        chain = [TierBlock(h, hashes[i - 1] if i else NONE_HASH, tuple(token_ids[i * bs:(i + 1) * bs]))
-                 for i, h in enumerate(hashes) if i >= num_device_blocks]
+        hashes, parents, tokens = self._blocks_of(token_ids, salt)
+        chain = [TierBlock(*b) for b in zip(hashes, parents, tokens)][num_device_blocks:]
         found = self.tiers.lookup(chain)
         if found:
-            self.offloaded[req_id] = Offloaded(list(token_ids), num_device_blocks, found)
+            self.offloaded[req_id] = Offloaded(list(token_ids), num_device_blocks, found, salt)
         return len(found)
 
     def load_offloaded(self, req_id: str) -> None:
@@ -120,7 +130,7 @@ class KVCacheManager:
         for req_id, n in self.tiers.poll().items():
             off = self.offloaded.pop(req_id)
             out[req_id] = (off.num_device_blocks + n) * self.block_size
-            self.cache_blocks(req_id, off.token_ids, out[req_id], copy=False)
+            self.cache_blocks(req_id, off.token_ids, out[req_id], copy=False, salt=off.salt)
             self.prefix_hits += n * self.block_size
         return out
 
@@ -158,9 +168,11 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         return blocks
 
-    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int, copy: bool = True) -> None:
+    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int, copy: bool = True,
+                     salt: str = "") -> None:
         """Publish the request's blocks that are now full and computed, and hand the new ones
-        to the tiers (copy=False: they were loaded from there)."""
+        to the tiers (copy=False: they were loaded from there). salt: the request's cache salt,
+        the same its lookups were given."""
         if not self.enable_caching:
             return
         hashes = self.req_hashes.setdefault(req_id, [])
@@ -169,12 +181,13 @@ class KVCacheManager:
         if full <= len(hashes):
             return
         bs = self.block_size
-        parent = hashes[-1] if hashes else NONE_HASH
-        new = chain_hashes(token_ids[: full * bs], bs, parent, len(hashes) * bs)
+        parent = hashes[-1] if hashes else self.hasher.root(salt)
+        new = self.hasher.chain(token_ids[: full * bs], bs, parent, len(hashes) * bs)
         published = []
         for i, h in enumerate(new, start=len(hashes)):
-            if self.pool.cache_block(blocks[i], h) and self.tiers is not None:
-                published.append(TierBlock(h, parent, tuple(token_ids[i * bs:(i + 1) * bs]), blocks[i]))
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            if self.pool.cache_block(blocks[i], h, parent, tokens) and self.tiers is not None:
+                published.append(TierBlock(h, parent, tokens, blocks[i]))
             parent = h
         hashes.extend(new)
         if published:

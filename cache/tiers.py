@@ -1,5 +1,7 @@
 """KV tiers: prefix blocks that leave the device pool live on in host RAM and on
-disk, keyed by the pool's chained block hash, and come back as prefix hits.
+disk, keyed by the pool's chained block hash, and come back as prefix hits;
+each tier uses a block only if its parent's hash and tokens are the request's
+(block_hash.py: the rule of a hit).
 
 The block pool stays the only owner of device blocks, their hashes and the free
 queue; the tiers are a store beside it. The manager (manager.py) calls in:
@@ -19,7 +21,8 @@ queue; the tiers are a store beside it. The manager (manager.py) calls in:
   loaded blocks once poll() reports the load done.
 
 `busy_s` counts the seconds the engine thread spends in here (a step's share of
-tier work: the engine's stats report it per step)."""
+tier work: the engine's stats report it per step). `counts` is written by the
+engine thread and both tier threads: every update takes `_count_lock`."""
 from __future__ import annotations
 
 import atexit
@@ -67,8 +70,8 @@ def _serve(q: queue.Queue, ref, fn) -> None:
 @dataclass(slots=True)
 class TierBlock:
     """One block of a chain, as the tiers name it."""
-    block_hash: int
-    parent: int
+    block_hash: bytes
+    parent: bytes
     tokens: tuple
     block_id: int = -1  # the device block, where there is one
     slot: int | None = None  # its host slot, for a host hit
@@ -93,7 +96,6 @@ class KVTiers:
         slots = max(0, host_bytes) // self.block_bytes
         self.host = HostTier(slots, self.block_bytes, pin_memory=self.cuda) if slots else None
         self.disk = disk if disk is not None and disk.enabled else None
-        self.meta: dict[int, tuple[int, tuple]] = {}  # device-published blocks: hash -> (parent, tokens)
         self.loads: dict[str, Load] = {}
         self.busy_s = 0.0
         self.counts = {t: dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out"), 0) for t in ("host", "disk")}
@@ -101,6 +103,7 @@ class KVTiers:
         self._write_bytes = 0  # queued for the writer
         self._disk_rows: np.ndarray | None = None  # the loader thread's, on CPU
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._any_done = threading.Event()
         self._load_q: queue.Queue = queue.Queue()
         self._write_q: queue.Queue = queue.Queue()
@@ -120,6 +123,21 @@ class KVTiers:
     def enabled(self) -> bool:
         return self.host is not None or self.disk is not None
 
+    @property
+    def hash_key(self) -> bytes | None:
+        """The key that block hashes must be made with for the disk tier's files to be found."""
+        return self.disk.hash_key if self.disk is not None else None
+
+    def _count(self, tier: str, **add: int) -> None:
+        with self._count_lock:
+            c = self.counts[tier]
+            for k, v in add.items():
+                c[k] += v
+
+    def count_snapshot(self) -> dict:
+        with self._count_lock:
+            return {t: dict(c) for t, c in self.counts.items()}
+
     @contextmanager
     def _busy(self):
         t0 = time.perf_counter()
@@ -131,27 +149,25 @@ class KVTiers:
     # -- store (engine thread) --------------------------------------------------------
     def store(self, blocks: list[TierBlock], copy: bool = True) -> None:
         """Blocks the pool has just published. copy=False: they came from the tiers."""
-        with self._busy():
-            for b in blocks:
-                self.meta[b.block_hash] = (b.parent, b.tokens)
-            if copy:
+        if copy:
+            with self._busy():
                 self._save([b for b in blocks if not self._has(b.block_hash)])
 
-    def evict(self, pairs: list[tuple[int, int]]) -> None:
-        """(block id, hash) of cached blocks the pool hands out again: keep their bytes."""
+    def evict(self, evicted: list[tuple[int, bytes, bytes, tuple]]) -> None:
+        """(block id, hash, parent, tokens) of cached blocks the pool hands out again: keep their bytes."""
         with self._busy():
             todo = []
-            for block_id, h in pairs:
-                parent, tokens = self.meta.pop(h, (0, ()))
-                if self.host is not None and self.host.get(h) is not None:
-                    continue  # already there; now the most recently used
-                if self.host is not None or (self.disk is not None and tokens and h not in self.disk):
+            for block_id, h, parent, tokens in evicted:
+                if self.host is not None and h in self.host:
+                    self.host.get(h, parent, tokens)  # now the most recently used, if it is this block
+                    continue  # else another block holds the hash: the first keeps it, as in the pool
+                if self.host is not None or (self.disk is not None and h not in self.disk):
                     todo.append(TierBlock(h, parent, tokens, block_id))
             ev = self._save(todo)
             if ev is not None:  # the step that overwrites them runs after the copies
                 torch.cuda.current_stream(self.layout.device).wait_event(ev)
 
-    def _has(self, h: int) -> bool:
+    def _has(self, h: bytes) -> bool:
         return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
 
     def _save(self, blocks: list[TierBlock]):
@@ -160,17 +176,17 @@ class KVTiers:
         if not blocks:
             return None
         slots = self.host.reserve(len(blocks)) if self.host is not None else []
-        kept, rest = blocks[:len(slots)], [b for b in blocks[len(slots):] if b.tokens]
+        kept, rest = blocks[:len(slots)], blocks[len(slots):]
         ev = None
         if kept:
             ev = self.io.save([b.block_id for b in kept], self.host.buf if self.cuda else self.host.rows, slots)
             for b, s in zip(kept, slots):
-                self.host.insert(b.block_hash, s)
-            self.counts["host"]["bytes_out"] += len(kept) * self.block_bytes
+                self.host.insert(b.block_hash, s, b.parent, b.tokens)
+            self._count("host", bytes_out=len(kept) * self.block_bytes)
         if self.disk is None or not self.disk.enabled:
             return ev
         for b, s in zip(kept, slots):
-            if b.tokens and b.block_hash not in self.disk:
+            if b.block_hash not in self.disk:
                 self._queue_write(b, self.host.rows[s], s, ev)
         if rest:  # no host slot: stage them for the writer
             rows, keep = self._scratch(len(rest))
@@ -212,15 +228,14 @@ class KVTiers:
         with self._busy():
             out = []
             for b in chain:
-                slot = self.host.get(b.block_hash) if self.host is not None else None
+                slot = self.host.get(b.block_hash, b.parent, b.tokens) if self.host is not None else None
                 if slot is None and (self.disk is None or b.block_hash not in self.disk):
                     break
                 b.slot = slot
                 out.append(b)
-            c = self.counts
             missed = len(out) < len(chain)
-            c["host"]["misses"] += (self.host is not None) * (sum(b.slot is None for b in out) + missed)
-            c["disk"]["misses"] += (self.disk is not None) * missed
+            self._count("host", misses=(self.host is not None) * (sum(b.slot is None for b in out) + missed))
+            self._count("disk", misses=(self.disk is not None) * missed)
             if slots := [b.slot for b in out if b.slot is not None]:
                 self.host.pin(slots)
             return out
@@ -288,11 +303,8 @@ class KVTiers:
                 self.io.load([b.block_id for b in disk[:k]], keep, range(k))
             job.event, job.keep = self.io.fence(), keep
             job.loaded = n
-            self.counts["host"]["hits"] += len(host_now)
-            self.counts["host"]["bytes_in"] += len(host_now) * self.block_bytes
-            self.counts["disk"]["hits"] += k
-            self.counts["disk"]["misses"] += n < len(job.blocks)
-            self.counts["disk"]["bytes_in"] += k * self.block_bytes
+            self._count("host", hits=len(host_now), bytes_in=len(host_now) * self.block_bytes)
+            self._count("disk", hits=k, misses=int(n < len(job.blocks)), bytes_in=k * self.block_bytes)
         finally:
             if host:
                 self.host.unpin([b.slot for b in host])
@@ -305,7 +317,7 @@ class KVTiers:
             if ev is not None:
                 ev.synchronize()
             if self.disk is not None and self.disk.write(b.block_hash, b.parent, b.tokens, row):
-                self.counts["disk"]["bytes_out"] += self.block_bytes
+                self._count("disk", bytes_out=self.block_bytes)
         finally:
             if slot is not None:
                 self.host.unpin([slot])
@@ -334,18 +346,20 @@ ZERO = dict.fromkeys(("hits", "misses", "bytes_in", "bytes_out"), 0)
 
 
 def tier_stats(tiers: KVTiers | None) -> dict:
-    """The tiers' figures (docs/protocol.md §7.2 kv_tiers), all zero when there are none."""
+    """The tiers' figures (docs/protocol.md §7.2 kv_tiers), all zero when there are none.
+    (A tier with no blocks is falsy, hence the `is not None`.)"""
     host, disk = (tiers.host, tiers.disk) if tiers is not None else (None, None)
-    counts = tiers.counts if tiers is not None else {"host": ZERO, "disk": ZERO}
+    counts = tiers.count_snapshot() if tiers is not None else {"host": ZERO, "disk": ZERO}
     bb = tiers.block_bytes if tiers is not None else 0
+    h, d = host is not None, disk is not None
     return {
         "block_bytes": bb, "loading": len(tiers.loads) if tiers is not None else 0,
-        "host": {"enabled": host is not None, "capacity_bytes": host.num_slots * bb if host else 0,
-                 "used_bytes": host.used_bytes if host else 0, "blocks": len(host) if host else 0,
-                 **counts["host"]},
-        "disk": {"enabled": bool(disk and disk.enabled), "capacity_bytes": disk.cap_bytes if disk else 0,
-                 "used_bytes": disk.used_bytes if disk else 0, "blocks": len(disk) if disk else 0,
-                 **counts["disk"], "corrupt": disk.corrupt if disk else 0,
+        "host": {"enabled": h, "capacity_bytes": host.num_slots * bb if h else 0,
+                 "used_bytes": host.used_bytes if h else 0, "blocks": len(host) if h else 0, **counts["host"]},
+        "disk": {"enabled": d and disk.enabled, "capacity_bytes": disk.cap_bytes if d else 0,
+                 "used_bytes": disk.used_bytes if d else 0, "blocks": len(disk) if d else 0,
+                 **counts["disk"], "corrupt": disk.corrupt if d else 0,
                  "dropped_writes": tiers.dropped_writes if tiers is not None else 0,
-                 "path": str(disk.dir) if disk else "", "off_reason": disk.off_reason if disk else ""},
+                 "path": str(disk.dir) if d else "", "off_reason": disk.off_reason if d else "",
+                 "paused": d and disk.paused},
     }

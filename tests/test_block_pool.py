@@ -1,7 +1,21 @@
 """The block pool on its own: no model, no tensors (as vLLM's tests/v1/core)."""
 import pytest
 
+from ridge.cache.block_hash import NONE_HASH
 from ridge.cache.block_pool import BlockPool
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(16, "little")
+
+
+def publish(pool: BlockPool, block: int, n: int) -> bool:
+    """Publish block under hash n, as the block of tokens (n,) after the first parent."""
+    return pool.cache_block(block, h(n), NONE_HASH, (n,))
+
+
+def find(pool: BlockPool, n: int):
+    return pool.get_cached_block(h(n), NONE_HASH, (n,))
 
 
 def free_order(pool: BlockPool) -> list[int]:
@@ -55,7 +69,7 @@ def test_exhaustion_refuses_and_changes_nothing():
 def test_a_shared_block_is_free_only_after_its_last_reference():
     pool = BlockPool(2)
     [b] = pool.allocate(1)
-    pool.cache_block(b, 111)
+    publish(pool, b, 111)
     pool.touch([b])  # a second request hits it
     assert pool.blocks[b].ref_cnt == 2
     pool.free([b])
@@ -67,13 +81,13 @@ def test_a_shared_block_is_free_only_after_its_last_reference():
 def test_a_cached_free_block_stays_findable_until_it_is_handed_out_again():
     pool = BlockPool(2)
     [b] = pool.allocate(1)
-    pool.cache_block(b, 111)
+    publish(pool, b, 111)
     pool.free([b])
-    assert pool.get_cached_block(111) == b
+    assert find(pool, 111) == b
     pool.allocate(1)  # the head: block 1, never cached
-    assert pool.get_cached_block(111) == b
+    assert find(pool, 111) == b
     pool.allocate(1)  # only block b is left: its prefix is evicted
-    assert pool.get_cached_block(111) is None and pool.blocks[b].block_hash is None
+    assert find(pool, 111) is None and pool.blocks[b].block_hash is None
     assert pool.num_cached_blocks == 0
 
 
@@ -81,19 +95,19 @@ def test_eviction_is_least_recently_freed_first():
     pool = BlockPool(4)
     blocks = pool.allocate(4)
     for b in blocks:
-        pool.cache_block(b, 100 + b)
+        publish(pool, b, 100 + b)
     pool.free([2])
     pool.free([0])
     pool.free([3])
     pool.free([1])
     assert pool.allocate(2) == [2, 0]
-    assert [pool.get_cached_block(100 + b) for b in range(4)] == [None, 1, None, 3]
+    assert [find(pool, 100 + b) for b in range(4)] == [None, 1, None, 3]
 
 
 def test_a_hit_takes_a_free_block_out_of_the_middle_of_the_queue():
     pool = BlockPool(4)
     blocks = pool.allocate(4)
-    pool.cache_block(2, 222)
+    publish(pool, 2, 222)
     pool.free(blocks)
     pool.touch([2])
     assert pool.blocks[2].ref_cnt == 1
@@ -105,28 +119,43 @@ def test_a_hit_takes_a_free_block_out_of_the_middle_of_the_queue():
 def test_the_first_block_published_under_a_hash_keeps_it():
     pool = BlockPool(3)
     a, b = pool.allocate(2)
-    pool.cache_block(a, 111)
-    pool.cache_block(b, 111)  # identical content computed twice: one copy is enough
-    assert pool.get_cached_block(111) == a and pool.blocks[b].block_hash is None
-    pool.cache_block(a, 222)  # already published
-    assert pool.blocks[a].block_hash == 111 and pool.get_cached_block(222) is None
+    publish(pool, a, 111)
+    publish(pool, b, 111)  # identical content computed twice: one copy is enough
+    assert find(pool, 111) == a and pool.blocks[b].block_hash is None
+    publish(pool, a, 222)  # already published
+    assert pool.blocks[a].block_hash == h(111) and find(pool, 222) is None
     assert pool.num_cached_blocks == 1
 
 
 def test_without_caching_nothing_is_published():
     pool = BlockPool(2, enable_caching=False)
     [b] = pool.allocate(1)
-    pool.cache_block(b, 111)
-    assert pool.get_cached_block(111) is None and pool.num_cached_blocks == 0
+    publish(pool, b, 111)
+    assert find(pool, 111) is None and pool.num_cached_blocks == 0
 
 
 def test_reset_prefix_cache_forgets_hashes_and_keeps_references():
     pool = BlockPool(3)
     a, b = pool.allocate(2)
-    pool.cache_block(a, 111)
-    pool.cache_block(b, 222)
+    publish(pool, a, 111)
+    publish(pool, b, 222)
     pool.free([b])
     pool.reset_prefix_cache()
-    assert pool.num_cached_blocks == 0 and pool.get_cached_block(111) is None
+    assert pool.num_cached_blocks == 0 and find(pool, 111) is None
     assert all(blk.block_hash is None for blk in pool.blocks)
     assert pool.blocks[a].ref_cnt == 1 and free_order(pool) == [2, b]
+
+
+def test_a_hit_is_used_only_if_the_blocks_parent_and_tokens_are_the_requests():
+    """The hash only finds a candidate (cache/block_hash.py): another block under the same hash,
+    or the same tokens after another parent, is a miss."""
+    pool = BlockPool(2)
+    [b] = pool.allocate(1)
+    assert pool.cache_block(b, h(7), NONE_HASH, (1, 2, 3))
+    assert pool.get_cached_block(h(7), NONE_HASH, (1, 2, 3)) == b
+    assert pool.get_cached_block(h(7), NONE_HASH, (3, 2, 1)) is None
+    assert pool.get_cached_block(h(7), h(1), (1, 2, 3)) is None
+    assert not pool.cache_block(1, h(7), NONE_HASH, (3, 2, 1))  # the first block under a hash keeps it
+    pool.free([b])
+    pool.allocate(2)  # evicting it clears its identity with its hash
+    assert pool.blocks[b].block_hash is None and pool.blocks[b].tokens is None and pool.blocks[b].parent is None

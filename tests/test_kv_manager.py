@@ -1,6 +1,7 @@
 """The KV cache manager over a real block pool: no model, no tensors (as vLLM's tests/v1/core).
 
 Block size 4 throughout, so a prompt of 10 tokens fills two blocks and starts a third."""
+import hashlib
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ridge.cache.manager import KVCacheManager, chain_hashes
+from ridge.cache.block_hash import keyed_blake2b
+from ridge.cache.manager import KVCacheManager
 
 BS = 4
 
@@ -23,29 +25,79 @@ def computed(kv: KVCacheManager, req_id: str, token_ids: list[int], num_tokens: 
 
 # --- chained hashes ------------------------------------------------------------------------
 
+def order_blind(data: bytes) -> bytes:
+    """A deliberately weak block hash: blind to the order of the bytes it hashes, so a block and
+    its tokens reversed collide (and so do their children)."""
+    return hashlib.blake2b(bytes(sorted(data)), digest_size=16).digest()
+
+
+def reversed_blocks(tokens: list[int], bs: int = BS) -> list[int]:
+    """The same tokens, each full block reversed: under order_blind, every block collides."""
+    return [t for i in range(0, len(tokens), bs) for t in tokens[i:i + bs][::-1]]
+
+
 def test_only_full_blocks_are_hashed():
-    assert len(chain_hashes(list(range(11)), BS)) == 2
-    assert chain_hashes([1, 2, 3], BS) == []
+    kv = KVCacheManager(8, BS)
+    assert len(kv.chain(list(range(11)))) == 2 and kv.chain([1, 2, 3]) == []
+    assert all(isinstance(h, bytes) and len(h) == 16 for h in kv.chain(list(range(11))))
 
 
 def test_a_hash_names_the_whole_prefix_not_just_its_block():
-    a = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS)
-    assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BS) == a
-    b = chain_hashes([0, 2, 3, 4, 5, 6, 7, 8], BS)  # same second block after a different first
+    kv = KVCacheManager(8, BS)
+    a = kv.chain([1, 2, 3, 4, 5, 6, 7, 8])
+    assert kv.chain([1, 2, 3, 4, 5, 6, 7, 8, 9]) == a
+    b = kv.chain([0, 2, 3, 4, 5, 6, 7, 8])  # same second block after a different first
     assert a[0] != b[0] and a[1] != b[1]
 
 
 def test_hashing_continues_from_a_parent():
+    kv = KVCacheManager(8, BS)
     t = list(range(20))
-    full = chain_hashes(t, BS)
-    assert chain_hashes(t, BS, parent=full[1], start=2 * BS) == full[2:]
+    full = kv.chain(t)
+    assert kv.hasher.chain(t, BS, parent=full[1], start=2 * BS) == full[2:]
 
 
-def test_hashes_are_the_same_in_every_process():
-    code = f"from ridge.cache.manager import chain_hashes; print(chain_hashes(list(range(12)), {BS}))"
+def test_hashes_are_keyed_the_same_key_hashing_alike_in_every_process():
+    """Random per manager, so nobody can aim a prompt at another's hash; one key (the disk
+    tier's) gives the same hashes in every process, so that its files are found again."""
+    assert KVCacheManager(8, BS).chain(list(range(12))) != KVCacheManager(8, BS).chain(list(range(12)))
+    key = bytes(range(32))
+    code = ("from ridge.cache.block_hash import keyed_blake2b; from ridge.cache.manager import KVCacheManager; "
+            f"print([h.hex() for h in KVCacheManager(8, {BS}, hash_fn=keyed_blake2b({key!r})).chain(list(range(12)))])")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
-    assert len(outs) == 1 and outs == {f"{chain_hashes(list(range(12)), BS)}\n"}
+    here = KVCacheManager(8, BS, hash_fn=keyed_blake2b(key)).chain(list(range(12)))
+    assert outs == {f"{[h.hex() for h in here]}\n"}
+
+
+def test_the_salt_starts_the_chain():
+    kv = KVCacheManager(16, BS)
+    prompt = list(range(10))
+    assert kv.chain(prompt, "alice") != kv.chain(prompt, "bob") != kv.chain(prompt)
+    kv.allocate("a", 10)
+    kv.cache_blocks("a", prompt, 10, salt="alice")
+    assert kv.get_computed_blocks("b", prompt, "bob") == ([], 0)
+    assert kv.get_computed_blocks("c", prompt) == ([], 0)
+    assert kv.get_computed_blocks("d", prompt, "alice") == (kv.block_ids("a")[:2], 8)
+
+
+def test_blocks_that_collide_under_a_weak_hash_are_not_hits():
+    """The device pool compares the block's tokens (and parent) on every hit: with a hash that
+    collides, the second prompt gets no hit and no block of the first."""
+    kv = KVCacheManager(16, BS, hash_fn=order_blind)
+    a, b = list(range(1, 13)), reversed_blocks(list(range(1, 13)))
+    assert kv.chain(a) == kv.chain(b) and a != b  # the collision is real
+    computed(kv, "a", a)
+    assert kv.get_computed_blocks("b", b + [0]) == ([], 0)
+    assert kv.get_computed_blocks("a2", a + [0]) == (kv.block_ids("a"), 12)  # the same prompt still hits
+
+
+def test_the_hash_changes_only_before_any_request():
+    kv = KVCacheManager(8, BS)
+    kv.set_hash(order_blind)
+    computed(kv, "a", list(range(8)))
+    with pytest.raises(AssertionError, match="before any request"):
+        kv.set_hash(keyed_blake2b(bytes(32)))
 
 
 # --- allocation ----------------------------------------------------------------------------

@@ -5,8 +5,10 @@ question, one request at a time. fp32 KV, so "the same tokens" means exactly
 the same as the cold run (no prefix caching at all)."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -17,7 +19,7 @@ import pytest
 
 from engine_utils import assert_no_leak, greedy, load_tiny, make_engine, prompts
 from ridge.cache.disk_tier import DiskTier, kv_root
-from ridge.cache.manager import chain_hashes
+from test_kv_manager import order_blind, reversed_blocks
 
 MAX_TOKENS = 8
 
@@ -69,13 +71,18 @@ def one_by_one(eng, ps) -> list[tuple[list[int], int]]:
     return res
 
 
+def h(i: int) -> bytes:
+    """A block hash for the disk tier's own tests."""
+    return i.to_bytes(16, "little")
+
+
 def tiers(eng) -> dict:
     return eng.stats()["kv_tiers"]
 
 
 def block_files(eng, system) -> list:
     """The disk tier's file for each block of a system prompt, in chain order."""
-    return [eng.tiers.disk.path(h) for h in chain_hashes(system, 16)]
+    return [eng.tiers.disk.path(h) for h in eng.kv_cache_manager.chain(system)]
 
 
 def test_host_tier_serves_prefixes_the_pool_evicted(loaded, workload, cold):
@@ -145,9 +152,10 @@ def test_a_write_killed_mid_way_is_never_read(tmp_path):
         from ridge.cache.disk_tier import DiskTier
         d = DiskTier({str(root)!r}, "k", {{}}, 1 << 40, {size})
         print("ready", flush=True)
-        i = 0
+        i = 1
         while True:
-            d.write(i, i - 1, (i, i + 1), np.full({size}, i % 251, dtype=np.uint8))
+            d.write(i.to_bytes(16, "little"), (i - 1).to_bytes(16, "little"), (i, i + 1),
+                    np.full({size}, i % 251, dtype=np.uint8))
             i += 1
     """)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -157,7 +165,7 @@ def test_a_write_killed_mid_way_is_never_read(tmp_path):
     p.wait()
     # A torn file, as a rename without the data before it could leave after a crash.
     (root / "k" / "00").mkdir(parents=True, exist_ok=True)
-    torn_hash = 1 << 40
+    torn_hash = h(1 << 40)
     torn = DiskTier(root, "k", {}, 1 << 40, size).path(torn_hash)
     torn.parent.mkdir(parents=True, exist_ok=True)
     torn.write_bytes(b"RKVB" + bytes(100))
@@ -165,27 +173,30 @@ def test_a_write_killed_mid_way_is_never_read(tmp_path):
     assert not list((root / "k").rglob(".tmp-*"))  # the killed writer's temporary file is gone
     assert len(d) >= 2
     out = np.empty(size, dtype=np.uint8)
-    assert torn_hash in d.index and not d.read(torn_hash, torn_hash - 1, (1, 2), out)
-    for h in list(d.index):
-        assert d.read(h, h - 1, (h, h + 1), out) and (out == h % 251).all()
+    assert torn_hash in d.index and not d.read(torn_hash, h((1 << 40) - 1), (1, 2), out)
+    for key in list(d.index):
+        i = int.from_bytes(key, "little")
+        assert d.read(key, h(i - 1), (i, i + 1), out) and (out == i % 251).all()
     assert d.corrupt == 1
 
 
 def test_disk_lru_cap_and_index_order_after_restart(tmp_path):
     row = np.zeros(1000, dtype=np.uint8)
     d = DiskTier(tmp_path, "k", {}, 0, 1000)
-    size = len(d._header(0, 0, (1,))) + 1000 + 4
+    size = len(d._header(h(0), h(0), (1,))) + 1000 + 4
     d.cap_bytes = 2 * size
-    for h in (10, 11):
-        assert d.write(h, 0, (h,), row)
+    for i in (10, 11):
+        assert d.write(h(i), h(0), (i,), row)
         time.sleep(0.01)
-    assert d.read(10, 0, (10,), row)  # 10 is now the most recently used
-    assert d.write(12, 0, (12,), row)
-    assert list(d.index) == [10, 12] and not d.path(11).exists()
+    assert d.read(h(10), h(0), (10,), row)  # 10 is now the most recently used
+    assert d.write(h(12), h(0), (12,), row)
+    assert list(d.index) == [h(10), h(12)] and not d.path(h(11)).exists()
     d2 = DiskTier(tmp_path, "k", {}, 2 * size, 1000)
-    assert list(d2.index) == [10, 12]
-    assert not d2.read(12, 0, (99,), row)  # another block's tokens: refused and deleted
-    assert list(d2.index) == [10]
+    assert list(d2.index) == [h(10), h(12)]
+    assert not d2.read(h(12), h(0), (99,), row)  # another block's tokens: refused and deleted
+    assert list(d2.index) == [h(10)]
+    assert not d2.read(h(10), h(1), (10,), row)  # the same tokens after another parent: refused too
+    assert list(d2.index) == []
 
 
 def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workload, cold, tmp_path):
@@ -193,12 +204,12 @@ def test_an_io_error_turns_the_disk_tier_off_and_serving_goes_on(loaded, workloa
     one_by_one(eng, workload[:1])
     disk = eng.tiers.disk
     eng.tiers.flush()
-    for shard in disk.dir.iterdir():  # every shard folder becomes a file: the next write fails
+    for shard in (disk.dir / f"{i:02x}" for i in range(256)):  # every shard folder a file: the next write fails
         if shard.is_dir():
             for f in shard.iterdir():
                 f.unlink()
             shard.rmdir()
-            shard.write_text("")
+        shard.write_text("")
     disk.index.clear()
     got = one_by_one(eng, workload[1:])
     assert [t for t, _ in got] == cold[1:]
@@ -326,3 +337,115 @@ def test_tier_threads_stop_before_the_interpreter_exits(loaded, workload, tmp_pa
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[-2:] == ["served", "alive at exit: []"], p.stdout
     assert len(list((tmp_path / "xdg").rglob("*.kvb"))) >= 4  # the prompt's full blocks, written before exit
+
+
+# --- block identity: every tier compares the block's tokens and parent -------------------------
+
+def weak_engine(loaded, **kw):
+    """An engine whose blocks hash with order_blind: a block and its tokens reversed collide."""
+    eng = tier_engine(loaded, **kw)
+    eng.kv_cache_manager.set_hash(order_blind)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def colliding(loaded, workload):
+    """(A, B, B's cold output): B is A with each block reversed, so every full block collides."""
+    a = workload[0]
+    b = reversed_blocks(a, 16)
+    assert a != b and len(a) // 16 == 4
+    return a, b, one_by_one(tier_engine(loaded, enable_prefix_caching=False), [b])[0][0]
+
+
+def test_colliding_blocks_are_refused_by_the_device_pool_and_the_host_tier(loaded, colliding, cold):
+    a, b, cold_b = colliding
+    eng = weak_engine(loaded, kv_disk=False)
+    got = one_by_one(eng, [a, b, a])
+    assert [t for t, _ in got] == [cold[0], cold_b, cold[0]]
+    assert [c for _, c in got] == [0, 0, 64]  # A hits itself under the weak hash; B hits nothing
+    t = tiers(eng)
+    assert t["host"]["blocks"] >= 4 and t["host"]["hits"] == 0 and t["host"]["misses"] >= 1  # A's, written through
+    assert_no_leak(eng)
+
+
+def test_colliding_blocks_are_refused_by_the_disk_tier(loaded, colliding, cold):
+    a, b, cold_b = colliding
+    first = weak_engine(loaded)
+    assert one_by_one(first, [a])[0][0] == cold[0]
+    first.close()
+    again = weak_engine(loaded, kv_host_gib=0)  # nothing on the device, no host tier: only A's files
+    assert tiers(again)["disk"]["blocks"] >= 4
+    [(toks, cached)] = one_by_one(again, [b])
+    assert toks == cold_b and cached == 0
+    t = tiers(again)
+    assert t["disk"]["hits"] == 0 and t["disk"]["corrupt"] == 1  # A's block 0 under B's hash: refused
+    assert_no_leak(again)
+
+
+# --- the disk tier's files: private, keyed, paused by a full disk --------------------------------
+
+def modes(top) -> dict:
+    return {str(p.relative_to(top)): stat.S_IMODE(p.stat().st_mode) for p in [top, *top.rglob("*")]}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002], ids=["022", "002"])
+def test_the_disk_tier_is_private_whatever_the_umask(tmp_path, umask):
+    top, row = tmp_path / "cache", np.zeros(1000, dtype=np.uint8)
+    old = os.umask(umask)
+    try:
+        d = DiskTier(top / "ridge" / "kv", "k", {"model": "x"}, 1 << 30, 1000)
+        assert d.write(h(1), h(0), (1, 2), row)
+        stale = d.path(h(0xab << 120))  # an older ridge's shard and file, as the umask made them
+        stale.parent.mkdir()
+        with open(stale, "wb") as f:
+            f.write(d._header(h(0xab << 120), h(0), (3,)) + bytes(1004))
+        assert modes(top)[str(stale.relative_to(top))] != 0o600
+        again = DiskTier(top / "ridge" / "kv", "k", {"model": "x"}, 1 << 30, 1000)
+    finally:
+        os.umask(old)
+    assert len(again) == 2 and again.hash_key == d.hash_key
+    got = modes(top)
+    files = {p for p in got if (top / p).is_file()}
+    assert {p.rsplit("/", 1)[-1] for p in files} >= {"key.json", "hash.key"} and len(files) == 4
+    assert all(got[p] == 0o600 for p in files), got
+    assert all(got[p] == 0o700 for p in set(got) - files), got
+
+
+def test_the_disk_tier_says_where_it_is_and_how_to_turn_it_off(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="ridge.cache"):
+        d = DiskTier(tmp_path, "k", {}, 1 << 30, 1000)
+    assert f"disk KV tier at {d.dir}" in caplog.text and "--no-kv-disk" in caplog.text
+
+
+def test_the_hash_key_is_kept_beside_the_blocks(tmp_path):
+    row = np.zeros(1000, dtype=np.uint8)
+    d = DiskTier(tmp_path, "k", {}, 1 << 30, 1000)
+    assert len(d.hash_key) == 32 and DiskTier(tmp_path, "k", {}, 1 << 30, 1000).hash_key == d.hash_key
+    assert d.write(h(1), h(0), (1,), row)
+    (d.dir / "hash.key").write_bytes(b"not a key")
+    d2 = DiskTier(tmp_path, "k", {}, 1 << 30, 1000)  # a new key: the blocks named under the old one go
+    assert len(d2.hash_key) == 32 and d2.hash_key != d.hash_key
+    assert len(d2) == 0 and not d.path(h(1)).exists()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_full_disk_pauses_the_writes_until_there_is_room(tmp_path, monkeypatch, code):
+    row = np.zeros(1000, dtype=np.uint8)
+    d = DiskTier(tmp_path, "k", {}, 1 << 30, 1000, retry_s=0.3)
+    tried = []
+
+    def full(fd, data):
+        tried.append(fd)
+        raise OSError(code, os.strerror(code))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full)
+        assert not d.write(h(1), h(0), (1,), row)
+        assert d.paused and d.enabled and len(tried) == 1
+        assert not d.write(h(2), h(0), (2,), row) and len(tried) == 1  # paused: not even tried
+    if time.monotonic() < d._retry_at:  # room again, not looked for yet
+        assert not d.write(h(2), h(0), (2,), row) and d.paused
+    time.sleep(max(0.0, d._retry_at - time.monotonic()) + 0.05)
+    assert d.write(h(2), h(0), (2,), row) and not d.paused and d.enabled
+    assert d.read(h(2), h(0), (2,), row) and h(1) not in d.index
+    assert not list(tmp_path.rglob(".tmp-*"))

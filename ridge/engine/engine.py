@@ -175,9 +175,13 @@ class LLMEngine:
         c = params.constraint()
         return None if c is None else self.grammars.compile(c)
 
-    def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None) -> str:
-        """prompt: token ids or raw text. Raises InvalidRequest at admission."""
+    def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None,
+                    cache_salt: str = "") -> str:
+        """prompt: token ids or raw text. cache_salt: the request shares prefix blocks only with
+        requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission."""
         params = params or SamplingParams()
+        if not isinstance(cache_salt, str):
+            raise InvalidRequest("cache_salt must be a string")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -191,6 +195,7 @@ class LLMEngine:
                 SamplingParams.from_dict({**asdict(params), "seed": params.seed + i})  # distinct samples
             req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
                           group_id=request_id if params.n > 1 else None, client_id=request_id, index=i,
+                          cache_salt=cache_salt,
                           matcher=compiled.matcher() if compiled is not None else None)  # one per sample
             self.requests[iid] = req
             self.texts[iid] = TextState(self.tokenizer, req)

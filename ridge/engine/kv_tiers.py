@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import psutil
 
+from ridge.cache.block_hash import DIGEST_BYTES
 from ridge.cache.block_io import BlockLayout
 from ridge.cache.disk_tier import VERSION, DiskTier, kv_root
 from ridge.cache.tiers import KVTiers
@@ -37,13 +37,13 @@ def disk_key(loaded, draft, kv_dtype: str, block_size: int, block_bytes: int) ->
     """-> (directory name, what it names). Everything a block's bytes depend on: the weights
     (the converted model's store key: its file, the quantizer's version and options), the
     device type and compute dtype they run in, a draft model's, the KV dtype and block size,
-    and the row layout; plus Python's version, whose tuple hash chains the block hashes."""
+    and the row layout; and how block hashes are made (their key is in the folder: disk_tier.py)."""
     describe = {
         "model": loaded.identity, "model_path": str(loaded.path),
         "weight_dtype": str(loaded.model.embed_tokens.weight.dtype), "device": loaded.device.type,
         "draft": draft.identity if draft is not None else None,
         "kv_dtype": kv_dtype, "block_size": block_size, "block_bytes": block_bytes,
-        "layout": LAYOUT, "file_version": VERSION, "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "layout": LAYOUT, "file_version": VERSION, "block_hash": f"keyed blake2b-{8 * DIGEST_BYTES}",
     }
     key = hashlib.sha256(json.dumps(describe, sort_keys=True).encode()).hexdigest()[:24]
     return key, describe

@@ -66,6 +66,7 @@ class Request:
     group_id: str | None = None  # samples of one prompt (n > 1) share its blocks
     client_id: str = ""  # the id the client gave; samples of one prompt share it
     index: int = 0  # which sample of the prompt
+    cache_salt: str = ""  # prefix blocks are shared only among requests with the same salt (cache/block_hash.py)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafted, not yet verified

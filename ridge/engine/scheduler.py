@@ -164,8 +164,8 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids)
-            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits))
+            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
+            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt)
             req.num_computed_tokens = cached
             n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
             if not kv.can_allocate(req.request_id, cached + n, hits):
@@ -261,7 +261,8 @@ class Scheduler:
                 if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
                 self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids,
-                                     min(req.num_computed_tokens, req.num_known_tokens))
+                                                   min(req.num_computed_tokens, req.num_known_tokens),
+                                                   salt=req.cache_salt)
             if req.is_finished:
                 finished.append(req)
         for req in finished:
