@@ -70,18 +70,33 @@ def _serve(args) -> int:
     return run_serve(args)
 
 
+def gateway_endpoint(values: dict, keyed: bool) -> str | None:
+    """The daemon `ridge gateway` serves (None: found on each connect, as every client finds it).
+    A gateway without a key is pinned at start to the daemon found then, or to the user socket, so
+    that it never falls back to the system socket later: in front of that one it needs a key."""
+    from .endpoint import find_daemon, system_endpoint, user_endpoint
+
+    given = values["endpoint"] or (system_endpoint() if values["system"] else None)
+    if given or keyed:
+        return given
+    return find_daemon()[0] or user_endpoint()
+
+
 def run_gateway(args) -> int:
     from .config import resolve
     from .endpoint import EndpointError, system_endpoint
     from .gateway.run import run_foreground
-    from .gateway.settings import gateway_settings
+    from .gateway.settings import gateway_settings, refuse_keyless_system
     from .serve import setup_logging
 
     values = resolve(args).values  # the daemon's config file too: the endpoint it serves, the gateway's keys
     setup_logging()
-    endpoint = values["endpoint"] or (system_endpoint() if values["system"] else None)
     try:
-        return run_foreground(gateway_settings(values), endpoint)
+        settings = gateway_settings(values)
+        endpoint = gateway_endpoint(values, settings.api_key is not None)
+        if endpoint == system_endpoint():
+            refuse_keyless_system(settings.url, settings.api_key)
+        return run_foreground(settings, endpoint)
     except EndpointError as e:
         print(f"ridge: {e}", file=sys.stderr)
         return 1

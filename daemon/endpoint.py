@@ -213,11 +213,30 @@ def load_curve(secret_key_file: str | None, clients_dir: str | None) -> CurveCon
     return CurveConfig(public, secret, Path(clients_dir))
 
 
-def check_tcp(endpoint: str, curve: CurveConfig | None) -> None:
+def check_tcp(endpoint: str, curve: CurveConfig | None, system: bool = False) -> None:
+    """Non-loopback TCP needs CURVE; so does loopback on the system daemon, where any local user
+    could connect to the port past the group check on its socket's directory."""
     host = tcp_host(endpoint)
-    if not is_loopback(host) and curve is None:
+    if curve is not None:
+        return
+    if not is_loopback(host):
         raise EndpointError(f"refusing to bind {endpoint}: {host} is not a loopback address, and non-loopback "
                             "TCP needs CURVE keys (curve_secret_key_file and curve_clients_dir in the config file)")
+    if system:
+        raise EndpointError(f"refusing to bind {endpoint} for the system daemon without CURVE: any local user can "
+                            f"connect to a loopback port, past the group check on {SYSTEM_DIR} (set "
+                            "curve_secret_key_file and curve_clients_dir in the config file)")
+
+
+def check_pub(endpoint: str, system: bool = False) -> None:
+    """The stats feed has no CURVE: on TCP it stays on loopback, and off the system daemon."""
+    if not endpoint.startswith("tcp://"):
+        return
+    if system:
+        raise EndpointError(f"refusing to publish stats on {endpoint} for the system daemon: the feed has no "
+                            f"CURVE, and any local user can reach a loopback port (leave pub_endpoint unset: the "
+                            f"feed stays beside the socket in {SYSTEM_DIR})")
+    check_tcp(endpoint, None)
 
 
 def secure_curve_socket(ctx, sock, curve: CurveConfig):

@@ -20,6 +20,7 @@ import time
 from collections import deque
 
 from ridge.engine.sampling_params import InvalidRequest
+from ridge.errors import internal_error
 
 log = logging.getLogger("ridge.daemon.engine")
 
@@ -94,8 +95,7 @@ class EngineLoop(threading.Thread):
                 except InvalidRequest as e:
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop
-                    log.exception("add_request failed")
-                    self._emit(("reject", eid, f"the engine could not admit it: {type(e).__name__}: {e}", "internal"))
+                    self._emit(("reject", eid, internal_error(log, "add_request failed", e), "internal"))
             else:
                 self.engine.abort_request(cmd[1])
 
@@ -130,7 +130,6 @@ class EngineLoop(threading.Thread):
                 self._maybe_snapshot(now)
                 self.tick = now
         except BaseException as e:  # the socket thread tells every client, then the daemon exits
-            log.exception("the engine loop failed")
-            self._emit(("dead", f"{type(e).__name__}: {e}"))
+            self._emit(("dead", internal_error(log, "the engine loop failed", e)))
         finally:
             self.engine.close()  # queued writes of the disk KV tier land before the process exits

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from .config import resolve
-from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_tcp, ipc_path,
-                       load_curve, prepare_dir, pub_endpoint_for, system_endpoint, user_endpoint)
-from .gateway.settings import gateway_settings
+from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_pub, check_tcp,
+                       ipc_path, load_curve, prepare_dir, pub_endpoint_for, system_endpoint, user_endpoint)
+from .gateway.settings import GatewaySettings, gateway_settings
 from .notify import Notifier
 from .protocol import Limits
 
@@ -82,6 +82,17 @@ def _check(c: dict) -> None:
         raise ValueError("drain_grace must be >= 0")
 
 
+def check_listeners(c: dict, system: bool, curve) -> GatewaySettings | None:
+    """Where the daemon listens besides its socket, checked before anything binds; -> the HTTP
+    gateway's settings, or None. On the system daemon, TCP needs CURVE and HTTP an API key even on
+    loopback, or the daemon refuses to start (docs/service.md, "Who can reach what")."""
+    if c["tcp"]:
+        check_tcp(c["tcp"], curve, system)
+    if c["pub_endpoint"]:
+        check_pub(c["pub_endpoint"], system)
+    return gateway_settings(c, default_http=None, system=system)
+
+
 def claim_endpoint(endpoint: str, system: bool) -> EndpointLock | None:
     """The socket's directory, checked and given its mode, then the endpoint's lock (§1)."""
     path = ipc_path(endpoint)
@@ -110,11 +121,7 @@ def run_serve(args) -> int:
     lock = http = None
     try:
         curve = load_curve(c["curve_secret_key_file"], c["curve_clients_dir"])
-        if c["tcp"]:
-            check_tcp(c["tcp"], curve)
-        if (c["pub_endpoint"] or "").startswith("tcp://"):
-            check_tcp(c["pub_endpoint"], None)  # the stats feed has no CURVE: loopback only
-        gateway = gateway_settings(c, default_http=None)
+        gateway = check_listeners(c, system, curve)
         lock = claim_endpoint(endpoint, system)
         if gateway is not None:
             from .gateway.run import listen

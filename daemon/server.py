@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ridge.errors import internal_error
+
 from . import protocol as P
 from .engine_loop import EngineLoop
 from .peers import Peer
@@ -163,9 +165,8 @@ class Server:
             self.counts["errors_sent"] += 1
             self._send(peer, P.error(e.code, e.message, e.request_id, **e.extra))
         except Exception as e:  # a daemon bug must not take the daemon down
-            log.exception("internal error on a client message")
             self.counts["errors_sent"] += 1
-            self._send(peer, P.error(P.INTERNAL, f"{type(e).__name__}: {e}"[:500], rid))
+            self._send(peer, P.error(P.INTERNAL, internal_error(log, "internal error on a client message", e), rid))
 
     def _send(self, peer: Peer, msg: dict) -> None:
         if not peer.gone:

@@ -9,6 +9,7 @@ import grp
 import os
 import pwd
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ GPU_GROUPS = ("video", "render")  # device node groups on most distributions; on
 PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "service.md"
 STOP_MARGIN_S = 15  # TimeoutStopSec = drain_grace + this: the drain, then the final frames and exit
+SYSTEM_API_KEY = Path("etc/ridge/api_key")  # made by `install --system --http` when the config names no key
 
 
 @dataclass(frozen=True)
@@ -89,25 +91,59 @@ def drain_grace(config_file: Path) -> float:
     return float(resolve(argparse.Namespace(config=str(config_file)), environ={}).values["drain_grace"])
 
 
-def exec_start(scope: Scope, http: str | None = None) -> str:
+def exec_start(scope: Scope, http: str | None = None, key_file: Path | None = None) -> str:
     words = [_unit_word(str(ridge_executable())), "serve"] + (["--system"] if scope.system else [])
-    return " ".join(words + (["--http", _unit_word(http)] if http else []))
+    words += ["--http", _unit_word(http)] if http else []
+    return " ".join(words + (["--api-key-file", _unit_word(str(scope.target(key_file)))] if key_file else []))
 
 
-def check_http(scope: Scope, http: str) -> str | None:
-    """Why the daemon would refuse to serve HTTP on `http` with this scope's config file, or None."""
+def _config_values(scope: Scope) -> dict:
+    return resolve(argparse.Namespace(config=str(scope.config_path)), environ={}).values
+
+
+def check_http(scope: Scope, http: str, key: str | None = None) -> str | None:
+    """Why the daemon would refuse to serve HTTP on `http` with this scope's config file (and `key`,
+    the one this install makes), or None."""
     from .endpoint import EndpointError
     from .gateway.settings import gateway_settings
 
-    vals = resolve(argparse.Namespace(config=str(scope.config_path)), environ={}).values
+    vals = _config_values(scope)
     try:
-        gateway_settings({**vals, "http": http}, None)
+        gateway_settings({**vals, "http": http, **({"api_key": key} if key else {})}, None, system=scope.system)
     except EndpointError as e:
         return str(e)
     return None
 
 
-def values(scope: Scope, http: str | None = None) -> dict[str, str]:
+def system_http_key(scope: Scope) -> tuple[Path, str] | None:
+    """The system daemon's HTTP API needs a key even on loopback (docs/service.md). Unless the config
+    file names one: (the key file the unit will pass, its key: the file's if it exists, else new)."""
+    vals = _config_values(scope)
+    if vals["api_key"] or vals["api_key_file"]:
+        return None
+    path = scope.root / SYSTEM_API_KEY
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    return path, (lines[0].strip() if lines and lines[0].strip() else secrets.token_urlsafe(32))
+
+
+def _write_key(scope: Scope, path: Path, key: str) -> None:
+    """0640, root:ridge: the members of group `ridge` may use the HTTP API as they may use the socket.
+    Written while 0600, so that no one else can read it even for a moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(key + "\n")
+    try:
+        os.chown(path, 0 if os.geteuid() == 0 else -1, grp.getgrnam(SYSTEM_USER).gr_gid)
+    except (KeyError, PermissionError):
+        print(f"give {scope.target(path)} to group {SYSTEM_USER} on the machine it runs on: "
+              f"chown root:{SYSTEM_USER} {scope.target(path)}")
+    path.chmod(0o640)
+    print(f"wrote {path} (0640, group {SYSTEM_USER}): HTTP clients send `Authorization: Bearer KEY` with its line")
+
+
+def values(scope: Scope, http: str | None = None, key_file: Path | None = None) -> dict[str, str]:
     groups = []
     for g in GPU_GROUPS:
         try:
@@ -116,7 +152,7 @@ def values(scope: Scope, http: str | None = None) -> dict[str, str]:
         except KeyError:
             pass
     grace = drain_grace(scope.config_path)
-    return {"EXEC_START": exec_start(scope, http),
+    return {"EXEC_START": exec_start(scope, http, key_file),
             "CONFIG_ENV": _unit_word(f"RIDGE_CONFIG={scope.target(scope.config_path)}"),
             "TIMEOUT_STOP": f"{int(grace + STOP_MARGIN_S)}s",
             "GROUPS": " ".join(groups),
@@ -194,16 +230,19 @@ def install(scope: Scope, enable: bool = True, http: str | None = None) -> int:
         print(f"ridge: the system service is installed as root: sudo {ridge_executable()} service install --system",
               file=sys.stderr)
         return 1
-    if http and (why := check_http(scope, http)):
+    key = system_http_key(scope) if http and scope.system else None
+    if http and (why := check_http(scope, http, key and key[1])):
         print(f"ridge: {why}", file=sys.stderr)
         return 1
     if not scope.config_path.exists():
         _write(scope.config_path, default_config(), 0o640 if scope.system else 0o600)
     else:
         print(f"kept {scope.config_path}")
-    _write(scope.unit_path, render(template(scope), values(scope, http)))
+    _write(scope.unit_path, render(template(scope), values(scope, http, key and key[0])))
     if scope.system and _ensure_user(scope) != 0:
         return 1
+    if key is not None:
+        _write_key(scope, *key)
     manage = " ".join(scope.systemctl())
     then = [f"{manage} daemon-reload", f"{manage} enable --now {UNIT}"]
     if scope.staged:
@@ -212,7 +251,7 @@ def install(scope: Scope, enable: bool = True, http: str | None = None) -> int:
     why = systemd_missing()
     if why is not None:
         print(f"{why}, so the service was written but not enabled. On a machine with systemd:\n  "
-              + "\n  ".join(then) + f"\nHere, run the daemon directly: {exec_start(scope, http)}")
+              + "\n  ".join(then) + f"\nHere, run the daemon directly: {exec_start(scope, http, key and key[0])}")
         return 0
     if _run(scope.systemctl("daemon-reload")) != 0:
         return 1
@@ -309,7 +348,9 @@ def add_service_parser(sub) -> None:
             a.add_argument("--no-enable", action="store_true", help="write the files but do not enable the service")
             a.add_argument("--http", metavar="HOST:PORT", default=None,
                            help="also serve the OpenAI-compatible HTTP API there (ridge serve --http); a "
-                                "non-loopback HOST needs api_key_file in the config file")
+                                "non-loopback HOST needs api_key_file in the config file; the system service "
+                                "needs a key even on loopback and makes /etc/ridge/api_key when the config "
+                                "names none")
     acts.add_parser("config", help="print the default config file (every option, commented out)")
     p.set_defaults(func=run_service)
 

@@ -20,7 +20,7 @@ AUTO = "auto"  # a bool option's third value: leave the choice to the code (None
 @dataclass(frozen=True)
 class Option:
     name: str  # the config-file key; the flag is --name-with-dashes, the variable RIDGE_NAME
-    kind: type  # str, int, float or bool
+    kind: type  # str, int, float, bool, or list (of strings: a TOML list, or comma-separated words)
     default: object
     help: str
     choices: tuple | None = None
@@ -48,7 +48,7 @@ class Option:
         try:
             value = self._convert(raw)
         except (TypeError, ValueError):
-            kind = "on, off or auto" if self.auto else self.kind.__name__
+            kind = "on, off or auto" if self.auto else _KIND_WORDS.get(self.kind, self.kind.__name__)
             raise ValueError(f"{where}: {self.name} must be {kind}, got {raw!r}") from None
         if self.choices and value not in self.choices:
             raise ValueError(f"{where}: {self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
@@ -66,6 +66,8 @@ class Option:
             raise ValueError(raw)
         if self.kind is int and isinstance(raw, (bool, float)):
             raise ValueError(raw)
+        if self.kind is list:
+            return _words(raw)
         return self.kind(raw)
 
     def add_to(self, p, given_only: bool = False) -> None:
@@ -79,8 +81,8 @@ class Option:
                            help=f"{self.help} (default: auto)")
         else:
             shown = "" if self.default is None else f" (default: {self.default})"
-            p.add_argument(self.flag, type=self.kind, choices=self.choices, default=default,
-                           help=self.help + shown)
+            kind = str if self.kind is list else self.kind  # a list's flag takes comma-separated words
+            p.add_argument(self.flag, type=kind, choices=self.choices, default=default, help=self.help + shown)
 
     def argv(self, value) -> list[str]:
         """The command-line words that set `value` ([] for the default)."""
@@ -91,7 +93,7 @@ class Option:
             return [self.flag] if value else []
         if self.auto:
             return [self.flag, "on" if value else "off"]
-        return [self.flag, str(value)]
+        return [self.flag, ",".join(value) if self.kind is list else str(value)]
 
     def toml(self, value) -> str:
         if value is None:
@@ -100,7 +102,20 @@ class Option:
             return "true" if value else "false"
         if isinstance(value, (int, float)):
             return repr(value)
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(map(self.toml, value)) + "]"
         return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_KIND_WORDS = {list: "a list of strings (or one comma-separated string)"}
+
+
+def _words(raw) -> tuple[str, ...]:
+    """A list option's value: a TOML list of strings, or one string of comma-separated words."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) for w in items):
+        raise ValueError(raw)
+    return tuple(w.strip() for w in items if w.strip())
 
 
 def options_of(cls) -> list[Option]:

@@ -30,11 +30,12 @@ def daemon_env(tmp: Path, **extra) -> dict:
 
 class Daemon:
     def __init__(self, tmp: Path, model: str, *flags, env_extra: dict | None = None, endpoint: str | None = None,
-                 wait: bool = True):
+                 wait: bool = True, entry: tuple[str, ...] = ("-m", "ridge.cli")):
+        """entry: what runs `ridge` (a script that prepares the process, then calls ridge.cli.main)."""
         self.tmp = tmp
         self.env = daemon_env(tmp, **(env_extra or {}))
         self.endpoint = endpoint or f"ipc://{tmp / 'xdg-run' / 'ridge' / 'ridge.sock'}"
-        cmd = [sys.executable, "-m", "ridge.cli", "serve", "--model", model, "--device", "cpu", "--threads", "1",
+        cmd = [sys.executable, *entry, "serve", "--model", model, "--device", "cpu", "--threads", "1",
                "--heartbeat-interval", str(HEARTBEAT), *map(str, flags)]
         if endpoint:
             cmd += ["--endpoint", endpoint]

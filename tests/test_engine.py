@@ -2,6 +2,8 @@
 fp32 KV throughout, so "same tokens" means exactly the same."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -234,7 +236,8 @@ def test_admission_errors_do_not_stall_the_queue(loaded):
     assert_no_leak(eng)
 
 
-def test_step_failure_fails_its_requests_and_engine_keeps_serving(loaded):
+def test_step_failure_fails_its_requests_and_engine_keeps_serving(loaded, caplog):
+    """The failed request's error names an error id, not the exception; the log has both."""
     eng = make_engine(loaded)
     p = prompts(loaded.config.vocab_size, [10, 12])
     eng.add_request("doomed", p[0], greedy(5))
@@ -242,7 +245,10 @@ def test_step_failure_fails_its_requests_and_engine_keeps_serving(loaded):
     eng.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected fault"))
     outs = eng.step()
     eng.model.forward = forward
-    assert outs and outs[0].finish_reason == "error" and "injected fault" in outs[0].error
+    assert outs and outs[0].finish_reason == "error"
+    error_id = re.fullmatch(r"internal error; id ([0-9a-f]{12})", outs[0].error).group(1)
+    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    assert record.exc_info and "injected fault" in caplog.text and "Traceback" in caplog.text
     assert len(run(eng, [p[1]], greedy(5))["r0"]) == 5
     assert_no_leak(eng)
 

@@ -3,7 +3,10 @@ tiny GGUF model, spoken to with the official `openai` package and with plain
 HTTP (http.client) where a test must control the connection itself. A second,
 standalone `ridge gateway` process checks the API key and CORS. No mocks.
 
-One daemon serves the module; the last test drains it (503s while draining)."""
+One daemon serves the module; the last test drains it (503s while draining).
+The internal-error tests run a second daemon whose process has two library
+functions (llguidance's grammar reader, torch's Generator.manual_seed) fail on
+marked input, as a library bug or a failing GPU would."""
 from __future__ import annotations
 
 import http.client
@@ -13,13 +16,17 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from ridge.daemon.endpoint import EndpointError
+from ridge.daemon.gateway.door import HostRule, is_json, origin_allowed
+from ridge.daemon.gateway.run import GatewayThread, listen
 from ridge.daemon.gateway.settings import gateway_settings
 from test_daemon_harness import ROOT, Daemon, Raw, stats, wait_idle
 from tiny_models import make_tiny
@@ -78,6 +85,19 @@ def post(url: str, path: str, body: dict, headers: dict | None = None) -> http.c
     return resp
 
 
+def ask(url: str, method: str, path: str, headers: dict | None = None, body=None) -> tuple[int, dict]:
+    """One request with exactly these headers (a "Host" among them replaces http.client's own)
+    -> (status, the JSON body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, data, headers or {})
+    resp = conn.getresponse()
+    reply = json.loads(resp.read() or b"null")
+    conn.close()
+    return resp.status, reply
+
+
 # -- who may connect (no daemon needed) ----------------------------------------------------------------
 def test_settings_loopback_unless_a_key(tmp_path):
     s = gateway_settings({})
@@ -98,6 +118,55 @@ def test_settings_loopback_unless_a_key(tmp_path):
                 {"api_key_file": str(tmp_path / "missing")}):
         with pytest.raises(EndpointError):
             gateway_settings(bad)
+
+
+def test_settings_lists_and_the_system_daemons_key(tmp_path):
+    """allowed_hosts and cors_allow_origins take a TOML list or comma-separated words; an origin with
+    a path never matches a browser's Origin, so it is refused at start-up. In front of the system
+    daemon, even loopback needs a key: every local user can reach a loopback port."""
+    s = gateway_settings({"allowed_hosts": "a.lan, *.b.lan", "cors_allow_origins": ["http://ui.lan:3000", "null"]})
+    assert (s.allowed_hosts, s.cors_allow_origins) == (("a.lan", "*.b.lan"), ("http://ui.lan:3000", "null"))
+    for bad in ("http://ui.lan/", "ui.lan", "http://ui.lan/app"):
+        with pytest.raises(EndpointError, match="not an origin"):
+            gateway_settings({"cors_allow_origins": bad})
+    with pytest.raises(ValueError, match="allowed_hosts must be a list of strings"):
+        gateway_settings({"allowed_hosts": [1, 2]})
+    for addr in ("127.0.0.1:8000", "[::1]:8000", "localhost:8000"):
+        with pytest.raises(EndpointError, match="system daemon without an API key.*api_key_file"):
+            gateway_settings({"http": addr}, system=True)
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    assert gateway_settings({"http": "127.0.0.1:8000", "api_key_file": str(key)}, system=True).api_key == "s3cret"
+    assert gateway_settings({"http": "127.0.0.1:8000", "api_key": "k"}, system=True).api_key == "k"
+
+
+def test_host_rule_answers_names_that_cannot_be_rebound():
+    loop = HostRule.of("127.0.0.1")
+    for ok in ("127.0.0.1:8000", "localhost:8000", "LocalHost.", "localhost", "[::1]:8000", "127.0.0.2"):
+        assert loop.allows(ok), ok
+    for bad in ("attacker.example", "attacker.example:8000", "localhost.attacker.example", "127.0.0.1.nip.io",
+                "", ":8000", "192.168.1.5:8000", "ridge.lan", "[::1"):
+        assert not loop.allows(bad), bad
+    everywhere = HostRule.of("0.0.0.0", ("ridge.lan", "*.corp.example"))
+    for ok in ("192.168.1.5:8000", "[fe80::1]:8000", "ridge.lan:8000", "RIDGE.LAN", "gpu.corp.example"):
+        assert everywhere.allows(ok), ok
+    for bad in ("corp.example", "evilcorp.example", "ridge.lan.attacker.example", "attacker.example"):
+        assert not everywhere.allows(bad), bad
+    assert HostRule.of("::1").allows("[::1]:80") and not HostRule.of("::1").allows("ridge.lan")
+    assert HostRule.of("192.168.1.5").allows("192.168.1.5:8000") and not HostRule.of("192.168.1.5").allows("10.0.0.1")
+    assert HostRule.of("gpu.box").allows("GPU.box:8000") and HostRule.of("127.0.0.1", ("*",)).allows("any.example")
+
+
+def test_origins_and_content_types():
+    own = "127.0.0.1:8000"
+    assert origin_allowed("http://127.0.0.1:8000", own, ())
+    assert origin_allowed("http://localhost:8000", "localhost:8000", ())
+    for other in ("http://127.0.0.1:3000", "https://127.0.0.1:8000", "http://attacker.example", "null"):
+        assert not origin_allowed(other, own, ()), other
+    assert origin_allowed("http://ui.lan:3000", own, ("http://ui.lan:3000",))
+    assert origin_allowed("http://anything.example", own, ("*",)) and origin_allowed("null", own, ("null",))
+    assert is_json("application/json") and is_json("Application/JSON; charset=utf-8")
+    assert not any(map(is_json, (None, "", "text/plain", "application/jsonx", "multipart/form-data", "json")))
 
 
 # -- the API ---------------------------------------------------------------------------------------
@@ -236,6 +305,47 @@ def test_busy_daemon_is_429_with_retry_after(oai, daemon):
     wait_idle(daemon.endpoint)
 
 
+# -- the door: Host, Origin, Content-Type ----------------------------------------------------------------
+def gateway_count(url: str, route: str, status: int) -> float:
+    return scrape(url).get(("ridge:gateway_requests_total", (("route", route), ("status", str(status)))), 0)
+
+
+def test_the_door_refuses_other_hosts_origins_and_plain_text(daemon):
+    """What a web page can send to a loopback port is refused before it reaches the daemon: another
+    Host (DNS rebinding: 421), another page's Origin (403), a body that is not declared JSON (415, the
+    POST a page may send across sites without a preflight). Each refusal is counted, in OpenAI's shape."""
+    port = daemon.url.rsplit(":", 1)[1]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    json_type = {"Content-Type": "application/json"}
+    counts = {code: gateway_count(daemon.url, "/v1/completions", code) for code in (421, 403, 415)}
+    for host in ("attacker.example", f"attacker.example:{port}", f"localhost.attacker.example:{port}"):
+        status, reply = ask(daemon.url, "POST", "/v1/completions", {"Host": host, **json_type}, body)
+        assert status == 421 and reply["error"]["code"] == "misdirected_request", (host, reply)
+    for origin in ("http://attacker.example", f"http://localhost:{int(port) + 1}", "null"):
+        status, reply = ask(daemon.url, "POST", "/v1/completions", {"Origin": origin, **json_type}, body)
+        assert status == 403 and reply["error"]["code"] == "origin_not_allowed", (origin, reply)
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        status, reply = ask(daemon.url, "POST", "/v1/completions", {"Content-Type": kind} if kind else {}, body)
+        assert status == 415 and set(reply["error"]) == {"message", "type", "param", "code"}, (kind, reply)
+    assert {code: gateway_count(daemon.url, "/v1/completions", code) - n for code, n in counts.items()} == \
+        {421: 3, 403: 3, 415: 3}
+    with socket.create_connection(("127.0.0.1", int(port))) as s:  # HTTP/1.0 may leave out the Host
+        s.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 400 ")
+
+
+def test_the_gateways_own_names_and_origin_work(daemon):
+    """Its own origin, under each of its loopback names, and the openai package under `localhost`."""
+    port = daemon.url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost"):
+        status, reply = ask(daemon.url, "POST", "/v1/completions", {
+            "Host": host, "Origin": f"http://{host}", "Content-Type": "application/json; charset=utf-8"},
+            {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 2, (host, reply)
+    by_name = openai.OpenAI(base_url=f"http://localhost:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert by_name.chat.completions.create(model="tiny", messages=chat("hi"), max_tokens=2).model == "tiny"
+
+
 # -- a client that goes away ----------------------------------------------------------------------------
 def wait_kv_used(endpoint: str) -> None:
     """Until a stats snapshot (at most stats_interval old) shows the request holding blocks."""
@@ -260,7 +370,7 @@ def test_disconnect_aborts_and_frees_kv(daemon):
     host, port = daemon.url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)))
     body = json.dumps({"model": "tiny", "prompt": "bye", **LONG}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     wait_kv_used(daemon.endpoint)
     s.close()  # before its whole response
@@ -313,6 +423,109 @@ def test_metrics_parse_and_move(oai, daemon):
     assert m1[key] - m0.get(key, 0) == 1
 
 
+# -- internal errors: an error id for the client, the exception for the log ----------------------------------
+FAULTS = textwrap.dedent('''
+    """`ridge` with two library functions that fail on marked input, as a library bug or a failing
+    GPU would: llguidance's grammar reader on a grammar that says "ridgeboom" (at admission, on the
+    daemon's socket thread), and torch's Generator.manual_seed(4242) (in a step, on the engine thread)."""
+    import sys
+
+    import llguidance
+    import torch
+
+    from ridge.cli import main
+
+    real_grammar_from = llguidance.grammar_from
+
+
+    def grammar_from(*args, **kw):
+        if any("ridgeboom" in str(a) for a in args):
+            raise RuntimeError("llguidance panicked: secret-detail-1 in /opt/private/grammar.rs")
+        return real_grammar_from(*args, **kw)
+
+
+    class Generator(torch.Generator):
+        def manual_seed(self, seed):
+            if seed == 4242:
+                raise RuntimeError("CUDA error: secret-detail-2 at /opt/private/sampler.cu")
+            return super().manual_seed(seed)
+
+
+    llguidance.grammar_from, torch.Generator = grammar_from, Generator
+    sys.exit(main())
+''')
+ERROR_ID = re.compile(r"internal error; id ([0-9a-f]{12})")
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, daemon):
+    tmp = tmp_path_factory.mktemp("faulty")
+    script = tmp / "faulty_ridge.py"
+    script.write_text(FAULTS)
+    port = free_port()
+    d = Daemon(tmp, daemon.model, "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny", entry=(str(script),))
+    d.url = f"http://127.0.0.1:{port}"
+    wait_http(d.url)
+    yield d
+    d.stop()
+
+
+def logged(d: Daemon, error_id: str, timeout: float = 10.0) -> str:
+    """The daemon's log from the line that names `error_id` on (the traceback follows it)."""
+    deadline = time.monotonic() + timeout
+    while error_id not in (text := d.output()):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text[text.index(error_id):]
+
+
+def test_a_daemon_failure_is_an_error_id_for_the_client(faulty):
+    """An exception on the socket thread is the `internal` error frame; one in a step is the request's
+    final error, which the gateway answers with a 500. Neither says what the exception said; the
+    daemon's log has it, with its traceback, under the same id."""
+    raw = Raw(faulty.endpoint)
+    fmt = {"type": "grammar", "grammar": 'start: "ridgeboom"'}
+    params = {"max_tokens": 2, "response_format": fmt}
+    reply = raw.call({"type": "generate", "id": "g", "prompt": "x", "params": params})
+    raw.close()
+    assert (reply["type"], reply["code"], reply["id"]) == ("error", "internal", "g")
+    error_id = ERROR_ID.fullmatch(reply["message"]).group(1)
+    after = logged(faulty, error_id)
+    assert "Traceback" in after and "secret-detail-1" in after.split("Traceback", 1)[1]
+    resp = post(faulty.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 1.0,
+                                                "seed": 4242})
+    error = json.loads(resp.read())["error"]
+    assert resp.status == 500 and (error["type"], error["code"]) == ("server_error", "internal")
+    assert "secret" not in error["message"] and "RuntimeError" not in error["message"]
+    after = logged(faulty, ERROR_ID.search(error["message"]).group(1))
+    assert "Traceback" in after and "secret-detail-2" in after.split("Traceback", 1)[1]
+    ok = post(faulty.url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3, "seed": 7})
+    assert ok.status == 200  # the daemon keeps serving
+
+
+def test_a_gateway_failure_is_a_500_with_an_error_id(daemon, monkeypatch, caplog):
+    """The gateway's own exceptions (here prometheus_client's, rendering /metrics) are a 500 with an
+    error id and a generic message; the gateway's log has the exception and its traceback."""
+    def collect(self):
+        raise RuntimeError("prometheus_client: secret-detail-3")
+        yield
+
+    monkeypatch.setattr(CollectorRegistry, "collect", collect)
+    settings = gateway_settings({"http": f"127.0.0.1:{free_port()}"})
+    gateway = GatewayThread(settings, daemon.endpoint, listen(settings))
+    gateway.start()
+    try:
+        wait_http(settings.url)
+        status, reply = ask(settings.url, "GET", "/metrics")
+    finally:
+        gateway.stop()
+    assert status == 500 and (reply["error"]["type"], reply["error"]["code"]) == ("server_error", "internal")
+    error_id = ERROR_ID.fullmatch(reply["error"]["message"]).group(1)
+    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    assert record.name == "ridge.gateway" and "GET /metrics" in record.getMessage()
+    assert "secret-detail-3" in str(record.exc_info[1]) and record.exc_info[2] is not None  # the traceback
+
+
 # -- the standalone gateway: the API key and CORS ----------------------------------------------------------
 def ridge(env, *argv, **kw):
     return subprocess.Popen([sys.executable, "-m", "ridge.cli", *argv], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -329,7 +542,8 @@ def test_standalone_gateway_key_and_cors(daemon, tmp_path):
     key.write_text("s3cret\n")
     port = free_port()
     g = ridge(dict(daemon.env, RIDGE_API_KEY="ignored"), "gateway", "--endpoint", daemon.endpoint, "--http",
-              f"127.0.0.1:{port}", "--api-key-file", str(key), "--cors-allow-origins", "http://app.example")
+              f"127.0.0.1:{port}", "--api-key-file", str(key), "--cors-allow-origins", "http://app.example",
+              "--allowed-hosts", "ridge.lan,*.corp.example")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url)
@@ -345,19 +559,29 @@ def test_standalone_gateway_key_and_cors(daemon, tmp_path):
         resp = conn.getresponse()
         resp.read()
         assert resp.status == 200 and resp.getheader("access-control-allow-origin") == "http://app.example"
-        conn.request("GET", "/health", headers={"Origin": "http://elsewhere.example"})
+        conn.request("GET", "/v1/models", headers={"Origin": "http://app.example", "Authorization": "Bearer s3cret"})
         resp = conn.getresponse()
-        resp.read()
-        assert resp.status == 200 and resp.getheader("access-control-allow-origin") is None
+        assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+        assert resp.getheader("access-control-allow-origin") == "http://app.example"
+        for origin in ("http://elsewhere.example", "http://app.example.attacker.example"):
+            conn.request("OPTIONS", "/v1/chat/completions", headers={"Origin": origin,
+                                                                     "Access-Control-Request-Method": "POST"})
+            resp = conn.getresponse()
+            assert resp.status == 403 and json.loads(resp.read())["error"]["code"] == "origin_not_allowed"
+        bearer = {"Authorization": "Bearer s3cret"}
+        for host, want in (("ridge.lan", 200), (f"gpu.corp.example:{port}", 200), ("attacker.example", 421),
+                           ("ridge.lan.attacker.example", 421)):
+            assert ask(url, "GET", "/v1/models", {"Host": host, **bearer})[0] == want, host
+        assert ask(url, "GET", "/v1/models", {"Host": "attacker.example"})[0] == 421  # before the key
     finally:
         g.send_signal(signal.SIGINT)
         g.communicate(timeout=30)
-    # the in-daemon gateway has no CORS configured: no header at all
+    # the in-daemon gateway has no CORS configured: another origin is refused, and no CORS header is sent
     conn = http.client.HTTPConnection(*daemon.url.removeprefix("http://").split(":"))
     conn.request("GET", "/health", headers={"Origin": "http://app.example"})
     resp = conn.getresponse()
     resp.read()
-    assert resp.getheader("access-control-allow-origin") is None
+    assert resp.status == 403 and resp.getheader("access-control-allow-origin") is None
 
 
 # -- the figure's command ------------------------------------------------------------------------------------

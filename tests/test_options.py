@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ridge.daemon.config import add_serve_args, resolve
+from ridge.daemon.config import add_serve_args, all_options, resolve
 from ridge.engine.config import EngineConfig, add_engine_args, engine_config, engine_options
 from ridge.options import options_of
 
@@ -49,6 +49,28 @@ def test_variables_and_file_keep_their_names(tmp_path):
     assert 'cuda_graph = "auto"  # flag' in r.to_toml()
     with pytest.raises(ValueError, match="cuda_graph must be on, off or auto"):
         resolve(parse(serve=True), {**env, "RIDGE_CUDA_GRAPH": "sometimes"})
+
+
+def test_list_options_take_a_toml_list_or_comma_separated_words(tmp_path):
+    """allowed_hosts (and cors_allow_origins): a TOML list in the file, comma-separated words in a
+    flag or a variable; the effective config prints them back as a list."""
+    (tmp_path / "ridge").mkdir()
+    path = tmp_path / "ridge" / "config.toml"
+    path.write_text('allowed_hosts = ["a.lan", " b.lan "]\ncors_allow_origins = "http://x:1, http://y:2"\n')
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    r = resolve(parse(serve=True), env)
+    assert (r.values["allowed_hosts"], r.values["cors_allow_origins"]) == (("a.lan", "b.lan"),
+                                                                           ("http://x:1", "http://y:2"))
+    assert f'allowed_hosts = ["a.lan", "b.lan"]  # file {path}' in r.to_toml()
+    assert resolve(parse(serve=True), {**env, "RIDGE_ALLOWED_HOSTS": "c.lan"}).values["allowed_hosts"] == ("c.lan",)
+    r = resolve(parse("--allowed-hosts", "d.lan,e.lan", serve=True), env)
+    assert r.values["allowed_hosts"] == ("d.lan", "e.lan") and r.sources["allowed_hosts"] == "flag"
+    (opt,) = [o for o in all_options() if o.name == "allowed_hosts"]
+    assert opt.argv(("d.lan", "e.lan")) == ["--allowed-hosts", "d.lan,e.lan"]
+    for bad in ("allowed_hosts = 3", 'allowed_hosts = ["a", 1]'):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="allowed_hosts must be a list of strings"):
+            resolve(parse(serve=True), env)
 
 
 def test_option_words_parse_back_to_the_same_config():

@@ -330,6 +330,9 @@ def test_tcp_rules():
     for ep in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.5:5555", "tcp://eth0:5555"):
         with pytest.raises(EndpointError, match="CURVE"):
             check_tcp(ep, None)
+    for ep in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://localhost:5555"):  # any local user reaches these
+        with pytest.raises(EndpointError, match="system daemon without CURVE"):
+            check_tcp(ep, None, system=True)
 
 
 def test_curve_from_files_admits_known_clients_only(tmp_path):

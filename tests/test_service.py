@@ -4,6 +4,7 @@ config file, and the explanations where systemd is absent (as on this machine:
 systemctl may be installed, but PID 1 is not systemd)."""
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -18,7 +19,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ridge.daemon import service
-from ridge.daemon.config import all_options, default_config, resolve
+from ridge.daemon.config import add_serve_args, all_options, default_config, resolve
+from ridge.daemon.endpoint import EndpointError, load_curve
+from ridge.daemon.serve import check_listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 RIDGE = Path(sys.executable).parent / "ridge"
@@ -112,26 +115,69 @@ def test_user_install_status_uninstall(home, tmp_path):
 
 def test_install_with_the_http_gateway(tmp_path, monkeypatch, capsys):
     """`--http ADDR` puts the gateway on the unit's command line; a non-loopback address is refused
-    unless the config file names an API key, so a unit that could not start is never written."""
+    unless the config file names an API key, so a unit that could not start is never written. The
+    system service's gateway always has a key, loopback or not: without one in the config, install
+    makes /etc/ridge/api_key (0640, for group ridge) and the unit passes it; a second install keeps it."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    user = service.Scope(False, tmp_path / "user-root")
+    assert service.install(user, http="0.0.0.0:8000") == 1
+    assert "API key" in capsys.readouterr().err and not user.unit_path.exists()
     system = service.Scope(True, tmp_path / "root")
-    assert service.install(system, http="0.0.0.0:8000") == 1
-    assert "API key" in capsys.readouterr().err and not system.unit_path.exists()
     assert service.install(system, http="127.0.0.1:8000") == 0
+    made = system.root / "etc/ridge/api_key"
     unit = parse_unit(system.unit_path.read_text())["Service"]
-    assert unit["ExecStart"] == [f"{RIDGE} serve --system --http 127.0.0.1:8000"]
+    assert unit["ExecStart"] == [f"{RIDGE} serve --system --http 127.0.0.1:8000 --api-key-file /etc/ridge/api_key"]
+    (key_text,) = made.read_text().splitlines()
+    assert len(key_text) >= 32 and (made.stat().st_mode & 0o777) == 0o640
+    assert "Authorization: Bearer" in capsys.readouterr().out
     if ANALYZE:
         verify(system.unit_path, False, tmp_path)
+    assert service.install(system, http="127.0.0.1:8001") == 0 and made.read_text() == key_text + "\n"
     key = tmp_path / "api_key"
     key.write_text("k\n")
     system.config_path.write_text(f'api_key_file = "{key}"\n')
     assert service.install(system, http="0.0.0.0:8000") == 0  # the config's key makes it allowed
-    user = service.Scope(False, tmp_path / "user-root")
+    unit = parse_unit(system.unit_path.read_text())["Service"]
+    assert unit["ExecStart"] == [f"{RIDGE} serve --system --http 0.0.0.0:8000"]  # the config's key serves
     assert service.install(user, http="127.0.0.1:8001") == 0
     capsys.readouterr()
     assert service.status(user) == 0
     out = capsys.readouterr().out
     assert "serve --http 127.0.0.1:8001" in out and "gateway: not answering on http://127.0.0.1:8001/v1" in out
+
+
+def test_the_system_daemon_refuses_keyless_tcp_and_http(home, tmp_path):
+    """Loopback TCP and HTTP reach past the system socket's group check, so on the system daemon they
+    need CURVE and an API key, or the daemon refuses to start, naming the options to set."""
+    import zmq.auth
+
+    no_file = ("--config", str(tmp_path / "absent.toml"))
+
+    def values(*argv):
+        p = argparse.ArgumentParser()
+        add_serve_args(p)
+        return resolve(p.parse_args([*no_file, *argv]), environ={}).values
+
+    with pytest.raises(EndpointError, match="system daemon without an API key.*api_key_file"):
+        check_listeners(values("--system", "--http", "127.0.0.1:8000"), True, None)
+    assert check_listeners(values("--system", "--http", "127.0.0.1:8000", "--api-key", "k"), True, None).api_key == "k"
+    assert check_listeners(values("--http", "127.0.0.1:8000"), False, None).api_key is None  # the user daemon
+    with pytest.raises(EndpointError, match="system daemon without CURVE.*curve_secret_key_file"):
+        check_listeners(values("--system", "--tcp", "tcp://127.0.0.1:5555"), True, None)
+    with pytest.raises(EndpointError, match="leave pub_endpoint unset"):
+        check_listeners(values("--system", "--pub-endpoint", "tcp://127.0.0.1:5556"), True, None)
+    check_listeners(values("--tcp", "tcp://127.0.0.1:5555", "--pub-endpoint", "tcp://127.0.0.1:5556"), False, None)
+    (tmp_path / "clients").mkdir()
+    _, secret = zmq.auth.create_certificates(tmp_path, "server")
+    curve = load_curve(secret, str(tmp_path / "clients"))
+    assert check_listeners(values("--system", "--tcp", "tcp://127.0.0.1:5555"), True, curve) is None
+    # the commands themselves, before any model loads or /run/ridge is touched
+    for argv, option in ((("serve", "--system", "--http", "127.0.0.1:8000"), "api_key_file"),
+                         (("serve", "--system", "--tcp", "tcp://127.0.0.1:5555"), "curve_secret_key_file"),
+                         (("gateway", "--endpoint", "ipc:///run/ridge/ridge.sock", "--http", "127.0.0.1:8000"),
+                          "api_key_file")):
+        r = ridge(*argv, *no_file, env=home)
+        assert r.returncode == 1 and option in r.stderr and "system daemon" in r.stderr, (argv, r.stderr)
 
 
 def test_system_install_staged(home, tmp_path):
@@ -201,7 +247,6 @@ def test_default_config_lists_every_option_and_is_the_shipped_file(tmp_path):
     assert set(values) == names
     path = tmp_path / "config.toml"
     path.write_text(uncommented)
-    import argparse
     res = resolve(argparse.Namespace(config=str(path)), environ={})
     assert all(src.startswith("file ") for src in res.sources.values())
     defaults = {o.name: o.default for o in all_options() if o.default is not None}

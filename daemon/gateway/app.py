@@ -1,5 +1,6 @@
-"""The gateway's HTTP application (Starlette): its routes, the API key, CORS,
-and errors in OpenAI's shape."""
+"""The gateway's HTTP application (Starlette): its routes, who it answers (the
+Host, the Origin and JSON bodies: door.py), the API key, CORS, and errors in
+OpenAI's shape."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ridge.errors import internal_error
+
 from . import responses as R
+from .door import HostRule, is_json, origin_allowed
 from .generation import ClientGone, generate
 from .link import DaemonLink
 from .metrics import CONTENT_TYPE, Metrics
@@ -30,32 +34,71 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers())
 
 
-class Guard:
-    """ASGI middleware: the API key (Bearer) on every route but /health, and the count of
-    answers by route and status for /metrics."""
+def _headers(scope, name: bytes) -> list[str]:
+    return [v.decode("latin-1") for k, v in scope["headers"] if k == name]
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, routes: set[str]):
-        self.app, self.metrics, self.routes = app, metrics, routes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+class Door:
+    """The outermost ASGI middleware: the Host allowlist and the Origin rule (door.py), before
+    CORS answers a preflight; and the count of every answer by route and status for /metrics."""
+
+    def __init__(self, app, hosts: HostRule, origins: tuple[str, ...], metrics: Metrics, routes: set[str]):
+        self.app, self.hosts, self.origins, self.metrics, self.routes = app, hosts, origins, metrics, routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = path if path in self.routes else "other"
+        route = scope["path"] if scope["path"] in self.routes else "other"
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
                 self.metrics.collector.count(route, message["status"])
             await send(message)
 
-        if self.expected is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        refused = self.refusal(scope)
+        if refused is not None:
+            return await error_response(refused)(scope, receive, counted_send)
+        await self.app(scope, receive, counted_send)
+
+    def refusal(self, scope) -> ApiError | None:
+        hosts = _headers(scope, b"host")
+        if len(hosts) != 1:  # HTTP/1.1 requires exactly one (RFC 9112 §3.2)
+            return ApiError(400, "a request needs exactly one Host header", code="invalid_host")
+        if not self.hosts.allows(hosts[0]):
+            return ApiError(421, f"this gateway does not answer for Host {hosts[0]!r}: it answers for localhost, "
+                            "loopback addresses, its own address and the names in allowed_hosts",
+                            code="misdirected_request")
+        origins = _headers(scope, b"origin")
+        if origins and not origin_allowed(origins[0], hosts[0], self.origins):
+            return ApiError(403, f"requests from the web origin {origins[0]!r} are not allowed (cors_allow_origins "
+                            "names the origins that are)", "permission_error", code="origin_not_allowed")
+        return None
+
+
+class Guard:
+    """ASGI middleware inside CORS (a browser's preflight carries no key): the API key (Bearer) on
+    every route but /health, and JSON bodies on POST."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        refused = self.refusal(scope) if scope["type"] == "http" else None
+        if refused is not None:
+            return await error_response(refused)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> ApiError | None:
+        if self.expected is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                e = ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error",
-                             code="invalid_api_key")
-                return await error_response(e)(scope, receive, counted_send)
-        await self.app(scope, receive, counted_send)
+                return ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error",
+                                code="invalid_api_key")
+        if scope["method"] == "POST" and not is_json((_headers(scope, b"content-type") or [None])[0]):
+            return ApiError(415, "a POST body must be JSON, sent as Content-Type: application/json",
+                            code="unsupported_media_type")
+        return None
 
 
 # -- routes ------------------------------------------------------------------------------------------
@@ -116,9 +159,8 @@ async def _client_gone(request: Request, e: ClientGone) -> Response:
 
 
 async def _internal(request: Request, e: Exception) -> Response:
-    log.exception("internal error on %s %s", request.method, request.url.path)
-    return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"[:500], "server_error",
-                                   code="internal"))
+    message = internal_error(log, f"internal error on {request.method} {request.url.path}", e)
+    return error_response(ApiError(500, message, "server_error", code="internal"))
 
 
 def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time) -> Starlette:
@@ -138,9 +180,11 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics)]
     metrics_ = Metrics(gateway_cpu)
-    middleware = [Middleware(Guard, api_key=settings.api_key, metrics=metrics_, routes={r.path for r in routes})]
+    middleware = [Middleware(Door, hosts=HostRule.of(settings.host, settings.allowed_hosts),
+                             origins=settings.cors_allow_origins, metrics=metrics_, routes={r.path for r in routes}),
+                  Middleware(Guard, api_key=settings.api_key)]
     if settings.cors_allow_origins:  # outside the key check: a browser's preflight carries no key
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
+        middleware.insert(1, Middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["*"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,

@@ -1,8 +1,11 @@
 """The gateway's options, declared once (flags, RIDGE_* variables, config.toml
-keys: ridge/options.py), and the rule for who may reach it: loopback by
-default, any other address only with an API key."""
+keys: ridge/options.py), and the rules for where it may listen: loopback by
+default, any other address only with an API key, and in front of the system
+daemon only with an API key (loopback is open to every local user, and the
+system socket is not: docs/service.md, "Who can reach what")."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +22,15 @@ GATEWAY_OPTIONS = [
            "RIDGE_API_KEY or api_key_file to a flag, which other users can see)", example="change-me"),
     Option("api_key_file", str, None, "read the API key from this file (its first line)",
            example="/etc/ridge/api_key"),
-    Option("cors_allow_origins", str, None, "comma-separated origins allowed to call the API from a browser "
-           "(CORS is off unless set; * allows any)", example="http://localhost:3000"),
+    Option("cors_allow_origins", list, None, "origins allowed to call the API from a browser, besides the "
+           "gateway's own (CORS is off unless set; * allows any); other origins get 403",
+           example=("http://localhost:3000",)),
+    Option("allowed_hosts", list, None, "Host names the API answers for, besides localhost, the loopback "
+           "addresses and the address it listens on (*.example.com: any name under it; *: any); "
+           "other Hosts get 421", example=("ridge.lan",)),
 ]
+_BY_NAME = {o.name: o for o in GATEWAY_OPTIONS}
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as a browser's Origin header
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class GatewaySettings:
     port: int
     api_key: str | None = None
     cors_allow_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -60,9 +70,33 @@ def _api_key(values: dict) -> str | None:
     return key or None
 
 
-def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP) -> GatewaySettings | None:
+def _listed(values: dict, name: str) -> tuple[str, ...]:
+    return _BY_NAME[name].convert(values.get(name), name) or ()
+
+
+def _origins(values: dict) -> tuple[str, ...]:
+    origins = _listed(values, "cors_allow_origins")
+    for o in origins:
+        if o not in ("*", "null") and not _ORIGIN.fullmatch(o):
+            raise EndpointError(f"cors_allow_origins: {o!r} is not an origin (scheme://host[:port], with no "
+                                "path or trailing slash, as browsers send it)")
+    return origins
+
+
+def refuse_keyless_system(addr: str, key: str | None) -> None:
+    """The system daemon's socket admits group `ridge` only; a keyless HTTP API in front of it
+    would admit every local user (and, on loopback, every process on the machine)."""
+    if key is None:
+        raise EndpointError(f"refusing to serve HTTP on {addr} for the system daemon without an API key: any "
+                            "local user can reach a loopback port, past the group check on /run/ridge (set "
+                            "api_key_file, or RIDGE_API_KEY; `ridge service install --system --http` makes one)")
+
+
+def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP,
+                     system: bool = False) -> GatewaySettings | None:
     """Resolved option values -> settings, or None when no HTTP address is set (and no default).
-    Raises EndpointError for an address it must not serve on."""
+    system: the gateway serves the system daemon. Raises EndpointError for an address it must
+    not serve on."""
     addr = values.get("http") or default_http
     if not addr:
         return None
@@ -72,6 +106,7 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP) -> G
         raise EndpointError(f"refusing to serve HTTP on {addr}: {host} is not a loopback address, and the API is "
                             "open to anyone who can reach it without an API key (set api_key_file, or "
                             "RIDGE_API_KEY)")
-    origins = tuple(o.strip() for o in (values.get("cors_allow_origins") or "").split(",") if o.strip())
-    return GatewaySettings(host, port, key, origins)
+    if system:
+        refuse_keyless_system(addr, key)
+    return GatewaySettings(host, port, key, _origins(values), _listed(values, "allowed_hosts"))
 

@@ -15,6 +15,7 @@ import torch
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
 from ridge.config import kv_bytes_per_token
+from ridge.errors import internal_error
 from ridge.models.loader import LoadedModel, load_model
 
 from ridge.kernels import native
@@ -279,8 +280,7 @@ class LLMEngine:
                 self.scheduler.accept_drafts(out, prune_drafts(out.scheduled, self.proposer.propose(out)))
             return self.runner.launch(out)
         except Exception as e:  # fail this step's requests; keep serving the rest
-            log.exception("step failed")
-            outputs += self._fail(out, f"{type(e).__name__}: {e}")
+            outputs += self._fail(out, internal_error(log, "step failed", e))
             return None
 
     def _complete(self, handle: StepHandle) -> list[RequestOutput]:
@@ -291,8 +291,7 @@ class LLMEngine:
         try:
             tokens, samples = handle.read()
         except Exception as e:
-            log.exception("step failed")
-            return self._fail(out, f"{type(e).__name__}: {e}")
+            return self._fail(out, internal_error(log, "step failed", e))
         with section("sched_update"):
             self.scheduler.update(out, tokens)
         self._account(out, tokens)
