@@ -24,7 +24,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from ridge.daemon.endpoint import EndpointError
+from ridge.daemon.commands import gateway_endpoint
+from ridge.daemon.endpoint import EndpointError, system_endpoint, user_endpoint
 from ridge.daemon.gateway.door import HostRule, is_json, origin_allowed
 from ridge.daemon.gateway.run import GatewayThread, listen
 from ridge.daemon.gateway.settings import gateway_settings
@@ -303,6 +304,19 @@ def test_busy_daemon_is_429_with_retry_after(oai, daemon):
             holder.send({"type": "abort", "id": rid})
         holder.close()
     wait_idle(daemon.endpoint)
+
+
+def test_a_keyless_standalone_gateway_never_falls_back_to_the_system_socket(daemon, monkeypatch, tmp_path):
+    """`ridge gateway` without a key serves the daemon it finds at start, or the user socket: it is
+    never left to find the system socket later (in front of that one it needs a key)."""
+    monkeypatch.delenv("RIDGE_ENDPOINT", raising=False)
+    base = {"endpoint": None, "system": False}
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no daemon here
+    assert gateway_endpoint(base, keyed=False) == user_endpoint() and gateway_endpoint(base, keyed=True) is None
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(daemon.tmp / "xdg-run"))
+    assert gateway_endpoint(base, keyed=False) == daemon.endpoint
+    assert gateway_endpoint({**base, "system": True}, keyed=False) == system_endpoint()
+    assert gateway_endpoint({**base, "endpoint": "tcp://127.0.0.1:5"}, keyed=False) == "tcp://127.0.0.1:5"
 
 
 # -- the door: Host, Origin, Content-Type ----------------------------------------------------------------
