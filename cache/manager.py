@@ -47,6 +47,9 @@ class KVCacheManager:
         self.lookups: dict[str, tuple[int, int, bool]] = {}
         self.tiers: KVTiers | None = None
         self.offloaded: dict[str, Offloaded] = {}
+        # The last lookup's blocks, by (salt, tokens): the tiers' lookup follows the device's, and a
+        # request waiting for room is looked up again every step, with the same tokens.
+        self._last_blocks: tuple | None = None
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Before any request. A disk tier's blocks are named by hashes under its key, so the
@@ -61,6 +64,7 @@ class KVCacheManager:
         """Hash blocks with hash_fn from now on; only while nothing is published under the old one."""
         assert not self.pool.cached and not self.req_hashes, "the block hash changes only before any request"
         self.hasher = BlockHasher(hash_fn)
+        self._last_blocks = None
 
     def chain(self, token_ids: list[int], salt: str = "") -> list[bytes]:
         """The hashes of token_ids' full blocks, for requests with this cache salt."""
@@ -68,6 +72,14 @@ class KVCacheManager:
 
     def _blocks_of(self, token_ids: list[int], salt: str) -> tuple[list[bytes], list[bytes], list[tuple]]:
         """The full blocks of token_ids but the last token: (hashes, parents, tokens)."""
+        last = self._last_blocks
+        if last is not None and last[0] == salt and last[1] == token_ids:
+            return last[2]
+        blocks = self._hash_blocks(token_ids, salt)
+        self._last_blocks = (salt, list(token_ids), blocks)
+        return blocks
+
+    def _hash_blocks(self, token_ids: list[int], salt: str) -> tuple[list[bytes], list[bytes], list[tuple]]:
         bs = self.block_size
         root = self.hasher.root(salt)
         hashes = self.hasher.chain(token_ids[:(len(token_ids) - 1) // bs * bs], bs, root)

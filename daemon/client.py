@@ -97,6 +97,9 @@ def generate_message(rid: str, prompt=None, messages=None, token_ids=None, strea
         m["messages"] = list(messages)
     else:
         m["prompt_token_ids"] = list(token_ids)
+    params = dict(params or {})
+    if (salt := params.pop("cache_salt", None)) is not None:  # beside params, not one of them (§3.2.2)
+        m["cache_salt"] = salt
     if params:
         m["params"] = {k: v for k, v in params.items() if v is not None}
     return m

@@ -13,6 +13,7 @@ from ridge.engine.config import add_engine_args, engine_options
 from ridge.options import Option, add_options
 
 from .gateway.settings import GATEWAY_OPTIONS
+from .sharing import SHARING
 
 try:
     import tomllib
@@ -43,6 +44,9 @@ DAEMON_OPTIONS = [
     Option("client_timeout", float, 10.0, "abort a client's requests after this much silence or a full queue"),
     Option("drain_grace", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT"),
     Option("stats_interval", float, 0.25, "seconds between stats snapshots (the PUB feed)"),
+    Option("prefix_sharing", str, "user", "who shares cached prompt prefixes: user keeps each local user, CURVE "
+           "key and API key apart (a hit is faster than a miss: sharers can tell what others sent); all shares them",
+           choices=SHARING),
 ]
 
 

@@ -55,8 +55,8 @@ class EngineLoop(threading.Thread):
         return self.engine
 
     # -- called from the socket thread ---------------------------------------------
-    def add(self, engine_id: str, prompt_token_ids: list[int], params) -> None:
-        self.inbox.append(("add", engine_id, prompt_token_ids, params))
+    def add(self, engine_id: str, prompt_token_ids: list[int], params, cache_salt: str = "") -> None:
+        self.inbox.append(("add", engine_id, prompt_token_ids, params, cache_salt))
         self._wake.set()
 
     def abort(self, engine_id: str) -> None:
@@ -89,9 +89,9 @@ class EngineLoop(threading.Thread):
         while self.inbox:
             cmd = self.inbox.popleft()
             if cmd[0] == "add":
-                _, eid, ids, params = cmd
+                _, eid, ids, params, salt = cmd
                 try:
-                    self.engine.add_request(eid, ids, params)
+                    self.engine.add_request(eid, ids, params, salt)
                 except InvalidRequest as e:
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop

@@ -10,11 +10,12 @@ import zmq
 
 
 class Peer:
-    __slots__ = ("key", "sock", "ident", "requests", "dirty", "outq", "last_recv", "last_send", "stalled_since",
-                 "gone")
+    __slots__ = ("key", "sock", "ident", "identity", "requests", "dirty", "outq", "last_recv", "last_send",
+                 "stalled_since", "gone")
 
-    def __init__(self, key, sock: zmq.Socket, ident: bytes):
+    def __init__(self, key, sock: zmq.Socket, ident: bytes, identity: str = ""):
         self.key, self.sock, self.ident = key, sock, ident
+        self.identity = identity  # who is at the other end, for prefix sharing (daemon/sharing.py)
         self.requests: dict = {}  # client id -> InFlight
         self.dirty: dict = {}  # InFlight with frames to take, in arrival order (a dict as an ordered set)
         self.outq: deque[bytes] = deque()  # encoded frames the socket had no room for yet

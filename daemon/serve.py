@@ -154,7 +154,8 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
                        limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
-                       stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600)
+                       stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600,
+                       prefix_sharing=c["prefix_sharing"])
     server = Server(cfg, engine, loop, model, notifier, _version())
     gateway = None
     try:

@@ -20,6 +20,7 @@ from . import protocol as P
 from .engine_loop import EngineLoop
 from .peers import Peer
 from .protocol import Limits, ProtocolError, message, pack
+from .sharing import engine_salt, peer_identity
 from .streams import InFlight
 from .validate import Validator
 
@@ -42,6 +43,7 @@ class ServerConfig:
     drain_grace: float = 30.0
     stats_interval: float = 0.25
     socket_mode: int = 0o600
+    prefix_sharing: str = "user"  # daemon/sharing.py
 
 
 class Server:
@@ -140,14 +142,16 @@ class Server:
         index = self.routers.index(sock)
         for _ in range(256):  # then let engine outputs through
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                head = sock.recv(zmq.NOBLOCK, copy=False)  # a Frame: it carries the connection's properties
             except zmq.Again:
                 return
+            frames = [head.bytes] + (sock.recv_multipart() if head.more else [])
             self.counts["frames_in"] += 1
             key = (index, frames[0])
             peer = self.peers.get(key)
             if peer is None:
-                peer = self.peers[key] = Peer(key, sock, frames[0])
+                identity = peer_identity(head, sock.last_endpoint.startswith(b"ipc://"))
+                peer = self.peers[key] = Peer(key, sock, frames[0], identity)
             peer.last_recv = time.monotonic()
             self._handle(peer, frames[1:])
 
@@ -194,7 +198,7 @@ class Server:
         self._send(peer, message("hello", env.id, version=version, supported=list(P.SUPPORTED),
                                  server=self.server_name, model=self.model, limits=c.limits.to_dict(),
                                  heartbeat={"interval": c.heartbeat_interval, "client_timeout": c.client_timeout},
-                                 pub_endpoint=c.pub_endpoint, state=self.state))
+                                 pub_endpoint=c.pub_endpoint, state=self.state, prefix_sharing=c.prefix_sharing))
 
     def _generate(self, peer: Peer, env) -> None:
         if self.state != "ok":
@@ -213,7 +217,8 @@ class Server:
         eid = f"r{next(self._ids)}"
         inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0)
         peer.requests[req.id] = self.inflight[eid] = inf
-        self.loop.add(eid, req.prompt_token_ids, req.params)
+        self.loop.add(eid, req.prompt_token_ids, req.params,
+                      engine_salt(peer.identity, req.cache_salt, self.cfg.prefix_sharing))
 
     def _abort(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)

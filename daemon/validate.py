@@ -25,6 +25,7 @@ PARAMS = {  # key -> (check, what it must be)
 }
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+MAX_SALT_BYTES = 1024
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 
 
@@ -34,6 +35,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
+    cache_salt: str | None = None  # the client's; the server joins it to the peer's identity (sharing.py)
 
 
 class Validator:
@@ -47,15 +49,18 @@ class Validator:
     # -- generate ---------------------------------------------------------------
     def generate(self, env: Envelope) -> GenerateRequest:
         rid, body = env.id, env.body
-        check_keys(body, {*PROMPT_KEYS, "params", "stream"}, rid)
+        check_keys(body, {*PROMPT_KEYS, "params", "stream", "cache_salt"}, rid)
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise fail("stream", _BOOL, rid)
+        salt = body.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt and len(salt.encode()) <= MAX_SALT_BYTES):
+            raise fail("cache_salt", f"a non-empty string of at most {MAX_SALT_BYTES} bytes, or nil", rid)
         params = self.params(body.get("params", {}), rid)
         ids = self.prompt(body, rid)
         self.admissible(ids, params, rid)
         self.compiles(params, rid)
-        return GenerateRequest(rid, ids, params, stream)
+        return GenerateRequest(rid, ids, params, stream, salt)
 
     def compiles(self, params: SamplingParams, rid: str | None) -> None:
         """A response_format that does not compile is refused here, never at step time."""

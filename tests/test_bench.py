@@ -198,3 +198,17 @@ def test_bench_overhead_end_to_end(tmp_path):
         bd = r["breakdown_ms"]
         assert {"linear", "attention", "schedule", "other", "total"} <= set(bd)
         assert sum(v for k, v in bd.items() if k != "total") == pytest.approx(bd["total"])
+
+
+def test_bench_hashing_end_to_end(tmp_path):
+    """The lookup rows time a full hit (the bench asserts it), the decode row both hashes."""
+    from ridge.cli import main
+
+    out = tmp_path / "hashing.json"
+    rc = main(["bench", "hashing", "--prompts", "64,256", "--batch", "4", "--context", "40", "--steps", "20",
+               "--repeat", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert [(r["tokens"], r["blocks"]) for r in res["lookup"]] == [(64, 4), (256, 16)]
+    assert all(r[k] > 0 for r in res["lookup"] for k in ("chain_ms", "lookup_ms", "again_ms", "former_lookup_ms"))
+    assert res["decode"]["keyed_ms"] > 0 and res["decode"]["python_hash_ms"] > 0

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..client import RidgeError
 from . import responses as R
-from .openai_api import ApiError, Generation, bad, chat_request, completion_request
+from .openai_api import ApiError, Generation, bad, cache_salt, chat_request, completion_request
 
 DEFAULT_BODY_LIMIT = 2 << 20
 
@@ -80,6 +80,8 @@ async def generate(request: Request, kind: str) -> Response:
     client = await link.connect()
     body = await read_json(request, 2 * link.limits.get("max_frame_bytes", DEFAULT_BODY_LIMIT // 2))
     gen = chat_request(body, link.limits.get("max_tokens")) if kind == R.CHAT else completion_request(body)
+    if salt := cache_salt(body, request.headers.get("authorization"), link.hello.get("prefix_sharing")):
+        gen.params["cache_salt"] = salt
     if gen.stream:
         return await _streamed(request, link, client, kind, gen)
     try:

@@ -9,6 +9,8 @@ do; fields that would change the output and that ridge cannot honour are a
 400."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -156,6 +158,17 @@ def _response_format(body: dict, params: dict) -> None:
     fmt = _opt(body, "response_format", dict, "an object")
     if fmt and fmt.get("type") not in (None, "text"):
         params["response_format"] = fmt
+
+
+def cache_salt(body: dict, authorization: str | None, sharing: str | None) -> str | None:
+    """The cache_salt sent to the daemon (docs/protocol.md §3.2.2). The gateway is one ipc peer for
+    all its clients, so where the daemon keeps users apart (prefix_sharing "user") the API key the
+    client sent is folded in: clients with another key, or none, never share its prefixes, and a
+    cache_salt cannot name another key's (that needs the key). Else the body's own, as it is."""
+    salt = _opt(body, "cache_salt", str, "a string")
+    if sharing == "user" and authorization:
+        return "key:" + hashlib.sha256(json.dumps([authorization, salt]).encode()).hexdigest()
+    return salt or None
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------

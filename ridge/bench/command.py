@@ -9,6 +9,7 @@
     ridge bench prefix     TTFT with a shared 2K-token prefix from each KV tier (cold, device, host, disk)
     ridge bench structured structured-output libraries compared, and the mask overhead
     ridge bench host       a pure-decode step's host time (schedule, plan, update, emit) per context
+    ridge bench hashing    block identity's cost: hashing and hit checks per prompt and per decode step
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -97,6 +98,7 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--timeout", type=float, default=600.0)
 
     from .accuracy import add_accuracy_parser
+    from .hashing import add_hashing_parser
     from .host import add_host_parser
     from .prefix import add_prefix_parser
     from .speculative import add_spec_parser
@@ -106,6 +108,7 @@ def add_bench_parser(subparsers) -> None:
     add_prefix_parser(sub, _common)
     add_structured_parser(sub, _common)
     add_host_parser(sub, _common)
+    add_hashing_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -325,6 +328,12 @@ def run_bench(args) -> int:
         from .accuracy import run_accuracy
         rep.set_env(None, args)
         run_accuracy(args, rep)
+        return 0
+    if name == "hashing":
+        from .hashing import run_hashing
+        rep.set_env(None, args)
+        run_hashing(args, rep)
+        _write_json(rep, args)
         return 0
     if name == "structured":
         from .structured import run_structured
