@@ -215,7 +215,8 @@ def _tier_lines(t: dict | None) -> list[str]:
         where = f" in {x['path']}" if x.get("path") else ""
         out.append(f"kv {name:<6} {x['blocks']} blocks, {_gib(x['used_bytes'])} of {_gib(x['capacity_bytes'])}{where}; "
                    f"{x['hits']} hits, {x['misses']} misses; {_gib(x['bytes_in'])} in, {_gib(x['bytes_out'])} out"
-                   + (f"; {x['corrupt']} corrupt files refused" if x.get("corrupt") else ""))
+                   + (f"; {x['corrupt']} corrupt files refused" if x.get("corrupt") else "")
+                   + ("; writes paused: the disk is full" if x.get("paused") else ""))
     w = t["step_wait"]
     out.append(f"kv tiers  device {t['device']['hits']} hits, {t['device']['misses']} misses; "
                f"{t['loading']} loading; tier work {w['pct']:.2f}% of step time (at most {w['max_pct']:.1f}% of one)")

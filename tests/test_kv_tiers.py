@@ -449,3 +449,24 @@ def test_a_full_disk_pauses_the_writes_until_there_is_room(tmp_path, monkeypatch
     assert d.write(h(2), h(0), (2,), row) and not d.paused and d.enabled
     assert d.read(h(2), h(0), (2,), row) and h(1) not in d.index
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_an_engine_whose_disk_fills_keeps_serving_and_says_its_writes_are_paused(loaded, workload, cold, monkeypatch):
+    from ridge.daemon.commands import format_status
+
+    eng = tier_engine(loaded)
+    real_write = os.write
+
+    def full(fd, data):  # only the tier's block files (written under a temporary name, then renamed)
+        if "/.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    assert one_by_one(eng, workload[:1])[0][0] == cold[0]
+    eng.tiers.flush()
+    t = tiers(eng)
+    assert t["disk"]["enabled"] and t["disk"]["paused"] and t["disk"]["blocks"] == 0
+    daemon = {"state": "serving", "pid": 1, "in_flight": 0, "clients": 0, "aborts": {}}
+    text = format_status("ipc://test", {"model": eng.model_info(), "stats": eng.stats(), "daemon": daemon})
+    assert "writes paused: the disk is full" in text
