@@ -6,10 +6,8 @@ kernel is unavailable, so it is written for CPU speed: every single-token query
 (a decode) is handled in one batched call, and each multi-token query (a
 prefill chunk) in one call of its own, O(batch) Python.
 
-On CPU the engine takes paged_attention_cpu: the C kernel for every query of up
-to NATIVE_MAX_Q tokens (decodes, speculative verification, short chunks),
-reading K/V in place through the block table; longer chunks still go through
-the reference, whose blocked SDPA is faster there (docs/benchmarks.md).
+On CPU, kernels/ops.py takes ridge's C kernel (kernels/attention_native.py)
+wherever the step's shapes fit it, and this reference otherwise.
 """
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import native
-from .kv_cache import FP8, NATIVE_KV
+from .kv_cache import FP8
 from .metadata import AttentionMetadata
-
-NATIVE_MAX_Q = 64  # longer queries run faster through SDPA's blocked products (docs/benchmarks.md)
 
 
 def _attend(q, k, v, mask, scale):
@@ -41,7 +36,6 @@ class _RefPlan:
         starts = _starts(qlens)
         decodes = [i for i, n in enumerate(qlens) if n == 1]
         table = meta.block_table.to(device)
-        self.block_size = block_size
         self.all_decode = len(decodes) == len(qlens)
         self.decode_rows = None if self.all_decode else torch.tensor([starts[i] for i in decodes], device=device)
         self.decode = None
@@ -109,9 +103,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_size = k_cache.shape[1]
     assert k_cache.shape[-1] == head_dim and num_heads % k_cache.shape[2] == 0
     assert num_tokens == sum(meta.query_lens_host)
-    plan = meta.ref_plan
-    if not isinstance(plan, _RefPlan) or plan.block_size != block_size:
-        plan = meta.ref_plan = _RefPlan(meta, block_size, q.device)
+    plan = meta.state_for(_RefPlan, block_size, block_size, q.device)
     if plan.decode is not None:
         rows, length, blocks, mask = plan.decode
         k = _gather(k_cache, k_scale, blocks, q.dtype, rows, length)  # [Bd, Hkv, L, D]
@@ -125,61 +117,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[plan.decode_rows] = o
     _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
     return out
-
-
-class _NativePlan:
-    """What the C kernel's caller needs about one step's batch, once per step (every layer shares
-    the metadata): the queries too long for the kernel, its scratch, the metadata's pointers."""
-
-    def __init__(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
-        starts = _starts(meta.query_lens_host)
-        self.key = (k_cache.shape[1], k_cache.shape[2], q.shape[0])
-        self.chunks = _chunks(meta, meta.block_table, starts, k_cache.shape[1], NATIVE_MAX_Q, q.device)
-        table, seq_lens, loc = meta.block_table, meta.seq_lens, meta.query_start_loc
-        assert table.dtype == seq_lens.dtype == loc.dtype == torch.int32 and table.is_contiguous(), "int32 metadata"
-        assert q.shape[0] == starts[-1], (q.shape, starts[-1])
-        self.work = torch.empty(q.shape[0] * k_cache.shape[2], dtype=torch.int64)
-        self.batch = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
-                      k_cache.shape[1])
-        self.tail = (self.work.data_ptr(), torch.get_num_threads())
-
-
-def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                        meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
-    """paged_attention_ref's contract, through the C kernel where it applies (fp32 queries, an
-    fp32, bf16 or FP8 cache, head sizes it was built for); the reference otherwise."""
-    lib = native.library()
-    fp8 = k_cache.dtype == FP8
-    kind = NATIVE_KV.get(k_cache.dtype)
-    if (lib is None or q.dtype != torch.float32 or kind is None or v_cache.dtype != k_cache.dtype
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or meta.num_seqs >= 1 << 20
-            or (fp8 and (k_scale is None or v_scale is None or not k_scale.dtype == v_scale.dtype == torch.float16))):
-        return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
-    num_tokens, num_heads, head_dim = q.shape
-    assert k_cache.shape[-1] == head_dim, (q.shape, k_cache.shape)
-    plan = meta.native_plan
-    if not isinstance(plan, _NativePlan) or plan.key != (k_cache.shape[1], k_cache.shape[2], num_tokens):
-        plan = meta.native_plan = _NativePlan(meta, q, k_cache)
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    rc = lib.paged_attention(q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim,
-                             k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, kind,
-                             *plan.batch, softmax_scale, NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
-    if rc != 0:  # a shape past the kernel's fixed limits (head size, GQA group, block size)
-        return paged_attention_ref(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
-    if plan.chunks:
-        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
-    return out
-
-
-def contiguous_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Plain causal attention over one whole sequence, the oracle for paging.
-    q: [T, H, D]; k, v: [T, Hkv, D]."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------

@@ -37,13 +37,19 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
-                 all_valid: bool | None = None) -> None:
-    """key/value: [T, Hkv, D]; slot_mapping: [T] int64 (-1 skips the token). all_valid: whether
-    no slot is -1, where the caller knows (None: checked here)."""
+                 meta=None) -> None:
+    """key/value: [T, Hkv, D]; slot_mapping: [T] int64 (-1 skips the token). meta: the step's
+    AttentionMetadata, where whether any of its slots is padding is asked once a step and kept
+    for the other layers: the check is three ops and a host read, a third of a batch-1
+    layer's write."""
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
     assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
     assert slot_mapping.shape == (key.shape[0],)
-    if not (all_valid if all_valid is not None else bool((slot_mapping >= 0).all())):
+    if meta is not None and meta.slot_mapping is slot_mapping:
+        valid = meta.state_for(_all_slots_valid, None)
+    else:
+        valid = _all_slots_valid(None, slot_mapping)
+    if not valid:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(num_blocks * block_size, num_heads, head_dim)
@@ -61,6 +67,11 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     flat_v.index_copy_(0, slot_mapping, value)
 
 
+def _all_slots_valid(meta, slot_mapping: torch.Tensor | None = None) -> bool:
+    """No padding slot (-1) in the step's slot mapping (meta's, or the one given)."""
+    return bool(((meta.slot_mapping if slot_mapping is None else slot_mapping) >= 0).all())
+
+
 NATIVE_KV = {torch.float32: 0, FP8: 1, torch.bfloat16: 2}  # cache dtype -> the C kernels' `kind`
 
 
@@ -69,9 +80,7 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
                  meta=None) -> None:
     """CPU path: write_kv_ref's contract, byte for byte: one C call for K and V
     (kernels/csrc/small_ops.c) where the library is built, FP8 quantized there by the same
-    rule. Otherwise write_kv_ref, with whether any slot is padding asked once a step and kept
-    on `meta` for the other layers: the check is three ops and a host read, a third of a
-    batch-1 layer's write."""
+    rule. Otherwise write_kv_ref."""
     lib = native.library()
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
     kind = NATIVE_KV.get(k_cache.dtype)
@@ -93,12 +102,7 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         if rc != 0:
             raise IndexError(f"write_kv: a slot past the cache's {num_blocks * block_size} slots")
         return
-    valid = None
-    if meta is not None and meta.slot_mapping is slot_mapping:
-        if meta.all_slots_valid is None:
-            meta.all_slots_valid = bool((slot_mapping >= 0).all())
-        valid = meta.all_slots_valid
-    write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, valid)
+    write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
 
 
 # ---------------------------------------------------------------------------
@@ -171,8 +175,9 @@ def _write_one(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None,
 
 
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
-    """Same contract as write_kv_ref. key/value may be strided views (rows of a fused qkv)."""
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                    meta=None) -> None:
+    """Same contract as write_kv_ref (no per-step state: the kernel skips -1 slots itself). key/value may be strided views (rows of a fused qkv)."""
     num_blocks, block_size, num_heads, head_dim = k_cache.shape
     assert key.shape == value.shape and key.shape[1:] == (num_heads, head_dim), (key.shape, k_cache.shape)
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"

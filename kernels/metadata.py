@@ -4,7 +4,7 @@ One layout serves every step: prefill chunks, decodes, prefix hits and
 speculative tokens are all "query tokens appended to a context"."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,13 +18,9 @@ class AttentionMetadata:
     # Host copies, so that a reference path can plan its work without device syncs.
     seq_lens_host: list[int]
     query_lens_host: list[int]
-    # Built once per step and reused by every layer: the attention plans of the torch reference and
-    # the C kernel's caller (kernels/attention.py), the step's RoPE angles and slot check for the
-    # CPU paths (kernels/rope.py, kernels/kv_cache.py).
-    ref_plan: object = None
-    native_plan: object = None
-    rope_plan: object = None
-    all_slots_valid: bool | None = None  # no padding slot (-1) among slot_mapping; None = not asked yet
+    # Each backend's own state for this step, keyed by its builder (state_for): what it derives
+    # from the step's batch once and every layer then reuses. No backend reads another's.
+    states: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -38,9 +34,14 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_host, default=0)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens_host)
+    def state_for(self, build, key, *args):
+        """build(self, *args): a backend's state for this step (as vLLM's attention backends each
+        build their own metadata), made by the first layer that asks and kept for the others;
+        made again where key differs from the one it was built for (a cache of another shape)."""
+        held = self.states.get(build)
+        if held is None or held[0] != key:
+            held = self.states[build] = (key, build(self, *args))
+        return held[1]
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -8,7 +8,7 @@ builds masks, about a fifth of a batch-1 step and more at batch 64); and each sm
 (norm, RoPE, the KV write, the activation) is several torch ops of a few microseconds of
 dispatch each where the arithmetic takes less than one. Each kernel keeps
 its torch reference as the oracle in tests, and the engine takes a kernel only where it
-is measured or known faster (engine/cpu_format.py, kernels/attention.py).
+is measured or known faster (kernels/cpu_linear_plan.py, kernels/ops.py).
 
 The library is built once per source, compiler and machine type into
 $XDG_CACHE_HOME/ridge/native/, in a background thread started with the engine so that
@@ -174,7 +174,7 @@ def fp8_linear_isa() -> int:
 
 
 def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
-    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: quant/linear.pack_fp8's
+    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: cpu_linear.pack_fp8's
     [N/16, K/2, 16, 2] bytes; scale256: the per-column scale times 256 (fp32, contiguous)."""
     nb, kp, sixteen, two = packed.shape
     m, k = x.shape

@@ -1,9 +1,15 @@
 """The one place that chooses an implementation per device.
 
 The model calls these functions; CUDA tensors go to the Triton kernels where
-one exists, CPU tensors to the CPU path where one exists (a rewrite of the
-reference with fewer passes and allocations, chosen by measurement:
-docs/benchmarks.md), everything else to the torch reference beside it.
+one exists, CPU tensors to the CPU path where one exists (ridge's C kernels, or a
+rewrite of the reference with fewer passes and allocations, chosen by
+measurement: docs/benchmarks.md), everything else to the torch reference beside
+it. Paged attention on CPU takes the C kernel where the step's shapes fit it
+(attention_native.fits). A linear layer whose weight was upcast at load runs in
+the CPU format chosen for its shape and the step's size (cpu_linear.py, chosen at
+start-up by cpu_linear_plan.py). Every backend of an op has the op's signature,
+the step's AttentionMetadata included where it has one: a backend keeps its
+per-step state there, in its own entry (AttentionMetadata.state_for).
 use_triton() overrides the choice: Triton for every tensor (interpreter tests of
 a whole model step on CPU) or the references only (the oracle)."""
 from __future__ import annotations
@@ -14,8 +20,11 @@ from contextlib import contextmanager
 
 import torch
 
+from . import attention_native, native
 from .activation import silu_and_mul_cpu, silu_and_mul_ref
-from .attention import paged_attention_cpu, paged_attention_ref
+from .attention import paged_attention_ref
+from .attention_native import paged_attention_native
+from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
 from .kv_cache import write_kv_cpu, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
@@ -70,6 +79,17 @@ def _pick(name: str, ref, x: torch.Tensor, cpu=None):
     return _TRITON.get(name, ref) if use else ref
 
 
+def kv_dtype(device: torch.device) -> str:
+    """The KV cache dtype whose kernels run fastest on the device. CUDA: fp8. CPU, measured
+    (`ridge bench kv`, docs/benchmarks.md): with ridge's C kernels bf16 at every batch (attention
+    reads half of fp32's bytes; widening bf16 is a shift); without them torch's attention
+    gathers and casts, so fp32. FP8 on CPU costs a per-element decode and a torch-side quantized
+    write, slower at every batch."""
+    if device.type == "cuda":
+        return "fp8"
+    return "bf16" if native.library() is not None else "fp32"
+
+
 def rms_norm(x, weight, eps, residual=None):
     """-> (normed, x + residual). The CPU path adds the residual into x in place: callers pass
     a layer's fresh output, which nothing else reads."""
@@ -78,13 +98,9 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def rope(q, k, positions, cos_sin, meta: AttentionMetadata | None = None):
-    """-> rotated (q, k). The CPU path rotates them in place and looks the step's angles up once
-    (kept on `meta`, which every layer shares)."""
+    """-> rotated (q, k). The CPU path rotates them in place."""
     with section("rope"):
-        fn = _pick("rope", rope_ref, q, rope_cpu)
-        if fn is rope_cpu:
-            return rope_cpu(q, k, positions, cos_sin, meta)
-        return fn(q, k, positions, cos_sin)
+        return _pick("rope", rope_ref, q, rope_cpu)(q, k, positions, cos_sin, meta)
 
 
 def silu_and_mul(x):
@@ -92,23 +108,31 @@ def silu_and_mul(x):
         return _pick("silu_and_mul", silu_and_mul_ref, x, silu_and_mul_cpu)(x)
 
 
-def fp8_linear(x, weight, weight_scale, bias=None):
+def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None):
+    """x @ (weight * weight_scale).T + bias. An FP8 weight (kept so on a GPU) runs its kernel by
+    device; a weight upcast at load (CPU) or never quantized runs in the format its layer's
+    CpuLinear chose for this step's size (cpu), or F.linear where it has none."""
     with section("linear"):
+        if weight.dtype != FP8:
+            return fp8_linear_cpu(x, weight, bias, cpu)
         return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
 
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):
-    """The CPU path asks once a step (kept on `meta`) whether any slot is padding."""
     with section("kv_write"):
-        fn = _pick("write_kv", write_kv_ref, key, write_kv_cpu)
-        if fn is write_kv_cpu:
-            return write_kv_cpu(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
-        return fn(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return _pick("write_kv", write_kv_ref, key, write_kv_cpu)(
+            key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
+
+
+def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale):
+    fn = paged_attention_native if attention_native.fits(q, k_cache, v_cache, k_scale, v_scale, meta) \
+        else paged_attention_ref
+    return fn(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):
     with section("attention"):
-        return _pick("paged_attention", paged_attention_ref, q, paged_attention_cpu)(
+        return _pick("paged_attention", paged_attention_ref, q, _paged_attention_cpu)(
             q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
 
 

@@ -6,10 +6,11 @@ import torch
 from . import native
 
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-             cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+             meta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, H, D], k: [T, Hkv, D], positions: [T], cos_sin: [max_pos, D] = [cos | sin]
-    each over D/2 frequencies. Returns rotated (q, k) in their own dtype."""
+    each over D/2 frequencies. Returns rotated (q, k) in their own dtype. meta: the step's
+    AttentionMetadata, where a backend keeps per-step state (this one keeps none)."""
     cs = cos_sin[positions].float()
     half = cs.shape[-1] // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -31,11 +32,21 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q, k
 
 
+class _Angles:
+    """The torch path's state for one step: the step's cos and sin, looked up once."""
+
+    def __init__(self, meta, positions: torch.Tensor, cos_sin: torch.Tensor):
+        cs = cos_sin[positions].float()
+        half = cs.shape[-1] // 2
+        self.positions, self.cos_sin = positions, cos_sin  # held: their ids are the state's key
+        self.cos, self.sin = cs[:, None, :half].contiguous(), cs[:, None, half:].contiguous()
+
+
 def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
              meta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU path: rope_ref's contract, but q and k are rotated IN PLACE (as rope_triton does):
     one C call for both where the library is built (kernels/csrc/small_ops.c); else torch ops
-    with the step's angles looked up once and kept on `meta` for every layer. fp32 only.
+    with the step's angles looked up once and kept in `meta`'s state for every layer. fp32 only.
     A batch-1 layer then runs 5 small ops per tensor instead of about 10, allocating one
     half-width temporary instead of five full ones (docs/benchmarks.md, issue 17)."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
@@ -48,14 +59,9 @@ def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
             lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), x.shape[2], positions.data_ptr(),
                      cos_sin.data_ptr(), torch.get_num_threads())
         return q, k
-    plan = getattr(meta, "rope_plan", None)
-    if plan is None or plan[0] is not positions or plan[1] is not cos_sin:
-        cs = cos_sin[positions].float()
-        half = cs.shape[-1] // 2
-        plan = (positions, cos_sin, cs[:, None, :half].contiguous(), cs[:, None, half:].contiguous())
-        if meta is not None:
-            meta.rope_plan = plan
-    cos, sin = plan[2], plan[3]
+    key = (id(positions), id(cos_sin))  # valid while the state holds both tensors
+    angles = _Angles(None, positions, cos_sin) if meta is None else meta.state_for(_Angles, key, positions, cos_sin)
+    cos, sin = angles.cos, angles.sin
     half = cos.shape[-1]
     for x in views:
         x1, x2 = x[..., :half], x[..., half:]
@@ -103,8 +109,8 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, num_tokens, stride_qt, stride_qh
     _rotate(k_ptr, t, stride_kt, stride_kh, cos, sin, NUM_K, K_P, HALF, HALF_P, t_ok)
 
 
-def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as rope_ref, but rotates q and k IN PLACE and returns them:
     callers must use the returned tensors and not keep the unrotated ones."""
     num_tokens, num_q, head_dim = q.shape

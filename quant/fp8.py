@@ -50,10 +50,6 @@ def quantize_fp8(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, torc
     return _cast(w, best), best
 
 
-def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return (w8.float() * scale.float()[:, None]).to(dtype)
-
-
 def quantize_state_dict(sd: dict[str, torch.Tensor], rule: str = "mse") -> dict[str, torch.Tensor]:
     """Every linear weight becomes `name` (fp8) plus `name + '_scale'` (fp32 [N]).
     Weights that are already FP8 (an FP8 checkpoint) pass through unchanged."""

@@ -52,12 +52,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's convert permute (HF rotate-half rows -> GGUF interleaved rows)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()

@@ -1,5 +1,6 @@
 """The CPU weight format is chosen per matrix shape and step size, by measurement,
-at every size the scheduler makes, and the timings are cached per machine."""
+at every size the scheduler makes, and the timings are cached per machine; the choice is
+kernels' (kernels/cpu_linear_plan.py), the engine only starts it (ridge/engine/cpu_format.py)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from ridge.engine import cpu_format
+from ridge.kernels import cpu_linear_plan as plans
 from ridge.kernels import native
+from ridge.kernels.cpu_linear import HAS_GEMV, ShapeFormat, gemv_bf16, pack_fp8
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.linear import FP8Linear
 
@@ -27,58 +30,59 @@ def _plain(out_f, in_f):
 
 
 def test_sizes_cover_the_step_budget():
-    assert cpu_format.step_sizes(1) == [1]
-    assert cpu_format.step_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert plans.step_sizes(1) == [1]
+    assert plans.step_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
 
 
 def test_each_size_takes_the_faster_format_and_a_loss_does_not_end_the_search():
     # bf16 slower at one row (as measured on an AMX machine) but faster at 16 and 64 rows.
     times = {1: (5.1e-3, 5.3e-3), 2: (5.2e-3, 5.0e-3), 16: (26e-3, 12e-3), 64: (60e-3, 12e-3), 128: (1.0, 2.0)}
-    plan = cpu_format.plan_from_times(times)
+    plan = plans.plan_from_times(times)
     assert plan == [(1, False), (2, False), (16, True), (64, True), (128, False)]
-    assert cpu_format.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
+    assert plans.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
 
 
 def test_fp8_takes_the_sizes_where_it_is_fastest_of_all():
     """The e4m3 kernel takes a size only where it beats every other format there; a size it takes
     needs no bf16 copy, and one row needs no GEMV copy if fp8 beats that too."""
     known = {1: (10.0, 6.0), 4: (12.0, 6.5), 16: (20.0, 9.0), 64: (50.0, 20.0)}
-    f = cpu_format._format([1, 4, 16, 64], known, gemv_s=4.0, fp8={1: 3.0, 4: 4.0, 16: 9.5, 64: 30.0})
+    f = plans._format([1, 4, 16, 64], known, gemv_s=4.0, fp8={1: 3.0, 4: 4.0, 16: 9.5, 64: 30.0})
     assert f.fp8 == [(1, True), (4, True), (16, False), (64, False)]
     assert f.plan == [(1, False), (4, False), (16, True), (64, True)] and not f.gemv
-    f = cpu_format._format([1, 4], known, gemv_s=4.0, fp8={1: 5.0, 4: 7.0})  # the GEMV wins one row
-    assert f.fp8 is None and f.gemv == cpu_format.HAS_GEMV
-    assert cpu_format._format([1, 4], known, gemv_s=4.0, fp8={}).fp8 is None  # no kernel here
+    f = plans._format([1, 4], known, gemv_s=4.0, fp8={1: 5.0, 4: 7.0})  # the GEMV wins one row
+    assert f.fp8 is None and f.gemv == HAS_GEMV
+    assert plans._format([1, 4], known, gemv_s=4.0, fp8={}).fp8 is None  # no kernel here
 
 
 def test_one_row_steps_take_the_gemv_where_it_is_kept():
-    """enable_gemv: one-row steps through ATen's bf16 GEMV on a plain bf16 copy, every other step
+    """A one-row step through ATen's bf16 GEMV on a plain bf16 copy, every other step
     size as before; the result is the bf16 product's, and oneDNN is switched back on after."""
     lin = _linear()
-    lin.enable_lowp([(1, True), (8, True)])
-    lin.enable_gemv(True)
-    assert lin.gemv.dtype == torch.bfloat16 and not lin.gemv.is_mkldnn
-    from ridge.quant.linear import gemv_bf16
+    lin.cpu.use(ShapeFormat([(1, True), (8, True)], gemv=True))
+    assert [lin.cpu.kind(n) for n in (1, 3)] == ["gemv", "bf16"]
+    plain = lin.cpu.copies["gemv"]
+    assert plain.dtype == torch.bfloat16 and not plain.is_mkldnn
     for rows in (1, 3):
         x = torch.randn(rows, 32)
         ref = torch.nn.functional.linear(x, lin.weight)
         torch.testing.assert_close(lin(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
     x = torch.randn(1, 32)
-    assert torch.equal(lin(x), gemv_bf16(x.to(torch.bfloat16), lin.gemv).float())
+    assert torch.equal(lin(x), gemv_bf16(x.to(torch.bfloat16), plain).float())
     assert torch._C._get_mkldnn_enabled()  # switched back on
-    lin.enable_gemv(False)
-    assert lin.gemv is None
+    lin.cpu.use(ShapeFormat([(1, True), (8, True)]))
+    assert lin.cpu.kind(1) == "bf16" and set(lin.cpu.copies) == {"bf16"}
 
 
 def test_a_layer_follows_its_plan_by_step_size():
     lin = _linear()
-    lin.enable_lowp([(1, False), (4, True), (8, False)])
-    assert [lin.uses_lowp(n) for n in (1, 2, 4, 5, 8, 100)] == [False, True, True, False, False, False]
+    lin.cpu.use(ShapeFormat([(1, False), (4, True), (8, False)]))
+    assert [lin.cpu.kind(n) for n in (1, 2, 4, 5, 8, 100)] == ["fp32", "bf16", "bf16", "fp32", "fp32", "fp32"]
     x = torch.randn(3, 32)
     ref = torch.nn.functional.linear(x, lin.weight)
     torch.testing.assert_close(lin(x), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
-    lin.enable_lowp(0)
-    assert lin.lowp is None and not lin.uses_lowp(1)
+    lin.cpu.use(ShapeFormat.bf16_up_to(0))
+    assert lin.cpu.copies == {} and lin.cpu.kind(1) == "fp32"
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
 
 
 def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
@@ -91,23 +95,24 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
 
     m = Model()
     made = {}
-    plans = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=made)
-    assert set(plans) == {(48, 32), (96, 32)}
+    layers = [lin.cpu_weights() for lin in (m.a, m.b, m.lm_head)]
+    found = plans.measure_plans(layers, (96, 32), max_tokens=20, max_head_rows=4, made=made)
+    assert set(found) == {(48, 32), (96, 32)}
     # The copies made to time the weights are handed back for the layers to keep (the e4m3 bytes
     # too, where ridge's C kernels are built).
     ids = {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
     kinds = ("packed", "plain") + (("fp8",) if native.fp8_linear_isa() else ())
     assert set(made) == {(i, kind) for i in ids for kind in kinds}
-    assert [n for n, _ in plans[(48, 32)].plan] == [1, 2, 4, 8, 16, 20]
-    assert [n for n, _ in plans[(96, 32)].plan] == [1, 2, 4]  # the head only sees sampled rows
+    assert [n for n, _ in found[(48, 32)].plan] == [1, 2, 4, 8, 16, 20]
+    assert [n for n, _ in found[(96, 32)].plan] == [1, 2, 4]  # the head only sees sampled rows
     timings = json.loads((tmp_path / "ridge" / "cpu-format.json").read_text())
     assert all(t["48x32"]["gemv"] > 0 for t in timings.values())  # the one-row GEMV timed too
     if native.fp8_linear_isa():
         assert all(sorted(map(int, t["48x32"]["fp8"])) == [1, 2, 4, 8, 16, 20] for t in timings.values())
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
     again_made = {}
-    again = cpu_format.measure_plans(m, max_tokens=20, max_head_rows=4, made=again_made)  # from the cache
-    assert again == plans and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
+    again = plans.measure_plans(layers, (96, 32), max_tokens=20, max_head_rows=4, made=again_made)  # cached
+    assert again == found and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
     assert again_made == {}  # nothing timed, nothing packed
 
 
@@ -126,7 +131,7 @@ def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
     timings = tmp_path / "ridge" / "cpu-format.json"
     plain = Model(quantized=False)
     assert cpu_format.choose_cpu_format(plain, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4) == 0
-    assert all(m.lowp is None for m in plain.modules() if isinstance(m, FP8Linear))
+    assert all(m.cpu is None or not m.cpu.copies for m in plain.modules() if isinstance(m, FP8Linear))
     assert not timings.exists()  # nothing measured
     quantized = Model(quantized=True)
     cpu_format.choose_cpu_format(quantized, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4)
@@ -136,13 +141,13 @@ def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
 def test_shapes_are_timed_cold_over_enough_weights(monkeypatch):
     """A real step streams every weight through the cache, so each shape is timed over enough of
     the model's weights of that shape to overflow the last-level cache twice (in fp32)."""
-    assert cpu_format.llc_bytes() > 0
-    monkeypatch.setattr(cpu_format, "llc_bytes", lambda: 10_000)
+    assert plans.llc_bytes() > 0
+    monkeypatch.setattr(plans, "llc_bytes", lambda: 10_000)
     ws = [torch.zeros(48, 32) for _ in range(30)]  # 6,144 bytes each
-    assert len(cpu_format.cold_set(ws)) == 4  # ceil(20,000 / 6,144)
-    assert len(cpu_format.cold_set(ws[:2])) == 2  # all there are
-    assert len(cpu_format.cold_set([torch.zeros(100, 100)])) == 1  # larger than the cache alone
-    times = cpu_format.measure_shape(cpu_format.cold_set(ws), [1, 3])
+    assert len(plans.cold_set(ws)) == 4  # ceil(20,000 / 6,144)
+    assert len(plans.cold_set(ws[:2])) == 2  # all there are
+    assert len(plans.cold_set([torch.zeros(100, 100)])) == 1  # larger than the cache alone
+    times = plans.measure_shape(plans.cold_set(ws), [1, 3])
     assert set(times) == {1, 3} and all(t32 > 0 and t16 > 0 for t32, t16 in times.values())
 
 
@@ -150,22 +155,20 @@ def test_timings_are_kept_per_instruction_set(tmp_path, monkeypatch):
     """The same CPU capped to AVX2 (ONEDNN_MAX_CPU_ISA) is another machine to the timings."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    full = cpu_format._cpu_key()
+    full = plans._cpu_key()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert cpu_format._cpu_key() != full and torch.backends.cpu.get_cpu_capability() in full
+    assert plans._cpu_key() != full and torch.backends.cpu.get_cpu_capability() in full
 
 
 @pytest.mark.skipif(not native.fp8_linear_isa(), reason="no e4m3 kernel built on this machine")
 def test_fp8_stops_timing_once_it_loses_a_size():
     """Past the first size the e4m3 kernel loses, the larger sizes are not timed (it only falls
     further behind as a step grows): that keeps the start-up measurement under 2 s."""
-    from ridge.quant.linear import pack_fp8
-
     lins = [_linear(48, 32) for _ in range(3)]
-    packs = [pack_fp8(m.weight, m.cpu_scale) for m in lins]
-    scales = [m.cpu_scale * 256 for m in lins]
+    packs = [pack_fp8(m.weight, m.cpu.scale) for m in lins]
+    scales = [m.cpu.scale * 256 for m in lins]
     isa = native.fp8_linear_isa()
-    won = cpu_format.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1.0, 4: 1.0})
+    won = plans.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1.0, 4: 1.0})
     assert all(0 < t < 1.0 for t in won.values())  # a second per product: every size timed, every size won
-    lost = cpu_format.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1e-12, 4: 1.0})
+    lost = plans.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1e-12, 4: 1.0})
     assert 0 < lost[1] < 1.0 and lost[2] > 1e-12 and lost[4] == float("inf")

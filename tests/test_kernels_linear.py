@@ -85,7 +85,8 @@ def test_weight_only_software_fp8_decode(monkeypatch):
 def test_cpu_small_step_copy_matches_fp32(M):
     """The CPU's bf16 copy (packed once for oneDNN where torch has it) computes the exact
     e4m3 values with bf16 activations: close to the fp32 path, odd shapes included."""
-    from ridge.quant.linear import FP8Linear, bf16_linear, pack_bf16
+    from ridge.kernels.cpu_linear import ShapeFormat, bf16_linear, pack_bf16
+    from ridge.quant.linear import FP8Linear
 
     torch.manual_seed(M)
     w = torch.randn(301, 77)
@@ -94,7 +95,7 @@ def test_cpu_small_step_copy_matches_fp32(M):
     lin.load(q, scale, None, torch.device("cpu"), torch.float32)
     x = torch.randn(M, 77)
     ref = lin(x)
-    lin.enable_lowp(64)
+    lin.cpu.use(ShapeFormat.bf16_up_to(64))
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (M, 301)
     assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)

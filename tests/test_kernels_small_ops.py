@@ -112,7 +112,8 @@ def _rope_in_place(heads, kv_heads, dim):
         assert_close(out_q, ref_q)
         assert_close(out_k, ref_k)
         assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "V must be untouched"
-        assert meta.rope_plan[0] is positions
+        (key, angles), = meta.states.values()  # the torch path's own state, and no other
+        assert angles.positions is positions and key == (id(positions), id(cos_sin))
     other = positions.flip(0)  # another step's positions: looked up again
     q, k = torch.randn(num_tokens, heads, dim), torch.randn(num_tokens, kv_heads, dim)
     ref_q, _ = rope_ref(q, k, other, cos_sin)

@@ -47,6 +47,14 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` reads from, relative imports resolved in package."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    return ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+
+
 @cache
 def imports(name: str) -> frozenset[str]:
     """Every module `name` imports, absolute, at module level or in a function."""
@@ -57,10 +65,7 @@ def imports(name: str) -> frozenset[str]:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            base = from_base(node, package)
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules())
     return frozenset(out)
@@ -143,3 +148,76 @@ def test_the_gateway_is_a_protocol_client_only():
                  if t.split(".")[0] in ("torch", "triton") or node(t) in ("ridge.engine", "ridge.models",
                                                                           "ridge.kernels", "ridge.quant", "ridge.cache"))
     assert not bad, "the gateway reaches the engine through:\n" + "\n".join(bad)
+
+
+# kernels/ decides every implementation, per device and per shape (kernels/ops.py; the CPU weight
+# formats in kernels/cpu_linear_plan.py). Outside it, code reaches kernels only through these
+# names; None: any name of the module. ridge.bench is exempt: benchmarks compare implementations
+# on purpose (native.off(), formats forced per layer).
+KERNEL_ENTRIES = {
+    "ridge.kernels.ops": None,  # the dispatch itself
+    "ridge.kernels.metadata": {"AttentionMetadata"},
+    "ridge.kernels.timing": None,
+    "ridge.kernels.cuda_graph": None,  # capture and replay, whatever kernels a step runs
+    "ridge.kernels.native": {"start_build"},  # the C kernels start compiling with the engine
+    "ridge.kernels.cpu_linear": {"CpuLinear", "pack_fp8"},  # a layer's CPU weight, its e4m3 bytes packed at load
+    "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens"},  # the start-up measurement, and its result
+}
+
+
+def kernel_uses(name: str) -> set[tuple[str, str]]:
+    """(kernels module, name) for every name `name` takes from ridge.kernels: imported from a
+    module, or read as an attribute of a module it imported."""
+    path = modules()[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    aliases, uses = {}, set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            base = from_base(n, package)
+            for a in n.names:
+                if f"{base}.{a.name}" in modules() and base.startswith("ridge.kernels"):
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif base.startswith("ridge.kernels"):
+                    uses.add((base, a.name))
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.startswith("ridge.kernels."):
+                    if a.asname:
+                        aliases[a.asname] = a.name
+                    else:
+                        uses.add((a.name, "*"))
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases:
+            uses.add((aliases[n.value.id], n.attr))
+    return uses
+
+
+def test_only_kernels_decides_an_implementation():
+    """No module outside kernels/ picks a kernel: none reaches a backend (a *_ref, *_cpu,
+    *_triton or *_native function, the C library, Triton), only the entry points above."""
+    bad = sorted(f"{m} -> {mod}.{attr}" for m in modules()
+                 if node(m) not in ("ridge.kernels", "ridge.bench") and m != "ridge"
+                 for mod, attr in kernel_uses(m)
+                 if KERNEL_ENTRIES.get(mod, set()) is not None and attr not in KERNEL_ENTRIES.get(mod, set()))
+    assert not bad, "implementation choices outside kernels/:\n" + "\n".join(bad)
+    triton = sorted(m for m in modules() if node(m) != "ridge.kernels"
+                    and any(t.split(".")[0] == "triton" for t in imports(m)))
+    assert not triton, f"triton outside kernels/: {triton}"
+
+
+def test_the_seam_rule_sees_a_backend_reached_from_outside(tmp_path):
+    """The scan itself: a product module taking a CPU backend or the C library by either import form."""
+    src = ("from ridge.kernels.attention import paged_attention_ref\n"
+           "from ridge.kernels import native, ops\n"
+           "def f(x):\n    return native.library(), ops.rms_norm, native.start_build\n")
+    fake = "ridge.models._seam_probe"
+    path = tmp_path / "probe.py"
+    path.write_text(src)
+    modules()[fake] = path
+    try:
+        assert kernel_uses(fake) == {("ridge.kernels.attention", "paged_attention_ref"),
+                                     ("ridge.kernels.native", "library"), ("ridge.kernels.native", "start_build"),
+                                     ("ridge.kernels.ops", "rms_norm")}
+    finally:
+        del modules()[fake]

@@ -12,8 +12,8 @@ from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
 from ridge.quant.convert import convert
 from ridge.quant.errors import ModelLoadError
-from ridge.quant.gguf_loader import permute_qk, unpermute_qk
-from tiny_models import make_tiny, random_state_dict, tiny_config, write_gguf, write_hf_dir, write_tokenizer_files
+from ridge.quant.gguf_loader import unpermute_qk
+from tiny_models import make_tiny, permute_qk, random_state_dict, tiny_config, write_gguf, write_hf_dir, write_tokenizer_files
 
 PROMPT = [1, 40, 71, 200, 33, 5, 90, 12, 140, 7, 260, 3, 88, 99, 100, 101, 17, 18, 19, 44]
 

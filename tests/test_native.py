@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from ridge.kernels import native
-from ridge.kernels.attention import NATIVE_MAX_Q, paged_attention_cpu, paged_attention_ref
+from ridge.kernels import attention_native, ops
+from ridge.kernels.attention import paged_attention_ref
+from ridge.kernels.attention_native import NATIVE_MAX_Q
+from ridge.kernels.cpu_linear import ShapeFormat, pack_fp8
 from ridge.kernels.kv_cache import quantize_kv, write_kv_ref
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.quant.fp8 import quantize_fp8
-from ridge.quant.linear import FP8, FP8Linear, pack_fp8
+from ridge.quant.linear import FP8, FP8Linear
 
 needs_cc = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
@@ -54,7 +57,7 @@ def test_pack_fp8_recovers_the_bytes_from_the_upcast_copy():
     q, s = quantize_fp8(torch.randn(64, 96) * torch.logspace(-3, 2, 64)[:, None])
     lin = FP8Linear(96, 64)
     lin.load(q, s, None, torch.device("cpu"), torch.float32)
-    assert torch.equal(pack_fp8(lin.weight, lin.cpu_scale), pack_fp8(q, s))
+    assert torch.equal(pack_fp8(lin.weight, lin.cpu.scale), pack_fp8(q, s))
     assert pack_fp8(torch.zeros(24, 96, dtype=FP8), s) is None  # 24 outputs: not a multiple of 16
 
 
@@ -63,13 +66,15 @@ def test_a_layer_runs_fp8_at_the_sizes_its_plan_marks():
     q, s = quantize_fp8(torch.randn(48, 32))
     lin = FP8Linear(32, 48)
     lin.load(q, s, None, torch.device("cpu"), torch.float32)
-    lin.enable_fp8([(1, True), (4, True), (8, False)], isa=1)
-    assert [lin.uses_fp8(n) for n in (1, 2, 4, 5, 8, 64)] == [True, True, True, False, False, False]
+    lin.cpu.use(ShapeFormat([], fp8=[(1, True), (4, True), (8, False)]), isa=1)
+    assert [lin.cpu.kind(n) for n in (1, 2, 4, 5, 8, 64)] == ["fp8"] * 3 + ["fp32"] * 3
+    assert lin.cpu.max_rows("fp8") == 4
     x = torch.randn(3, 32)
-    assert torch.equal(lin(x), native.fp8_linear(x, lin.fp8, lin.fp8_scale, 1))
-    torch.testing.assert_close(lin(torch.randn(6, 32)).shape, (6, 48))
-    lin.enable_fp8([(1, False)], isa=1)
-    assert lin.fp8 is None and not lin.uses_fp8(1)
+    assert torch.equal(lin(x), native.fp8_linear(x, lin.cpu.copies["fp8"], (s.float() * 256).contiguous(), 1))
+    x = torch.randn(6, 32)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    lin.cpu.use(ShapeFormat([], fp8=[(1, False)]), isa=1)
+    assert "fp8" not in lin.cpu.copies and lin.cpu.kind(1) == "fp32"
 
 
 H, HKV, D, BS = 12, 3, 64, 16
@@ -107,7 +112,8 @@ def _setup(lengths, query_lens, dtype, num_blocks=4096, d=D, h=H, hkv=HKV, seed=
 ])
 def test_paged_attention_cpu_matches_the_reference(dtype, lengths, query_lens):
     q, kc, vc, ks, vs, meta = _setup(lengths, query_lens, dtype)
-    out = paged_attention_cpu(q, kc, vc, ks, vs, meta, D ** -0.5)
+    assert attention_native.fits(q, kc, vc, ks, vs, meta)  # ops takes the C kernel here
+    out = ops.paged_attention(q, kc, vc, ks, vs, meta, D ** -0.5)
     ref = paged_attention_ref(q, kc, vc, ks, vs, meta, D ** -0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
@@ -117,7 +123,8 @@ def test_paged_attention_cpu_matches_the_reference(dtype, lengths, query_lens):
 def test_paged_attention_cpu_other_head_shapes(d, h, hkv):
     """Head sizes and GQA groups of other models; 40 is not a multiple of 16: the reference runs."""
     q, kc, vc, ks, vs, meta = _setup([50, 200], [1, 9], torch.float32, num_blocks=64, d=d, h=h, hkv=hkv)
-    out = paged_attention_cpu(q, kc, vc, ks, vs, meta, d ** -0.5)
+    assert attention_native.fits(q, kc, vc, ks, vs, meta) == (d % 16 == 0)
+    out = ops.paged_attention(q, kc, vc, ks, vs, meta, d ** -0.5)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, ks, vs, meta, d ** -0.5), atol=2e-5, rtol=1e-4)
 
 
@@ -128,7 +135,7 @@ def test_fp8_cache_with_real_scales():
     v8, vs = quantize_kv(vc.view(-1, HKV, D))
     k8, v8 = k8.view(kc.shape), v8.view(vc.shape)
     ks, vs = ks.view(kc.shape[:3]), vs.view(kc.shape[:3])
-    out = paged_attention_cpu(q, k8, v8, ks, vs, meta, D ** -0.5)
+    out = ops.paged_attention(q, k8, v8, ks, vs, meta, D ** -0.5)
     torch.testing.assert_close(out, paged_attention_ref(q, k8, v8, ks, vs, meta, D ** -0.5), atol=2e-5, rtol=1e-4)
 
 
@@ -141,10 +148,10 @@ def test_where_a_compiler_is_found_the_kernels_build():
 
 def test_without_a_compiler_the_kernels_are_off_and_attention_still_answers(tmp_path):
     code = ("import torch, logging; logging.basicConfig();"
-            "from ridge.kernels import native; from ridge.kernels.attention import paged_attention_cpu;"
+            "from ridge.kernels import native, ops;"
             "from tests.test_native import _setup;"
             "q, kc, vc, ks, vs, meta = _setup([40], [1], torch.float32, num_blocks=8);"
-            "print('LIB', native.library() is not None, tuple(paged_attention_cpu(q, kc, vc, ks, vs, meta, 0.1).shape))")
+            "print('LIB', native.library() is not None, tuple(ops.paged_attention(q, kc, vc, ks, vs, meta, 0.1).shape))")
     env = {**os.environ, "PATH": str(tmp_path / "empty"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     env.pop("CC", None)
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
@@ -156,7 +163,7 @@ def test_without_a_compiler_the_kernels_are_off_and_attention_still_answers(tmp_
 def test_the_library_is_built_once_per_source(tmp_path):
     """A second process finds the built library instead of compiling it again."""
     code = ("import torch, logging; logging.basicConfig();"
-            "from ridge.kernels import native; from ridge.kernels.attention import paged_attention_cpu;"
+            "from ridge.kernels import native, ops;"
             "print('LIB', native.library() is not None)")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     env.pop("CC", None)

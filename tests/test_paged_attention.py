@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ridge.kernels.attention import contiguous_attention_ref, paged_attention_ref
+from ridge.kernels.attention import paged_attention_ref
 from ridge.kernels.kv_cache import write_kv_ref
 from ridge.kernels.metadata import AttentionMetadata
+
+
+def contiguous_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Plain causal attention over one whole sequence, the oracle for paging.
+    q: [T, H, D]; k, v: [T, Hkv, D]."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
 
 H, HKV, D, BS = 4, 2, 16, 16
 

@@ -9,7 +9,13 @@ import numpy as np
 import torch
 
 from ridge.config import ModelConfig
-from ridge.quant.gguf_loader import permute_qk
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert permute (HF rotate-half rows -> GGUF interleaved rows)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -82,9 +82,9 @@ def _self_draft(model, ids) -> list[dict]:
 
 
 def run_accuracy(args, rep) -> None:
-    from ridge.engine.cpu_format import choose_cpu_format
+    from ridge.engine.cpu_format import choose_cpu_format, cpu_layers
     from ridge.kernels import native
-    from ridge.quant.linear import FP8Linear
+    from ridge.kernels.cpu_linear import ShapeFormat
     from ridge.models.oneshot import prompt_logits
     from ridge.quant.fp8 import quantize_state_dict
     from ridge.quant.convert import convert
@@ -100,10 +100,8 @@ def run_accuracy(args, rep) -> None:
     rows.append({"case": "CPU bf16 small-step format vs the fp32 FP8 path", **agreement(prompt_logits(fp8, ids), base)})
     isa = native.fp8_linear_isa()
     if isa:  # every product of the layers through ridge's e4m3 kernel (the head is not FP8)
-        for m in fp8.modules():
-            if isinstance(m, FP8Linear):
-                m.enable_lowp(0)
-                m.enable_fp8([(1 << 30, True)], isa)
+        for layer in cpu_layers(fp8):
+            layer.use(ShapeFormat([], fp8=[(1 << 30, True)]), isa)
         rows.append({"case": f"CPU e4m3 kernel ({'AVX-512 BF16' if isa == 2 else 'AVX2'}) vs the fp32 FP8 path",
                      **agreement(prompt_logits(fp8, ids), base)})
     rows += _self_draft(ref_model, ids)

@@ -67,17 +67,12 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
     def resolved_kv_dtype(self, device: torch.device) -> str:
-        # CPU default, measured (`ridge bench kv`, docs/benchmarks.md): with ridge's C kernels a
-        # bf16 cache is fastest at every batch (attention reads half of fp32's bytes; widening
-        # bf16 is a shift); without them torch's attention gathers and casts, so fp32. FP8 on CPU
-        # costs a per-element decode and a torch-side quantized write, slower at every batch.
+        """The option, else the cache dtype kernels run fastest on this device (kernels/ops.py)."""
         if self.kv_dtype:
             return self.kv_dtype
-        if device.type == "cuda":
-            return "fp8"
-        from ridge.kernels import native
+        from ridge.kernels import ops
 
-        return "bf16" if native.library() is not None else "fp32"
+        return ops.kv_dtype(device)
 
 
 def engine_options() -> list[Option]:

@@ -125,5 +125,5 @@ class CausalLM(nn.Module):
     def weight_bytes(self) -> int:
         tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n != "cos_sin" and b is not None]
         unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
-        lowp = [t for m in self.modules() if isinstance(m, FP8Linear) for t in (m.lowp, m.gemv, m.fp8) if t is not None]
+        lowp = [t for m in self.modules() if isinstance(m, FP8Linear) and m.cpu is not None for t in m.cpu.copies.values()]
         return sum(t.numel() * t.element_size() for t in list(unique.values()) + lowp)

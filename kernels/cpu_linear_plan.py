@@ -1,0 +1,314 @@
+"""The CPU weight format per matrix shape and step size, chosen by measurement at start-up.
+
+bf16 halves the bytes a bandwidth-bound small step reads, but on AVX2 CPUs bf16
+GEMMs run far slower than fp32 at larger batch, while on CPUs with AMX bf16
+wins at every size (machine-facts). Neither can be assumed, and the crossover
+differs per matrix shape, so every shape class of the model is timed in both
+formats at every step size the scheduler makes (powers of two up to the step
+budget, and the budget), and each size takes the faster format with a margin.
+A step streams every layer's weights through the cache, so a shape is timed
+cold: over as many of the model's own weights of that shape as it takes to
+overflow the last-level cache (timing one weight again and again kept small
+ones cache-resident and chose fp32 where bf16 is faster in a real step).
+One-row steps may also take a third path, ATen's own bf16 GEMV on a plain copy
+(cpu_linear.gemv_bf16), timed the same way. Where ridge's C kernels are built,
+a fourth runs at every size: the e4m3 product on the FP8 weight itself
+(native.fp8_linear), which reads a quarter of fp32's bytes; it takes each
+size where it is the fastest of all. The timings are cached per CPU
+model, instruction set, torch version and thread count, so only the first start
+on a machine pays for them. The layers then run what was chosen (cpu_linear.CpuLinear)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .cpu_linear import HAS_GEMV, CpuLinear, ShapeFormat, bf16_linear, gemv_bf16, pack_bf16, pack_fp8
+
+log = logging.getLogger("ridge.kernels")
+MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
+MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
+# A format still running once it has taken this many times the leader's time has lost: past the
+# "close" band (1.5 * MARGIN) that would call for a second round, so its partial time decides.
+LOSER_STOP = 1.5
+CACHE_VERSION = 4  # 2: timed cold, over several weights; 3: the one-row GEMV timed too; 4: fp8 too
+
+
+def llc_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or 32 << 20
+
+
+def cold_set(weights: list, bytes_per_weight: int = 4, numel: int | None = None) -> list:
+    """Enough of the weights (all, if they fit) to overflow the last-level cache twice in the
+    format timed (fp32 unless bytes_per_weight says otherwise); numel: each one's, where the
+    items are not tensors."""
+    one = (numel or weights[0].numel()) * bytes_per_weight
+    return weights[: max(1, min(len(weights), -(-2 * llc_bytes() // one)))]
+
+
+def step_sizes(max_tokens: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_tokens]
+
+
+def _cpu_key() -> str:
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    # The instruction sets torch and oneDNN may use are part of the machine: ATEN_CPU_CAPABILITY and
+    # ONEDNN_MAX_CPU_ISA can cap them below what the CPU has (an AVX-512 CPU run as an AVX2 one).
+    isa = (f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
+           f"/fp8 {native.fp8_linear_isa()}")
+    return (f"v{CACHE_VERSION}|{name or os.uname().machine}|{isa}|torch {torch.__version__}"
+            f"|threads {torch.get_num_threads()}")
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ridge" / "cpu-format.json"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(data: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home only costs the next start its measurement
+        log.warning("could not cache the CPU format timings in %s: %s", path, e)
+
+
+def _pass(run, ws: list[torch.Tensor], x: torch.Tensor, stop_after: float = float("inf")) -> float:
+    """Seconds per product over the weights; stops early once stop_after seconds have passed
+    (the average of the products done is then already known to be that slow)."""
+    t0 = time.perf_counter()
+    for i, w in enumerate(ws, 1):
+        run(x, w)
+        if (elapsed := time.perf_counter() - t0) > stop_after:
+            return elapsed / i
+    return (time.perf_counter() - t0) / len(ws)
+
+
+def measure_shape(weights: list[torch.Tensor], sizes: list[int],
+                  packed: list[torch.Tensor] | None = None) -> dict[int, tuple[float, float]]:
+    """{size: (fp32 seconds, bf16 seconds)} for one x @ weight.T at each step size, averaged over
+    the weights (all of one shape, together larger than the cache: each product runs cold).
+    The format that was faster at the previous size runs first; the other stops once it has
+    taken LOSER_STOP times as long (it has lost by then, whatever the rest would take), which keeps a
+    format that is far slower at large sizes cheap to rule out. A second round (best of two)
+    only where the first left the choice close. One bf16 product first primes oneDNN's kernel
+    for the size (where the copies are oneDNN's). packed: the weights' bf16 copies, where made."""
+    packed = packed or [pack_bf16(w.to(torch.bfloat16)) for w in weights]
+    times = {}
+    first = 1  # bf16 first until a size shows otherwise
+    for n in sizes:
+        x = torch.randn(n, weights[0].shape[1])
+        xb = x.to(torch.bfloat16)
+        if packed[0].is_mkldnn:  # a plain bf16 fallback has no kernel to prime
+            bf16_linear(xb, packed[0])
+        runs = ((F.linear, weights, x), (bf16_linear, packed, xb))
+        best = [float("inf"), float("inf")]
+        for round_ in range(2):
+            if round_ and not 0.6 * MARGIN < best[1] / best[0] < 1.5 * MARGIN:
+                break
+            lead = _pass(*runs[first])
+            best[first] = min(best[first], lead)
+            best[1 - first] = min(best[1 - first], _pass(*runs[1 - first], stop_after=LOSER_STOP * lead * len(weights)))
+        times[n] = (best[0], best[1])
+        first = 0 if best[0] < best[1] else 1
+    return times
+
+
+def measure_gemv(plain: list[torch.Tensor]) -> float:
+    """Seconds for one row through gemv_bf16, averaged over the weights' plain bf16 copies
+    (cold, as in measure_shape); best of two passes."""
+    x = torch.randn(1, plain[0].shape[1], dtype=torch.bfloat16)
+    gemv_bf16(x, plain[0])
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for w in plain:
+            gemv_bf16(x, w)
+        best = min(best, (time.perf_counter() - t0) / len(plain))
+    return best
+
+
+def measure_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int], isa: int,
+                 best: dict[int, float]) -> dict[int, float]:
+    """{size: seconds} for one product through native.fp8_linear, over the weights' pack_fp8
+    bytes (scales: theirs, times 256), as measure_shape; a size stops once it has taken twice
+    the best other format's time there (best). The kernel's lead shrinks as a step grows (it
+    saves bytes, and larger steps are bound by arithmetic), so once it loses a size the larger
+    ones are not timed (inf): that kept the measurement under 2 s on an AVX2 machine."""
+    times = {}
+    run = lambda x, ws: native.fp8_linear(x, ws[0], ws[1], isa)  # noqa: E731
+    pairs = list(zip(weights, scales))
+    lost = False
+    for n in sizes:
+        if lost:
+            times[n] = float("inf")
+            continue
+        x = torch.randn(n, weights[0].shape[1] * 2)
+        run(x, pairs[0])
+        t = _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs))
+        if 0.6 < t / best[n] < 1.5:  # close: best of two
+            t = min(t, _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs)))
+        times[n] = t
+        lost = t >= best[n]
+    return times
+
+
+def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bool]]:
+    """-> [(size bound, use bf16)]: each measured size takes the faster format."""
+    return [(n, t16 <= MARGIN * t32) for n, (t32, t16) in sorted(times.items())]
+
+
+def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_tokens: int, max_head_rows: int,
+                  made: dict[tuple[int, str], torch.Tensor] | None = None) -> dict[tuple[int, int], ShapeFormat]:
+    """The formats of each weight shape among the layers, from timings cached on disk where this
+    machine has them. The head (head_shape) sees only the rows that sample (at most
+    max_head_rows), the other products every token. made (out): (id(weight), "packed" | "plain"
+    | "fp8") -> the copy made to time it, for the layer to keep."""
+    shapes: dict[tuple[int, int], list[CpuLinear]] = {}
+    for layer in layers:
+        shapes.setdefault(tuple(layer.weight.shape), []).append(layer)
+    isa = native.fp8_linear_isa()
+    cache, key, dirty = _load_cache(), _cpu_key(), False
+    mine = cache.setdefault(key, {})
+    plans = {}
+    for shape, group in shapes.items():
+        ws = [m.weight for m in group]
+        sizes = step_sizes(min(max_head_rows, max_tokens) if shape == tuple(head_shape) else max_tokens)
+        name = f"{shape[0]}x{shape[1]}"
+        entry = mine.get(name, {})
+        known = {int(n): tuple(t) for n, t in entry.items() if n.isdigit()}
+        gemv_s = entry.get("gemv")
+        fp8_ok = isa > 0 and all(m.scale is not None for m in group) and shape[0] % 16 == 0 and shape[1] % 2 == 0
+        fp8_known = {int(n): t for n, t in entry.get("fp8", {}).items()}
+        todo = [n for n in sizes if n not in known]
+        fp8_todo = [n for n in sizes if n not in fp8_known] if fp8_ok else []
+        if todo or gemv_s is None:
+            cold = cold_set(ws)
+            plain = [w.to(torch.bfloat16) for w in cold]
+            packed = [pack_bf16(w) for w in plain]
+            if made is not None:
+                made.update(((id(w), "packed"), pk) for w, pk in zip(cold, packed))
+                made.update(((id(w), "plain"), pl) for w, pl in zip(cold, plain))
+            known.update(measure_shape(cold, todo, packed) if todo else {})
+            gemv_s = measure_gemv(plain)
+            dirty = True
+        if fp8_todo:
+            cold = cold_set(group, bytes_per_weight=1, numel=ws[0].numel())
+            packs = [m.fp8_bytes if m.fp8_bytes is not None else pack_fp8(m.weight, m.scale) for m in cold]
+            if made is not None:
+                made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
+            best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
+            fp8_known.update(measure_fp8(packs, [m.scale * 256 for m in cold], fp8_todo, isa, best))
+            dirty = True
+        mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
+                      **({"fp8": {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
+        plans[shape] = _format(sizes, known, gemv_s, fp8_known if fp8_ok else {})
+    if dirty:
+        _save_cache(cache)
+    return plans
+
+def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float,
+            fp8: dict[int, float]) -> ShapeFormat:
+    """Each size takes the fastest format: fp8 where it beats every other at that size (no copy
+    to pay for beyond its own byte a weight); else bf16 against fp32 with a margin, and one row
+    through the GEMV where that beats both."""
+    gemv = HAS_GEMV and gemv_s <= MARGIN * min(known[1])
+    use8 = {n: n in fp8 and fp8[n] < min(known[n] + ((gemv_s,) if n == 1 and gemv else ())) for n in sizes}
+    plan = [(n, use and not use8[n]) for n, use in plan_from_times({n: known[n] for n in sizes})]
+    return ShapeFormat(plan, gemv and not use8[1], [(n, use8[n]) for n in sizes] if any(use8.values()) else None)
+
+
+def describe(plan: list[tuple[int, bool]]) -> str:
+    """[(1, T), (2, T), (4, F)] -> "bf16 <= 2, fp32 4+"-style runs."""
+    runs, start = [], 0
+    for i, (n, use) in enumerate(plan):
+        if i + 1 == len(plan) or plan[i + 1][1] != use:
+            lo = plan[start][0] if start == 0 else plan[start - 1][0] + 1
+            runs.append(f"{'bf16' if use else 'fp32'} {lo}-{n}")
+            start = i + 1
+    return ", ".join(runs)
+
+
+def describe_format(f: ShapeFormat) -> str:
+    fp8 = [n for n, use in f.fp8 or [] if use]
+    lead = f"fp8 at {','.join(map(str, fp8))} rows, " if fp8 else ""
+    return lead + ("gemv 1 row, " if f.gemv else "") + describe(f.plan)
+
+
+def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str = "auto",
+           max_tokens: int = 64, max_head_rows: int = 64) -> int:
+    """Give each CPU layer the formats that run fastest at each step size; -> the largest step
+    size that runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to
+    N rows). The e4m3 bytes each layer packed at load are kept only where the e4m3 kernel runs."""
+    try:
+        return _choose(layers, tuple(head_shape), weight_bytes, mode, max_tokens, max_head_rows)
+    finally:
+        for layer in layers:
+            layer.fp8_bytes = None
+
+
+def _choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str,
+            max_tokens: int, max_head_rows: int) -> int:
+    if mode == "fp32" or not layers or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
+        return 0
+    if mode == "auto" and not any(m.scale is not None for m in layers):
+        # An unquantized model (--no-quantize) asked for its own weights: a bf16 copy would round
+        # them. FP8 weights fit bf16 exactly; the head's rounding is measured (docs/benchmarks.md).
+        return 0
+    if mode != "auto":
+        limit = int(mode.split(":")[1])
+        for m in layers:
+            m.use(ShapeFormat.bf16_up_to(limit))
+        log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (set)", limit)
+        return limit
+    t0 = time.perf_counter()
+    made: dict[tuple[int, str], torch.Tensor] = {}
+    formats = measure_plans(layers, head_shape, max_tokens, max_head_rows, made)
+    isa = native.fp8_linear_isa()
+    for m in layers:
+        mine = {kind: made[(id(m.weight), kind)] for kind in ("packed", "plain", "fp8") if (id(m.weight), kind) in made}
+        m.use(formats[tuple(m.weight.shape)], isa, mine)
+    log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
+             "; ".join(f"{o}x{i}: {describe_format(f)}" for (o, i), f in formats.items()))
+    return max((n for f in formats.values() for n, use in f.plan if use), default=0)
+
+
+def fp8_max_tokens(layers: list[CpuLinear]) -> int:
+    """The largest step size any layer runs through the e4m3 kernel (0 = none)."""
+    return max((m.max_rows("fp8") for m in layers), default=0)
