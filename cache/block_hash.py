@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
+from dataclasses import dataclass, field
 from typing import Callable
 
 DIGEST_BYTES = 16
@@ -65,3 +66,31 @@ class BlockHasher:
             parent = fn(_BLOCK + parent + packed[i:i + step])
             out.append(parent)
         return out
+
+
+@dataclass(slots=True)
+class BlockChain:
+    """One request's full blocks as the prefix cache names them: hashes[i] names block i,
+    whose parent is hashes[i - 1] (the root for block 0) and whose tokens are tokens[i].
+    A request keeps its chain for life and extend() hashes only blocks that filled since,
+    so a step's lookups and publishing cost O(new tokens), not O(context) (vLLM keeps
+    request.block_hashes for the same reason). A request's tokens only ever grow."""
+    salt: str = ""
+    root: bytes | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    tokens: list[tuple] = field(default_factory=list)
+
+    def extend(self, hasher: BlockHasher, token_ids: list[int], block_size: int, num_blocks: int) -> None:
+        """Hash up to num_blocks full blocks of token_ids (which start with the blocks already hashed)."""
+        have = len(self.hashes)
+        if num_blocks <= have:
+            return
+        if self.root is None:
+            self.root = hasher.root(self.salt)
+        parent = self.hashes[-1] if have else self.root
+        end = num_blocks * block_size
+        self.hashes += hasher.chain(token_ids[:end], block_size, parent, have * block_size)
+        self.tokens += [tuple(token_ids[i:i + block_size]) for i in range(have * block_size, end, block_size)]
+
+    def parent(self, i: int) -> bytes:
+        return self.hashes[i - 1] if i else self.root

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_hash import BlockHasher, HashFn, keyed_blake2b
+import numpy as np
+
+from .block_hash import BlockChain, BlockHasher, HashFn, keyed_blake2b
 from .block_pool import BlockPool
 from .tiers import KVTiers, TierBlock
 
@@ -27,7 +29,7 @@ class Offloaded:
     token_ids: list[int]
     num_device_blocks: int  # the device hits before them
     blocks: list[TierBlock]
-    salt: str
+    chain: BlockChain
 
 
 class KVCacheManager:
@@ -38,7 +40,14 @@ class KVCacheManager:
         self._hash_given = hash_fn is not None
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[bytes]] = {}
+        # The same block ids as int32 arrays (capacity doubling; the list's length is the row's):
+        # a step copies each request's row into the block table with one memcpy.
+        self.req_rows: dict[str, np.ndarray] = {}
+        self._mirrored: dict[str, int] = {}  # how many leading entries of each row match the list
+        # Each request's chain (its own, kept on the request, or one made for a caller that
+        # passes none), and how many of its blocks are published.
+        self.req_chains: dict[str, BlockChain] = {}
+        self.req_published: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached (on the device, or loaded from a tier)
         self.device_hits = self.device_misses = 0  # blocks
@@ -47,9 +56,6 @@ class KVCacheManager:
         self.lookups: dict[str, tuple[int, int, bool]] = {}
         self.tiers: KVTiers | None = None
         self.offloaded: dict[str, Offloaded] = {}
-        # The last lookup's blocks, by (salt, tokens): the tiers' lookup follows the device's, and a
-        # request waiting for room is looked up again every step, with the same tokens.
-        self._last_blocks: tuple | None = None
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Before any request. A disk tier's blocks are named by hashes under its key, so the
@@ -62,44 +68,45 @@ class KVCacheManager:
 
     def set_hash(self, hash_fn: HashFn) -> None:
         """Hash blocks with hash_fn from now on; only while nothing is published under the old one."""
-        assert not self.pool.cached and not self.req_hashes, "the block hash changes only before any request"
+        assert not self.pool.cached and not self.req_chains, "the block hash changes only before any request"
         self.hasher = BlockHasher(hash_fn)
-        self._last_blocks = None
 
     def chain(self, token_ids: list[int], salt: str = "") -> list[bytes]:
         """The hashes of token_ids' full blocks, for requests with this cache salt."""
         return self.hasher.chain(token_ids, self.block_size, self.hasher.root(salt))
 
-    def _blocks_of(self, token_ids: list[int], salt: str) -> tuple[list[bytes], list[bytes], list[tuple]]:
-        """The full blocks of token_ids but the last token: (hashes, parents, tokens)."""
-        last = self._last_blocks
-        if last is not None and last[0] == salt and last[1] == token_ids:
-            return last[2]
-        blocks = self._hash_blocks(token_ids, salt)
-        self._last_blocks = (salt, list(token_ids), blocks)
-        return blocks
+    def _chain(self, req_id: str, token_ids: list[int], salt: str, chain: BlockChain | None,
+               num_blocks: int) -> BlockChain:
+        """The request's chain, hashed up to num_blocks blocks. chain: the request's own (kept
+        across steps and preemptions); None: the manager keeps one while the request holds blocks."""
+        if chain is None:
+            chain = self.req_chains.get(req_id)
+            if chain is None or chain.salt != salt:
+                chain = BlockChain(salt)
+        chain.extend(self.hasher, token_ids, self.block_size, num_blocks)
+        return chain
 
-    def _hash_blocks(self, token_ids: list[int], salt: str) -> tuple[list[bytes], list[bytes], list[tuple]]:
-        bs = self.block_size
-        root = self.hasher.root(salt)
-        hashes = self.hasher.chain(token_ids[:(len(token_ids) - 1) // bs * bs], bs, root)
-        tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(len(hashes))]
-        return hashes, [root] + hashes[:-1], tokens
+    def _lookup_blocks(self, req_id, token_ids, salt, chain) -> tuple[BlockChain, int]:
+        """-> (chain, how many full blocks a lookup may hit): the last token is always left to
+        compute, because its logits pick the next token."""
+        usable = (len(token_ids) - 1) // self.block_size
+        return self._chain(req_id, token_ids, salt, chain, usable), usable
 
     # -- prefix cache -------------------------------------------------------
-    def get_computed_blocks(self, req_id: str, token_ids: list[int], salt: str = "") -> tuple[list[int], int]:
+    def get_computed_blocks(self, req_id: str, token_ids: list[int], salt: str = "",
+                            chain: BlockChain | None = None) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks -> (block ids, tokens covered).
-        The last token is always left to compute: its logits pick the next token."""
+        chain: the request's BlockChain (its salt is `salt`), extended here."""
         if not self.enable_caching:
             return [], 0
+        chain, usable = self._lookup_blocks(req_id, token_ids, salt, chain)
         hits = []
-        hashes, parents, tokens = self._blocks_of(token_ids, salt)
-        for h, parent, toks in zip(hashes, parents, tokens):
-            block = self.pool.get_cached_block(h, parent, toks)
+        for i in range(usable):
+            block = self.pool.get_cached_block(chain.hashes[i], chain.parent(i), chain.tokens[i])
             if block is None:
                 break
             hits.append(block)
-        self.lookups[req_id] = (len(token_ids), len(hits), len(hits) < len(hashes))
+        self.lookups[req_id] = (len(token_ids), len(hits), len(hits) < usable)
         return hits, len(hits) * self.block_size
 
     def _count_lookup(self, req_id: str) -> None:
@@ -110,16 +117,17 @@ class KVCacheManager:
         self.device_misses += missed
 
     # -- KV tiers ---------------------------------------------------------------
-    def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int, salt: str = "") -> int:
+    def get_offloaded_blocks(self, req_id: str, token_ids: list[int], num_device_blocks: int, salt: str = "",
+                             chain: BlockChain | None = None) -> int:
         """After get_computed_blocks: how many more blocks of the chain the tiers hold. They are
         held for load_offloaded until the request is admitted, or abandon_offloaded."""
         if self.tiers is None:
             return 0
-        hashes, parents, tokens = self._blocks_of(token_ids, salt)
-        chain = [TierBlock(*b) for b in zip(hashes, parents, tokens)][num_device_blocks:]
-        found = self.tiers.lookup(chain)
+        chain, usable = self._lookup_blocks(req_id, token_ids, salt, chain)
+        wanted = [TierBlock(chain.hashes[i], chain.parent(i), chain.tokens[i]) for i in range(num_device_blocks, usable)]
+        found = self.tiers.lookup(wanted)
         if found:
-            self.offloaded[req_id] = Offloaded(list(token_ids), num_device_blocks, found, salt)
+            self.offloaded[req_id] = Offloaded(list(token_ids), num_device_blocks, found, chain)
         return len(found)
 
     def load_offloaded(self, req_id: str) -> None:
@@ -142,7 +150,7 @@ class KVCacheManager:
         for req_id, n in self.tiers.poll().items():
             off = self.offloaded.pop(req_id)
             out[req_id] = (off.num_device_blocks + n) * self.block_size
-            self.cache_blocks(req_id, off.token_ids, out[req_id], copy=False, salt=off.salt)
+            self.cache_blocks(req_id, off.token_ids, out[req_id], copy=False, salt=off.chain.salt, chain=off.chain)
             self.prefix_hits += n * self.block_size
         return out
 
@@ -174,34 +182,49 @@ class KVCacheManager:
             assert not blocks, "prefix hits only at admission"
             self.pool.touch(computed)
             blocks.extend(computed)
-            self.req_hashes[req_id] = []  # re-derived by cache_blocks
+            self.req_published[req_id] = 0  # the hits are published again by cache_blocks: a no-op each
         need = -(-num_tokens // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
+        self._mirror(req_id, blocks)
         return blocks
 
+    def _mirror(self, req_id: str, blocks: list[int]) -> None:
+        row, n = self.req_rows.get(req_id), len(blocks)
+        have = 0 if row is None else row.shape[0]
+        if n > have:
+            grown = np.empty(max(n, 2 * have, 16), dtype=np.int32)
+            if row is not None:
+                grown[:have] = row
+            self.req_rows[req_id] = row = grown
+        # Rows past a truncation hold stale ids: rewrite from the first block that may differ.
+        start = min(self._mirrored.get(req_id, 0), n)
+        row[start:n] = blocks[start:]
+        self._mirrored[req_id] = n
+
+    def block_row(self, req_id: str) -> np.ndarray:
+        """The request's block ids as an int32 array (a view: valid until its next allocation)."""
+        return self.req_rows[req_id][:len(self.req_blocks[req_id])]
+
     def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int, copy: bool = True,
-                     salt: str = "") -> None:
+                     salt: str = "", chain: BlockChain | None = None) -> None:
         """Publish the request's blocks that are now full and computed, and hand the new ones
-        to the tiers (copy=False: they were loaded from there). salt: the request's cache salt,
-        the same its lookups were given."""
+        to the tiers (copy=False: they were loaded from there). salt and chain: the request's
+        cache salt and BlockChain, the same its lookups were given."""
         if not self.enable_caching:
             return
-        hashes = self.req_hashes.setdefault(req_id, [])
+        done = self.req_published.get(req_id, 0)
         blocks = self.req_blocks[req_id]
         full = min(num_computed_tokens // self.block_size, len(blocks))
-        if full <= len(hashes):
+        if full <= done:
             return
-        bs = self.block_size
-        parent = hashes[-1] if hashes else self.hasher.root(salt)
-        new = self.hasher.chain(token_ids[: full * bs], bs, parent, len(hashes) * bs)
+        chain = self.req_chains[req_id] = self._chain(req_id, token_ids, salt, chain, full)
         published = []
-        for i, h in enumerate(new, start=len(hashes)):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+        for i in range(done, full):
+            h, parent, tokens = chain.hashes[i], chain.parent(i), chain.tokens[i]
             if self.pool.cache_block(blocks[i], h, parent, tokens) and self.tiers is not None:
                 published.append(TierBlock(h, parent, tokens, blocks[i]))
-            parent = h
-        hashes.extend(new)
+        self.req_published[req_id] = full
         if published:
             self.tiers.store(published, copy)
 
@@ -209,19 +232,23 @@ class KVCacheManager:
         """Keep only the blocks that num_tokens need (rejected speculative tokens).
         Only tokens never published roll back: a published block may be another
         request's prefix hit, and the tokens recomputed in its place would differ."""
-        published = len(self.req_hashes.get(req_id, ())) * self.block_size
+        published = self.req_published.get(req_id, 0) * self.block_size
         assert num_tokens >= published, f"{req_id}: truncating to {num_tokens} tokens cuts published blocks"
         blocks = self.req_blocks.get(req_id, [])
         keep = -(-num_tokens // self.block_size)
         if len(blocks) > keep:
             self.pool.free(blocks[keep:][::-1])
             del blocks[keep:]
+            self._mirrored[req_id] = min(self._mirrored.get(req_id, 0), keep)
 
     def free(self, req_id: str) -> None:
         self.abandon_offloaded(req_id)  # a load into its blocks finishes first
         self.lookups.pop(req_id, None)
         blocks = self.req_blocks.pop(req_id, [])
-        self.req_hashes.pop(req_id, None)
+        self.req_rows.pop(req_id, None)
+        self._mirrored.pop(req_id, None)
+        self.req_chains.pop(req_id, None)
+        self.req_published.pop(req_id, None)
         self.pool.free(blocks[::-1])
 
     def block_ids(self, req_id: str) -> list[int]:

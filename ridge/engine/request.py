@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ridge.cache.block_hash import BlockChain
+
 from .sampling_params import SamplingParams
 
 
@@ -80,6 +82,18 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     # This sample's own position in its response_format (structured.grammar.Matcher), or None.
     matcher: object = None
+    # Prompt and output in one list that grows by append: what a step reads about a request
+    # costs O(new tokens), not O(context). output_token_ids grows with it (append_output).
+    all_token_ids: list[int] = field(init=False, repr=False)
+    block_chain: BlockChain = field(init=False, repr=False)  # its full blocks' names, for the prefix cache
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.block_chain = BlockChain(self.cache_salt)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,10 +110,6 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -37,6 +37,7 @@ class ScheduledRequest:
     draft_probs: object = None  # [num_spec, V] draft distribution, for model drafters that sample
     start: int = -1  # num_computed_tokens when scheduled
     samples: bool = False  # the step reaches the end of the known tokens, so the next one is sampled
+    block_row: object = None  # block_ids as the manager's int32 array, for the block table's memcpy
 
     def __post_init__(self):
         r = self.request
@@ -141,8 +142,9 @@ class Scheduler:
                     break
             if req.status == RequestStatus.PREEMPTED:
                 break
-            blocks = self.kv_cache_manager.allocate(req.request_id, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, n, blocks, k))
+            kv = self.kv_cache_manager
+            blocks = kv.allocate(req.request_id, req.num_computed_tokens + n)
+            out.scheduled.append(ScheduledRequest(req, n, blocks, k, block_row=kv.block_row(req.request_id)))
             budget -= n
             i += 1
         return budget
@@ -164,8 +166,9 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
-            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt)
+            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt, req.block_chain)
+            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt,
+                                                req.block_chain)
             req.num_computed_tokens = cached
             n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
             if not kv.can_allocate(req.request_id, cached + n, hits):
@@ -182,7 +185,7 @@ class Scheduler:
                 continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, blocks))
+            out.scheduled.append(ScheduledRequest(req, n, blocks, block_row=kv.block_row(req.request_id)))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
@@ -252,7 +255,7 @@ class Scheduler:
                     req.num_computed_tokens -= s.num_spec_tokens - num_accepted
             req.spec_token_ids = []
             for i, t in enumerate(accepted):
-                req.output_token_ids.append(t)
+                req.append_output(t)
                 if self._check_stop(req, t):
                     new_tokens[req.request_id] = accepted[:i + 1]
                     break
@@ -262,7 +265,7 @@ class Scheduler:
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
                 self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids,
                                                    min(req.num_computed_tokens, req.num_known_tokens),
-                                                   salt=req.cache_salt)
+                                                   salt=req.cache_salt, chain=req.block_chain)
             if req.is_finished:
                 finished.append(req)
         for req in finished:

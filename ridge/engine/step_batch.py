@@ -114,8 +114,10 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
     for i, s in enumerate(scheduled):
         r = s.request
         n = s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens)
-        known = r.all_token_ids + r.spec_token_ids if include_spec and s.num_spec_tokens else r.all_token_ids
-        have = known[s.start: s.start + n]
+        have = r.all_token_ids[s.start: s.start + n]
+        known = len(r.all_token_ids)
+        if include_spec and s.num_spec_tokens and s.start + n > known:  # the drafts follow the known tokens
+            have += r.spec_token_ids[max(0, s.start - known): s.start + n - known]
         ids[row:row + len(have)] = have
         if len(have) < n:  # the last input is the previous step's sample, still on the device
             assert len(have) == n - 1 and prev_rows is not None, "only the latest sample may be unknown"
@@ -123,7 +125,8 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
             feed_src.append(prev_rows[r.request_id])
             feed_reqs.append(r.request_id)
         qlens[i], starts[i] = n, s.start
-        bt[i, :len(s.block_ids)] = s.block_ids
+        row_ids = s.block_row if s.block_row is not None else s.block_ids
+        bt[i, :len(row_ids)] = row_ids
         row += n
         k = 1 + s.num_spec_tokens if s.samples else 0
         spans.append((len(sample_rows), k))
