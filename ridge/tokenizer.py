@@ -274,38 +274,32 @@ def _token_id(tok: tokenizers.Tokenizer, token) -> int | None:
 
 
 class IncrementalDetokenizer:
-    """Streams text token by token with the tokenizers library's DecodeStream: it decodes a
-    short window of earlier tokens with and without the new one and emits the difference
-    (which keeps SentencePiece's leading space and byte-level merges right), and holds back
-    an incomplete UTF-8 sequence until more bytes arrive. It matched ridge's own two-decode
-    window on every test text and took a quarter of its time (docs/benchmarks.md)."""
-
-    CONTEXT = 5  # earlier tokens that give the first new one its leading space
+    """Streams text token by token, the way vLLM does: decode a short window of earlier tokens
+    with and without the new ones and emit the difference.  The window keeps SentencePiece's
+    leading space (which decode strips at the start of a text) and byte-level merges right, and
+    text ending in U+FFFD is an incomplete UTF-8 sequence, held back until more bytes arrive."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
                  skip_special_tokens: bool = True):
-        from tokenizers.decoders import DecodeStream
-
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        context = list(prompt_ids[-self.CONTEXT:]) if prompt_ids else []
-        self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self.emitted = context  # the last tokens whose text is out, the context for flush()
-        self.held: list[int] = []  # tokens whose text the stream holds back
+        self.ids = list(prompt_ids or [])
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)  # enough context for a leading space
+
+    def _pending(self) -> tuple[str, str]:
+        dec = self.tokenizer.decode
+        return (dec(self.ids[self.prefix_offset:self.read_offset], self.skip),
+                dec(self.ids[self.prefix_offset:], self.skip))
 
     def add(self, token_id: int) -> str:
-        text = self.stream.step(self.tokenizer.backend, token_id)
-        self.held.append(token_id)
-        if text is None:
+        self.ids.append(token_id)
+        prefix, full = self._pending()
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        self.emitted = (self.emitted + self.held)[-self.CONTEXT:]
-        self.held = []
-        return text
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
 
     def flush(self) -> str:
-        """What the stream still holds (an incomplete character decodes to U+FFFD)."""
-        if not self.held:
-            return ""
-        dec = self.tokenizer.decode
-        prefix, full = dec(self.emitted, self.skip), dec(self.emitted + self.held, self.skip)
-        self.emitted, self.held = (self.emitted + self.held)[-self.CONTEXT:], []
+        prefix, full = self._pending()
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]

@@ -305,3 +305,38 @@ def test_unsupported_kind():
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv"})
     with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.merges"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_incremental_detokenizer_after_a_prompt_that_ends_mid_character():
+    """A prompt of raw token ids may end inside a UTF-8 sequence (here: the first byte of é):
+    none of its bytes are streamed as output, and the output keeps its leading space."""
+    tok = _tiny_sp()
+    ids = tok.encode("hello é", add_special_tokens=False)
+    assert "\ufffd" in tok.decode(ids[:-1])
+    out = tok.encode(" world é", add_special_tokens=False)[1:]  # no second BOS-like piece
+    detok = IncrementalDetokenizer(tok, ids[:-1])
+    text = "".join(detok.add(i) for i in out) + detok.flush()
+    assert text == tok.decode(ids[:-2] + out)[len(tok.decode(ids[:-2])):]
+    assert "\ufffd" not in text and text.endswith("world é")
+
+
+def test_incremental_detokenizer_streams_any_token_sequence():
+    """A model may emit any token ids, byte pieces in any order: streaming never raises (the
+    tokenizers library's DecodeStream raised on most random sequences through this SentencePiece
+    byte-fallback vocabulary), and where the bytes form whole characters it ends with the text
+    a plain decode gives."""
+    import random
+
+    tok = _tiny_sp()
+    rng = random.Random(3)
+    vocab = tok.backend.get_vocab_size()
+    chars = [tok.encode(c, add_special_tokens=False)[-2:] for c in "éü"]  # two byte pieces each
+    for _ in range(50):
+        out = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        detok = IncrementalDetokenizer(tok)
+        assert isinstance("".join(detok.add(i) for i in out) + detok.flush(), str)
+        whole = []
+        for _ in range(rng.randrange(1, 40)):
+            whole += rng.choice(chars) if rng.random() < 0.3 else [rng.randrange(259, vocab)]
+        detok = IncrementalDetokenizer(tok)
+        assert "".join(detok.add(i) for i in whole) + detok.flush() == tok.decode(whole)
