@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import msgpack
@@ -20,6 +20,10 @@ import zmq
 from .endpoint import find_daemon, ipc_path, probe
 
 VERSION = 1
+# Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
+# sees a slow reader and merges its deltas (docs/protocol.md §4.4) instead of this process buffering
+# without bound. What a reader has not taken yet is merged per request here too (Inbox).
+RCVHWM = 1000
 
 
 class RidgeError(Exception):
@@ -61,6 +65,66 @@ class Completion:
         return cls(f["id"], f["finish_reason"], f.get("usage", {}), f.get("timings", {}), f.get("choices", []),
                    f.get("text", text or ""), f.get("token_ids", token_ids or []), f.get("error"), f.get("detail"),
                    f.get("logprobs"))
+
+
+class Inbox:
+    """One request's frames that its reader has not taken yet. Consecutive deltas of a sample are
+    merged into one (text joined, token ids and logprobs appended), as the daemon merges them for a
+    slow reader (daemon/streams.py): a request nobody reads holds one delta per sample and its end,
+    never a backlog of frames."""
+    __slots__ = ("deltas", "texts", "end", "since", "sent", "waiter", "stuck")
+
+    def __init__(self):
+        self.deltas: dict[int, dict] = {}  # sample index -> its pending delta
+        self.texts: dict[int, list[str]] = {}  # text merged into a pending delta, joined when taken
+        self.end: dict | None = None  # the terminal frame: final, error, or a reply
+        self.since: float | None = None  # when the oldest frame not yet taken arrived
+        self.sent = time.monotonic()  # when the request went out: silence is counted from here too
+        self.waiter = None  # aio_client: the future its reader waits on
+        self.stuck = False  # aio_client: aborted because nobody took its frames for client_timeout
+
+    def put(self, msg: dict, now: float) -> None:
+        if self.since is None:
+            self.since = now
+        if msg["type"] != "delta":
+            self.end = self.end or msg
+            return
+        i, ids, text = msg["index"], msg["token_ids"], msg["text"]
+        if not (isinstance(i, int) and isinstance(ids, list) and isinstance(text, str)):
+            raise ValueError(f"a delta whose index, token_ids or text has the wrong type: {msg!r:.200}")
+        held = self.deltas.get(i)
+        if held is None:
+            self.deltas[i] = msg
+            return
+        held["token_ids"] += ids
+        if "logprobs" in msg:
+            held.setdefault("logprobs", []).extend(msg["logprobs"])
+        self.texts.setdefault(i, []).append(text)
+
+    def take(self) -> dict | None:
+        """The next frame: a sample's merged delta, then (once none is pending) the end."""
+        if self.deltas:
+            i = next(iter(self.deltas))
+            msg = self.deltas.pop(i)
+            if self.texts and (more := self.texts.pop(i, None)):
+                msg["text"] = msg["text"] + "".join(more)
+        else:
+            msg, self.end = self.end, None
+        self.since = time.monotonic() if self.deltas or self.end else None
+        return msg
+
+    def held_bytes(self) -> int:
+        """What the pending frames hold, counted as Python objects."""
+        return _size([self.deltas, self.texts, self.end])
+
+
+def _size(obj) -> int:
+    n = sys.getsizeof(obj)
+    if isinstance(obj, dict):
+        return n + sum(_size(k) + _size(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return n + sum(_size(x) for x in obj)
+    return n
 
 
 def pack(msg: dict) -> bytes:
@@ -108,7 +172,7 @@ def generate_message(rid: str, prompt=None, messages=None, token_ids=None, strea
 def make_socket(ctx, endpoint: str, curve_server_key: bytes | None = None, curve_keyfile: str | None = None):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 500)  # let a last abort out on close
-    sock.setsockopt(zmq.RCVHWM, 0)  # never make the daemon think we stopped reading while we read
+    sock.setsockopt(zmq.RCVHWM, RCVHWM)
     if curve_server_key is not None:  # TCP with CURVE: our certificate, and the daemon's public key
         from zmq.auth import load_certificate
         public, secret = load_certificate(curve_keyfile)
@@ -127,7 +191,7 @@ class Client:
         self.heartbeat_interval = 1.0
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-{id(self) & 0xffff:x}-"
-        self._inbox: dict[str, deque] = {}  # frames for requests in flight, read while waiting for others
+        self._inbox: dict[str, Inbox] = {}  # frames for requests in flight, read while waiting for others
         self._last_send = time.monotonic()
 
     def __enter__(self):
@@ -152,22 +216,22 @@ class Client:
 
     def _next_for(self, rid: str, timeout: float | None = None) -> dict:
         """The next frame for request `rid`, keeping the others' frames and our heartbeats going."""
-        box = self._inbox.setdefault(rid, deque())
+        box = self._inbox.setdefault(rid, Inbox())
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while not box:
+        while (msg := box.take()) is None:
             now = time.monotonic()
             if now >= deadline:
                 raise RidgeError("timeout", f"no reply from the daemon at {self.endpoint} in {timeout:.0f} s", rid)
             if now - self._last_send >= self.heartbeat_interval:
                 self._send({"type": "heartbeat"})
             if self.sock.poll(int(1000 * min(deadline - now, self.heartbeat_interval)) + 1):
-                msg = unpack(self.sock.recv())
+                frame = unpack(self.sock.recv())
                 deadline = time.monotonic() + timeout  # any frame (heartbeats too) shows the daemon alive
-                mid = msg.get("id")
+                mid = frame.get("id")
                 if mid in self._inbox:
-                    self._inbox[mid].append(msg)
-        return box.popleft()
+                    self._inbox[mid].put(frame, time.monotonic())
+        return msg
 
     def call(self, type_: str, **fields) -> dict:
         rid = self.new_id()
@@ -207,14 +271,14 @@ class Client:
         """Deltas as they come; the Completion is `.final` once the iterator ends. Closing the
         stream early (or leaving its `with` block) aborts the request."""
         rid = request_id or self.new_id()
-        self._inbox[rid] = deque()
+        self._inbox[rid] = Inbox()
         self._send(generate_message(rid, prompt, messages, token_ids, True, params))
         return Stream(self, rid)
 
     def generate(self, prompt: str | None = None, *, messages=None, token_ids=None, request_id: str | None = None,
                  **params) -> Completion:
         rid = request_id or self.new_id()
-        self._inbox[rid] = deque()
+        self._inbox[rid] = Inbox()
         self._send(generate_message(rid, prompt, messages, token_ids, False, params))
         try:
             f = self._next_for(rid)

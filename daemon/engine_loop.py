@@ -24,6 +24,43 @@ from ridge.errors import internal_error
 
 log = logging.getLogger("ridge.daemon.engine")
 
+# Steps of outputs the engine may run ahead of the socket thread, which takes them all at every turn
+# of its loop. Past that (the socket thread is held up), outputs are merged per sample until it
+# catches up: the outbox stays bounded and the engine never waits for it.
+OUTBOX_STEPS = 64
+
+
+class HeldOutputs:
+    """Outputs the socket thread has not taken, one per sample: token ids, text and logprobs
+    appended, the rest (counts, finish, timings) the latest, as daemon/streams.py merges them for
+    a slow client."""
+
+    def __init__(self):
+        self.outs: dict = {}  # (request id, sample) -> its merged output
+        self.texts: dict = {}  # the same key -> text pieces, joined when taken
+
+    def add(self, outs) -> None:
+        for o in outs:
+            key = (o.request_id, o.index)
+            held = self.outs.get(key)
+            if held is None:  # our own lists from here on, extended in place
+                o.new_token_ids = list(o.new_token_ids)
+                o.logprobs = None if o.logprobs is None else list(o.logprobs)
+                self.texts[key] = [o.new_text]
+            else:
+                held.new_token_ids += o.new_token_ids
+                o.new_token_ids = held.new_token_ids
+                if held.logprobs is not None:
+                    held.logprobs += o.logprobs or []
+                    o.logprobs = held.logprobs
+                self.texts[key].append(o.new_text)
+            self.outs[key] = o
+
+    def take(self) -> list:
+        for key, o in self.outs.items():
+            o.new_text = "".join(self.texts[key])
+        return list(self.outs.values())
+
 
 class EngineLoop(threading.Thread):
     """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message)."""
@@ -37,6 +74,9 @@ class EngineLoop(threading.Thread):
         self.stats_interval = stats_interval
         self.inbox: deque = deque()
         self.outbox: deque = deque()
+        self.max_outbox = OUTBOX_STEPS
+        self._held: HeldOutputs | None = None  # outputs merged while the outbox is full
+        self._out_lock = threading.Lock()  # the outbox and _held change together, so their order holds
         self._wake = threading.Event()
         self._stopping = False
         self.wake_r, self._wake_w = os.pipe()
@@ -72,14 +112,34 @@ class EngineLoop(threading.Thread):
             os.read(self.wake_r, 1 << 16)
         except BlockingIOError:
             pass
-        items = []
-        while self.outbox:
-            items.append(self.outbox.popleft())
+        with self._out_lock:
+            items = list(self.outbox)
+            self.outbox.clear()
+            if self._held is not None:  # newer than every item in the outbox
+                items.append(("out", self._held.take()))
+                self._held = None
         return items
 
     # -- the engine thread ---------------------------------------------------------
+    def _emit_outputs(self, outs: list) -> None:
+        with self._out_lock:
+            if self._held is None and len(self.outbox) < self.max_outbox:
+                self.outbox.append(("out", outs))
+            else:
+                self._held = self._held or HeldOutputs()
+                self._held.add(outs)
+        self._poke()
+
     def _emit(self, item) -> None:
-        self.outbox.append(item)
+        """A reject, or the engine's end: after every output held before it."""
+        with self._out_lock:
+            if self._held is not None:
+                self.outbox.append(("out", self._held.take()))
+                self._held = None
+            self.outbox.append(item)
+        self._poke()
+
+    def _poke(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the pipe is full: a wake-up is already pending
@@ -121,7 +181,7 @@ class EngineLoop(threading.Thread):
                     t0 = time.monotonic()
                     outs = self.engine.step()
                     if outs:
-                        self._emit(("out", outs))
+                        self._emit_outputs(outs)
                     elif time.monotonic() - t0 < 1e-3:  # nothing schedulable: don't spin
                         self._wake.wait(1e-3)
                 else:

@@ -19,9 +19,10 @@ class Peer:
         self.requests: dict = {}  # client id -> InFlight
         self.dirty: dict = {}  # InFlight with frames to take, in arrival order (a dict as an ordered set)
         self.outq: deque[bytes] = deque()  # encoded frames the socket had no room for yet
-        now = time.monotonic()
-        self.last_recv = now
-        self.last_send = now
+        self.last_recv = time.monotonic()
+        # Sent nothing yet: its first heartbeat goes out at the first sweep once it has a request in
+        # flight, also when it is a client that idled until the daemon forgot it (§4.4).
+        self.last_send = float("-inf")
         self.stalled_since: float | None = None
         self.gone = False
 

@@ -251,9 +251,15 @@ class Server:
     def stats_message(self, type_: str, rid: str | None = None) -> dict:
         seq, t, st = self.loop.snapshot
         daemon = {"clients": len(self.peers), "in_flight": len(self.inflight), **self.counts,
-                  "aborts": dict(self.aborts), "state": self.state, "pid": os.getpid(),
+                  "aborts": dict(self.aborts), "held_bytes": self._held_bytes(), "state": self.state,
+                  "pid": os.getpid(),
                   "cpu_s": {"socket_thread": time.thread_time(), "process": time.process_time()}}
         return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq)
+
+    def _held_bytes(self) -> int:
+        """Encoded bytes waiting for clients that read too slowly: frames their queues had no room for,
+        and the merged output behind them (docs/protocol.md §7.3)."""
+        return sum(sum(map(len, p.outq)) + sum(inf.held_bytes() for inf in p.dirty) for p in self.peers.values())
 
     # -- engine outputs --------------------------------------------------------------
     def _on_engine(self, items: list) -> None:
@@ -368,7 +374,7 @@ class Server:
 
     def _drain_step(self, now: float) -> bool:
         """-> True once every request has its final frame out (or its client is gone)."""
-        if self._forced_at is None and (self._hurry or now >= self._drain_deadline or self.state == "error"):
+        if self._forced_at is None and (self.state == "error" or self._hurry or now >= self._drain_deadline):
             self._forced_at = now
             for inf in self.inflight.values():
                 if not inf.done and inf.detail is None:  # not already aborted for a timeout

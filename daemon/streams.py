@@ -5,7 +5,7 @@ Outputs that arrive while the client's queue is full stay here, merged per
 sample, so a slow reader costs one pending delta per sample, not a backlog."""
 from __future__ import annotations
 
-from .protocol import message
+from .protocol import message, pack
 
 
 class Sample:
@@ -78,6 +78,13 @@ class InFlight:
                 s.finished, s.finish_reason, s.error = True, reason, error
 
     def take_frames(self) -> list[dict]:
+        return self._frames(take=True)
+
+    def held_bytes(self) -> int:
+        """The encoded size of what take_frames would return now."""
+        return sum(len(pack(f)) for f in self._frames(take=False))
+
+    def _frames(self, take: bool) -> list[dict]:
         frames = []
         if self.stream:
             for i, s in enumerate(self.samples):
@@ -86,10 +93,11 @@ class InFlight:
                     if self.want_logprobs:
                         d["logprobs"] = s.logprobs
                     frames.append(d)
-                    s.token_ids, s.text, s.logprobs = [], "", []
+                    if take:
+                        s.token_ids, s.text, s.logprobs = [], "", []
         if self.done and not self.final_sent:
             frames.append(self.final())
-            self.final_sent = True
+            self.final_sent = take
         return frames
 
     def final(self) -> dict:

@@ -6,7 +6,9 @@ for each prompt's first frame, so that a refusal (400, 429 busy, 503
 draining) is an HTTP error and not a broken stream. A client that goes away
 has its daemon requests aborted, whether it is still waiting (the wait races
 the disconnect) or already streaming (the response's end aborts whatever is
-left), so their KV blocks are freed at once."""
+left), so their KV blocks are freed at once. One that stays connected but stops
+reading holds one merged delta per sample, and its requests are aborted once it
+has taken nothing for the daemon's client_timeout (daemon/aio_client.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +112,8 @@ async def _logprobs(link, kind: str, top: int, entries: list, token_ids: list[in
 
 
 # -- streaming ------------------------------------------------------------------------------------
-async def _first(stream):
-    """A stream's first delta, or None when it ended without one (its final is then set)."""
+async def _next_delta(stream):
+    """A stream's next delta, or None when it has ended (its final is then set)."""
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
@@ -121,7 +123,7 @@ async def _first(stream):
 async def _streamed(request: Request, link, client, kind: str, gen: Generation) -> Response:
     streams = [client.stream(**p, **gen.params) for p in gen.prompts]
     try:
-        firsts = await until_disconnect(request, _all_or_none([_first(s) for s in streams]))
+        firsts = await until_disconnect(request, _all_or_none([_next_delta(s) for s in streams]))
     except RidgeError as e:
         for s in streams:
             await s.aclose()
@@ -150,38 +152,30 @@ class SSEResponse(StreamingResponse):
 
 
 async def _merged(streams: list, firsts: list):
-    """(prompt index, delta) from every stream, as they come."""
+    """(prompt index, delta) from every stream, as they come. At most one delta per stream is taken
+    ahead of the HTTP client; the rest wait merged in the stream's inbox, so that a client that stops
+    reading holds no backlog, and is aborted past client_timeout (daemon/aio_client.py)."""
     if len(streams) == 1:
         if firsts[0] is not None:
             yield 0, firsts[0]
             async for d in streams[0]:
                 yield 0, d
         return
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, s, first):
-        try:
-            if first is not None:
-                q.put_nowait((i, first))
-                async for d in s:
-                    q.put_nowait((i, d))
-            q.put_nowait((i, None))
-        except Exception as e:  # a RidgeError: handed to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    ahead: dict[asyncio.Future, int] = {}
     try:
-        live = len(tasks)
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+        for i, first in enumerate(firsts):
+            if first is not None:
+                yield i, first
+                ahead[asyncio.ensure_future(_next_delta(streams[i]))] = i
+        while ahead:
+            done, _ = await asyncio.wait(ahead, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                i = ahead.pop(t)
+                if (d := t.result()) is not None:  # a RidgeError is raised to the consumer here
+                    yield i, d
+                    ahead[asyncio.ensure_future(_next_delta(streams[i]))] = i
     finally:
-        for t in tasks:
+        for t in ahead:
             t.cancel()
 
 

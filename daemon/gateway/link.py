@@ -25,7 +25,10 @@ class DaemonLink:
     async def connect(self) -> AsyncClient:
         """The client, after a `hello`; an ApiError 503 when no daemon answers."""
         if self.client is not None:
-            return self.client
+            if self.client.failure is None:
+                return self.client
+            old, self.client = self.client, None  # its reader failed: a new connection
+            await old.aclose()
         try:
             client = AsyncClient(self.endpoint, timeout=HELLO_TIMEOUT_S)
         except DaemonUnavailable as e:
@@ -67,8 +70,9 @@ class DaemonLink:
             raise self.failed(e) from None
 
     def failed(self, e: RidgeError) -> ApiError:
-        """A request's RidgeError -> its HTTP error; a daemon that stopped answering is reconnected next time."""
-        if e.code == "timeout" and self.client is not None:
+        """A request's RidgeError -> its HTTP error; a daemon that stopped answering, or a connection
+        whose reader failed, is reconnected next time."""
+        if self.client is not None and (e.code == "timeout" or self.client.failure is not None):
             log.warning("the daemon at %s stopped answering", self.client.endpoint)
             old, self.client, self.hello = self.client, None, {}
             asyncio.get_running_loop().create_task(old.aclose())  # its other requests end with it

@@ -18,11 +18,18 @@ from .settings import GatewaySettings
 
 log = logging.getLogger("ridge.gateway")
 
+# The kernel's send buffer of each HTTP connection (Linux doubles it; accepted sockets inherit it): what
+# a client that stops reading can make the kernel hold for it before the gateway sees it stuck (then
+# aborts it: daemon/aio_client.py). Autotuning would let each such client pin up to tcp_wmem's 4 MiB;
+# a token stream needs a few KB a second, and 128 KiB per round trip still carries a whole answer fast.
+SEND_BUFFER_BYTES = 128 << 10
+
 
 def listen(settings: GatewaySettings) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     try:
         sock.bind((settings.host, settings.port))
         sock.listen(2048)
