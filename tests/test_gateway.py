@@ -283,6 +283,11 @@ def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
     conn = http.client.HTTPConnection(host, int(port))
     conn.request("POST", "/v1/completions", b"{not json", {"Content-Type": "application/json"})
     assert conn.getresponse().status == 400
+    for depth in (150, 100_000):  # past msgpack's limit, and past Python's recursion limit
+        nested = b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+        status, reply = ask(daemon.url, "POST", "/v1/completions", {"Content-Type": "application/json"}, nested)
+        assert status == 400 and "nests deeper" in reply["error"]["message"], reply
+    assert oai.completions.create(model="tiny", prompt="x", max_tokens=2).choices  # still serving
 
 
 def test_busy_daemon_is_429_with_retry_after(oai, daemon):

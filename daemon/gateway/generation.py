@@ -36,13 +36,35 @@ async def read_json(request: Request, limit: int) -> dict:
         if size > limit:
             raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         parts.append(chunk)
+    too_deep = bad(f"the body nests deeper than {MAX_DEPTH} levels")
     try:
         body = json.loads(b"".join(parts))
     except ValueError as e:
         raise bad(f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise too_deep from None
+    if _depth(body) > MAX_DEPTH:  # msgpack refuses to pack past 511 levels; no client means this
+        raise too_deep
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
+
+
+MAX_DEPTH = 100  # arrays and objects within each other
+
+
+def _depth(value) -> int:
+    """How deeply value's arrays and objects nest (walked without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d)
+        todo.extend((x, d + 1) for x in v)
+    return deepest
 
 
 async def _disconnected(receive) -> None:
