@@ -186,7 +186,8 @@ class KVCacheManager:
         need = -(-num_tokens // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        self._mirror(req_id, blocks)
+        if self._mirrored.get(req_id, -1) != len(blocks):  # most decode steps add no block
+            self._mirror(req_id, blocks)
         return blocks
 
     def _mirror(self, req_id: str, blocks: list[int]) -> None:

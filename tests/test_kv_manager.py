@@ -373,3 +373,20 @@ class ManagerMachine(RuleBasedStateMachine):
 
 ManagerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 test_manager_keeps_its_invariants = ManagerMachine.TestCase
+
+
+def test_block_rows_follow_the_block_lists_through_growth_truncation_and_free():
+    """The block table is filled from each request's int32 row: it must always equal its list."""
+    kv = KVCacheManager(64, BS)
+    for n in (1, BS, BS + 1, 5 * BS, 40 * BS):  # past the row's first capacity (16 blocks)
+        kv.allocate("a", n)
+        assert kv.block_row("a").tolist() == kv.block_ids("a")
+    kv.truncate("a", 3 * BS)  # rejected drafts roll back
+    assert kv.block_row("a").tolist() == kv.block_ids("a") and len(kv.block_ids("a")) == 3
+    kv.allocate("b", 2 * BS)  # another request takes the freed blocks
+    kv.allocate("a", 6 * BS)
+    assert kv.block_row("a").tolist() == kv.block_ids("a") and len(kv.block_ids("a")) == 6
+    assert kv.block_row("b").tolist() == kv.block_ids("b")
+    kv.free("a")
+    kv.allocate("a", BS)
+    assert kv.block_row("a").tolist() == kv.block_ids("a")
