@@ -96,6 +96,7 @@ class EngineLoop(threading.Thread):
 
     # -- called from the socket thread ---------------------------------------------
     def add(self, engine_id: str, prompt_token_ids: list[int], params, cache_salt: str = "") -> None:
+        """A request the daemon's Validator admitted: the engine does not check it again."""
         self.inbox.append(("add", engine_id, prompt_token_ids, params, cache_salt))
         self._wake.set()
 
@@ -151,7 +152,7 @@ class EngineLoop(threading.Thread):
             if cmd[0] == "add":
                 _, eid, ids, params, salt = cmd
                 try:
-                    self.engine.add_request(eid, ids, params, salt)
+                    self.engine.add_request(eid, ids, params, salt, checked=True)
                 except InvalidRequest as e:
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop

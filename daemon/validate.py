@@ -1,7 +1,9 @@
 """Client messages -> checked, tokenized requests, on the socket thread.
 
-Mirrors the engine's admission rules (engine._validate) so that a request the
-engine would refuse is refused here, with an error frame, before it is queued."""
+Applies the engine's admission rules (engine._validate) so that a request the
+engine would refuse is refused here, with an error frame, before it is queued;
+what it admits (max_tokens fitted to the context, the response_format parsed
+and compiled) the engine takes as checked and does not check again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,6 +62,9 @@ class Validator:
         ids = self.prompt(body, rid)
         self.admissible(ids, params, rid)
         self.compiles(params, rid)
+        room = self.max_model_len - len(ids)
+        if params.max_tokens > room:  # as the engine does: the output stops at the context's end
+            params = params.derive(max_tokens=room)
         return GenerateRequest(rid, ids, params, stream, salt)
 
     def compiles(self, params: SamplingParams, rid: str | None) -> None:
@@ -125,7 +130,7 @@ class Validator:
         n = len(ids)
         if n == 0:
             raise ProtocolError(INVALID_REQUEST, "the prompt is empty", rid)
-        if n > self.limits.max_prompt_tokens:
+        if n > min(self.limits.max_prompt_tokens, self.max_model_len - 1):
             raise ProtocolError(INVALID_REQUEST, f"the prompt has {n} tokens; this daemon takes at most "
                                 f"{self.limits.max_prompt_tokens} (context {self.max_model_len}, including at "
                                 "least one generated token)", rid)

@@ -115,7 +115,9 @@ def test_generate_is_tokenized_and_bounded(validator):
     assert req.params.max_tokens == 5 and req.params.temperature == 1.0 and req.params.stop == ["x"]
     chat = validator.generate(gen(messages=[{"role": "user", "content": "hi"}], stream=False))
     assert chat.prompt_token_ids == validator.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
-    assert chat.params.max_tokens == 64  # the default 256, lowered to the daemon's limit
+    # The default 256, lowered to the daemon's limit (64), then to the context the prompt leaves,
+    # as the engine would: the engine takes what the validator admits without checking it again.
+    assert chat.params.max_tokens == 64 - len(chat.prompt_token_ids)
     assert validator.generate(gen(prompt_token_ids=[5, 6])).prompt_token_ids == [5, 6]
     assert code_of(validator.generate, gen(prompt_token_ids=[5] * 64)) == P.INVALID_REQUEST
     # 8 blocks of 16 hold 128 tokens; the context is 64, so it always fits here

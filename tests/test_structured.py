@@ -331,3 +331,21 @@ def test_one_constraint_asked_for_by_many_threads_at_once_compiles_once(loaded):
     for _ in range(2):  # a failure is not cached as in flight: it fails again, with its reason
         with pytest.raises(InvalidRequest, match="does not compile"):
             eng.grammars.compile(bad)
+
+
+def test_a_response_format_is_parsed_once_per_request(loaded):
+    """Admission parses it once; the engine's copies (max_tokens fitted to the context, one seed
+    per sample) share that parse, and a copy's changed fields are checked again."""
+    p = SamplingParams(max_tokens=8, temperature=0.7, seed=5, n=3, response_format=regex("ab(cd)+"))
+    assert p.constraint() is p.constraint() and p.derive(max_tokens=3).constraint() is p.constraint()
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        p.derive(max_tokens=0)
+    eng = make_engine(loaded)
+    rid = eng.add_request("x", [5, 6, 7], p)
+    samples = eng.groups[rid]
+    assert [s.params.seed for s in samples] == [5, 6, 7]
+    assert all(s.params.constraint() is p.constraint() for s in samples)
+    eng.abort_request(rid)
+    while eng.has_unfinished():
+        eng.step()
+    assert_no_leak(eng)

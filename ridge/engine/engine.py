@@ -8,7 +8,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import asdict
 
 import torch
 
@@ -163,7 +162,7 @@ class LLMEngine:
                                  "including at least one generated token")
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:
-            params = SamplingParams.from_dict({**asdict(params), "max_tokens": room})
+            params = params.derive(max_tokens=room)
         need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
         if need > self.kv_cache_manager.num_blocks:
             raise InvalidRequest(f"the request needs {need} KV blocks and the pool has {self.kv_cache_manager.num_blocks}; "
@@ -177,9 +176,12 @@ class LLMEngine:
         return None if c is None else self.grammars.compile(c)
 
     def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None,
-                    cache_salt: str = "") -> str:
+                    cache_salt: str = "", checked: bool = False) -> str:
         """prompt: token ids or raw text. cache_salt: the request shares prefix blocks only with
-        requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission."""
+        requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission.
+        checked: the daemon's validator (daemon/validate.py) admitted prompt and params by these
+        rules already, max_tokens fitted to the context and the constraint compiled, so they are
+        not checked again (its compilation is a cache hit of the compiler both share)."""
         params = params or SamplingParams()
         if not isinstance(cache_salt, str):
             raise InvalidRequest("cache_salt must be a string")
@@ -187,13 +189,14 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = self._validate(ids, params)
+        if not checked:
+            params = self._validate(ids, params)
         compiled = self.compile_constraint(params)
         samples = []
         for i in range(params.n):
             iid = request_id if params.n == 1 else f"{request_id}#{i}"
             sp = params if params.n == 1 or params.seed is None else \
-                SamplingParams.from_dict({**asdict(params), "seed": params.seed + i})  # distinct samples
+                params.derive(seed=(params.seed + i) % (1 << 63))  # distinct samples
             req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
                           group_id=request_id if params.n > 1 else None, client_id=request_id, index=i,
                           cache_salt=cache_salt,

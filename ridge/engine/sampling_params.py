@@ -1,6 +1,7 @@
 """Sampling parameters: what a request asks of the sampler, validated at admission."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 
@@ -26,8 +27,15 @@ class SamplingParams:
     # What the output must be (structured/format.py): OpenAI's json_schema / json_object, or
     # ridge's regex / grammar. None or {"type": "text"}: free text.
     response_format: dict | None = None
+    # response_format parsed once, when the params are made (structured.format.Constraint or None).
+    _constraint: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        self._check()
+        if self.response_format is not None:
+            self._constraint = self._parse()  # its shape; whether it compiles is asked at admission
+
+    def _check(self) -> None:
         checks = [
             (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1 << 20, "max_tokens must be an integer >= 1"),
             (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
@@ -44,11 +52,8 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise InvalidRequest(msg)
-        if self.response_format is not None:
-            self.constraint()  # its shape; whether it compiles is asked at admission
 
-    def constraint(self):
-        """-> the parsed response_format (structured.format.Constraint), or None for free text."""
+    def _parse(self):
         from .structured.format import parse_response_format
 
         c = parse_response_format(self.response_format)
@@ -57,13 +62,27 @@ class SamplingParams:
                                  "the end of the constrained output is its end of sequence")
         return c
 
+    def constraint(self):
+        """-> the parsed response_format (structured.format.Constraint), or None for free text."""
+        return self._constraint
+
+    def derive(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed, checked again, its parsed response_format shared."""
+        if "response_format" in changes or "ignore_eos" in changes:
+            raise ValueError("derive() keeps the response_format: make new params for another one")
+        new = copy.copy(self)
+        for k, v in changes.items():
+            setattr(new, k, v)
+        new._check()
+        return new
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls) if f.init}
         unknown = set(d) - names
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(sorted(map(str, unknown)))}")
