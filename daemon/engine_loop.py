@@ -14,13 +14,14 @@ cores; built and stepped here, 82-90 ms on 2.0 cores (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 
 from ridge.engine.sampling_params import InvalidRequest
 from ridge.errors import internal_error
+
+from .wake import drain, poke, wake_pipe
 
 log = logging.getLogger("ridge.daemon.engine")
 
@@ -79,9 +80,7 @@ class EngineLoop(threading.Thread):
         self._out_lock = threading.Lock()  # the outbox and _held change together, so their order holds
         self._wake = threading.Event()
         self._stopping = False
-        self.wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self.wake_r, self._wake_w = wake_pipe()
         self.tick = time.monotonic()  # last completed loop iteration: health's engine_lag
         self.snapshot: tuple[int, float, dict] = (0, time.time(), {})  # (seq, unix time, engine.stats())
         self._last_stats = time.monotonic()
@@ -109,10 +108,7 @@ class EngineLoop(threading.Thread):
         self._wake.set()
 
     def drain_outbox(self) -> list:
-        try:
-            os.read(self.wake_r, 1 << 16)
-        except BlockingIOError:
-            pass
+        drain(self.wake_r)
         with self._out_lock:
             items = list(self.outbox)
             self.outbox.clear()
@@ -141,10 +137,7 @@ class EngineLoop(threading.Thread):
         self._poke()
 
     def _poke(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: a wake-up is already pending
-            pass
+        poke(self._wake_w)
 
     def _apply_commands(self) -> None:
         while self.inbox:

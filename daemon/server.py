@@ -1,9 +1,12 @@
 """The socket thread: ROUTER in, frames out, and everything that is not the
 engine's own work (docs/protocol.md §10).
 
-One thread owns every ZeroMQ socket. It decodes and checks frames, tokenizes
-prompts, answers the small operations itself, turns engine outputs into
-frames, keeps clients' liveness, publishes stats, and drains on a signal."""
+One thread owns every ZeroMQ socket. It decodes and checks frames, answers
+the small operations itself, turns engine outputs into frames, keeps clients'
+liveness, publishes stats, and drains on a signal. What costs CPU in
+proportion to a request (tokenizing, chat templates, compiling constraints)
+runs on the admission workers (daemon/admission.py); this thread only takes
+their results, each client's in the order it sent them."""
 from __future__ import annotations
 
 import itertools
@@ -17,6 +20,7 @@ import zmq
 from ridge.errors import internal_error
 
 from . import protocol as P
+from .admission import Admission
 from .engine_loop import EngineLoop
 from .peers import Peer
 from .protocol import Limits, ProtocolError, message, pack
@@ -53,6 +57,9 @@ class Server:
         lim = cfg.limits
         self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
                                    model["block_size"], model["num_kv_blocks"], lim, engine.grammars)
+        self.admission = Admission()
+        self._frame_bytes = 0
+        self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame}
         self.ctx = zmq.Context.instance()
         self.routers: list[zmq.Socket] = []
         self.pub: zmq.Socket | None = None
@@ -111,6 +118,7 @@ class Server:
             s.close()
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
+        self.admission.close()
 
     # -- the loop ------------------------------------------------------------------
     def request_drain(self) -> None:
@@ -124,11 +132,14 @@ class Server:
         for r in self.routers:
             poller.register(r, zmq.POLLIN)
         poller.register(self.loop.wake_r, zmq.POLLIN)
+        poller.register(self.admission.wake_r, zmq.POLLIN)
         while True:
             events = dict(poller.poll(50))
             for r in self.routers:
                 if r in events:
                     self._receive(r)
+            if self.admission.wake_r in events:
+                self._on_admitted(self.admission.ready())
             if self.loop.wake_r in events or self.loop.outbox:
                 self._on_engine(self.loop.drain_outbox())
             now = time.monotonic()
@@ -164,12 +175,30 @@ class Server:
             rid = P.reply_id_of(msg)
             P.check_plain(msg, rid)
             env = P.envelope(msg)
+            self._frame_bytes = len(frames[0])  # what an admission of this message holds (admission.py)
             self.handlers[env.type](peer, env)
-        except ProtocolError as e:
-            self.counts["errors_sent"] += 1
+        except Exception as e:
+            self._refuse(peer, e, rid)
+
+    def _on_admitted(self, done: list) -> None:
+        """The workers' results, each client's in arrival order: the rest of each message's
+        handling (and every error frame) happens here, on the socket thread."""
+        for p in done:
+            if p.peer.gone:  # it disconnected or timed out while its admission ran: nothing to send
+                continue
+            try:
+                if p.error is not None:
+                    raise p.error
+                self.finishers[p.env.type](p)
+            except Exception as e:
+                self._refuse(p.peer, e, p.env.id)
+
+    def _refuse(self, peer: Peer, e: Exception, rid: str | None) -> None:
+        """The error frame for what handling a message raised; a daemon bug must not take the daemon down."""
+        self.counts["errors_sent"] += 1
+        if isinstance(e, ProtocolError):
             self._send(peer, P.error(e.code, e.message, e.request_id, **e.extra))
-        except Exception as e:  # a daemon bug must not take the daemon down
-            self.counts["errors_sent"] += 1
+        else:
             self._send(peer, P.error(P.INTERNAL, internal_error(log, "internal error on a client message", e), rid))
 
     def _send(self, peer: Peer, msg: dict) -> None:
@@ -201,10 +230,17 @@ class Server:
                                  pub_endpoint=c.pub_endpoint, state=self.state, prefix_sharing=c.prefix_sharing))
 
     def _generate(self, peer: Peer, env) -> None:
+        self._admitting(env.id)
+        self.admission.submit(peer, env, self.validator.generate, self._frame_bytes)
+
+    def _admitting(self, rid: str) -> None:
         if self.state != "ok":
-            raise ProtocolError(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", env.id)
-        req = self.validator.generate(env)
-        lim = self.cfg.limits
+            raise ProtocolError(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", rid)
+
+    def _admit(self, p) -> None:
+        """A generate the validator passed: the daemon's own limits, then the engine's queue."""
+        self._admitting(p.env.id)  # the drain may have begun while it was validated
+        peer, req, lim = p.peer, p.result, self.cfg.limits
         if req.id in peer.requests:
             raise ProtocolError(P.DUPLICATE_ID, f"request id {req.id!r} is already in flight on this connection",
                                 req.id)
@@ -219,6 +255,9 @@ class Server:
         peer.requests[req.id] = self.inflight[eid] = inf
         self.loop.add(eid, req.prompt_token_ids, req.params,
                       engine_salt(peer.identity, req.cache_salt, self.cfg.prefix_sharing))
+        if p.aborted:  # the client aborted it while it was validated: the engine sends its final
+            self.aborts["client"] += 1
+            self.loop.abort(eid)
 
     def _abort(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)
@@ -226,13 +265,28 @@ class Server:
         if inf is not None and not inf.done:
             self.aborts["client"] += 1
             self.loop.abort(inf.engine_id)
+        for p in self.admission.pending_for(peer):  # still being validated: aborted once admitted
+            if p.env.type == "generate" and p.env.id == env.id:
+                p.aborted = True
 
     def _tokenize(self, peer: Peer, env) -> None:
+        self.admission.submit(peer, env, self._tokenize_frame, self._frame_bytes)
+
+    def _tokenize_frame(self, env) -> bytes:
+        """On a worker: the reply is encoded there too (a 512 KiB text is 140K ids to pack)."""
         ids = self.validator.tokenize(env)
-        self._send(peer, message("tokenize", env.id, token_ids=ids, count=len(ids)))
+        return pack(message("tokenize", env.id, token_ids=ids, count=len(ids)))
 
     def _detokenize(self, peer: Peer, env) -> None:
-        self._send(peer, message("detokenize", env.id, text=self.validator.detokenize(env)))
+        self.admission.submit(peer, env, self._detokenize_frame, self._frame_bytes)
+
+    def _detokenize_frame(self, env) -> bytes:
+        return pack(message("detokenize", env.id, text=self.validator.detokenize(env)))
+
+    def _send_frame(self, p) -> None:
+        if not p.peer.gone:
+            p.peer.outq.append(p.result)
+            self._flush(p.peer)
 
     def _stats(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)
@@ -250,7 +304,8 @@ class Server:
 
     def stats_message(self, type_: str, rid: str | None = None) -> dict:
         seq, t, st = self.loop.snapshot
-        daemon = {"clients": len(self.peers), "in_flight": len(self.inflight), **self.counts,
+        daemon = {"clients": len(self.peers), "in_flight": len(self.inflight), "admitting": self.admission.count,
+                  **self.counts,
                   "aborts": dict(self.aborts), "held_bytes": self._held_bytes(), "state": self.state,
                   "pid": os.getpid(),
                   "cpu_s": {"socket_thread": time.thread_time(), "process": time.process_time()}}
@@ -359,7 +414,7 @@ class Server:
                     self._time_out(peer)
                 elif now - peer.last_send >= c.heartbeat_interval and not peer.outq:
                     self._send(peer, message("heartbeat", time=time.time()))
-            elif not peer.outq and now - peer.last_recv > PEER_FORGET_S:
+            elif not peer.outq and now - peer.last_recv > PEER_FORGET_S and not self.admission.pending_for(peer):
                 del self.peers[peer.key]
 
     # -- draining --------------------------------------------------------------------
@@ -388,7 +443,7 @@ class Server:
                 self._mark(inf, touched)
             for peer in touched:
                 self._flush(peer)
-        if self.inflight:
+        if self.inflight or self.admission.count:  # a pending admission ends in a reply too
             return False
         self._quiet_since = self._quiet_since or now
         pending = [p for p in self.peers.values() if p.outq]

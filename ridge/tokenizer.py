@@ -151,6 +151,12 @@ def _raise_exception(message):
     raise TemplateError(message)
 
 
+# Characters past which encode() goes through tokenizers' batch call: the same ids (it only skips
+# the offsets), and it releases the GIL, which encode() holds (512 KiB of text: 0.37 s), so the
+# daemon's socket thread keeps running while an admission worker tokenizes (daemon/admission.py).
+LONG_TEXT = 4096
+
+
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
                  add_bos: bool, chat_template: str | None, name: str = "",
@@ -231,7 +237,10 @@ class Tokenizer:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > LONG_TEXT:  # the batch call releases the GIL while it runs; encode() holds it
+            ids = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         wants_bos = self.add_bos and self.bos_token_id is not None and not self._backend_adds_bos
         if add_special_tokens and wants_bos:
             ids.insert(0, self.bos_token_id)

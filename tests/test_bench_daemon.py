@@ -33,3 +33,16 @@ def test_startup_times_each_start_to_its_first_health_reply(tmp_path):
     assert rc == 0
     times = json.loads(out.read_text())["startup_s"]
     assert len(times) == 2 and all(0 < t < 120 for t in times)
+
+
+def test_health_under_admission_load(tmp_path):
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "health-load.json"
+    rc = main(["bench-daemon", "--model", str(path), "--device", "cpu", "--threads", "1", "--kv-memory-gib", "0.002",
+               "--health-under-load", "2", "--load-seconds", "1.5", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["clients"] == 2 and res["loaded_s"]["n"] == res["round_trips"] > 20
+    assert 0 < res["loaded_s"]["p50"] <= res["loaded_s"]["p99"] <= res["max_s"]
+    # 512 KiB is far past the tiny model's 256 positions: each long prompt is refused (the short ones run)
+    assert res["loader_replies"]["invalid_request"] > 0 and res["loader_replies"]["ok"] > 0

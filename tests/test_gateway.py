@@ -445,8 +445,8 @@ def test_metrics_parse_and_move(oai, daemon):
 # -- internal errors: an error id for the client, the exception for the log ----------------------------------
 FAULTS = textwrap.dedent('''
     """`ridge` with two library functions that fail on marked input, as a library bug or a failing
-    GPU would: llguidance's grammar reader on a grammar that says "ridgeboom" (at admission, on the
-    daemon's socket thread), and torch's Generator.manual_seed(4242) (in a step, on the engine thread)."""
+    GPU would: llguidance's grammar reader on a grammar that says "ridgeboom" (at admission, on one of
+    the daemon's admission workers), and torch's Generator.manual_seed(4242) (in a step, on the engine thread)."""
     import sys
 
     import llguidance
@@ -499,8 +499,8 @@ def logged(d: Daemon, error_id: str, timeout: float = 10.0) -> str:
 
 
 def test_a_daemon_failure_is_an_error_id_for_the_client(faulty):
-    """An exception on the socket thread is the `internal` error frame; one in a step is the request's
-    final error, which the gateway answers with a 500. Neither says what the exception said; the
+    """An exception at admission (on a worker, daemon/admission.py) is the `internal` error frame;
+    one in a step is the request's final error, which the gateway answers with a 500. Neither says what the exception said; the
     daemon's log has it, with its traceback, under the same id."""
     raw = Raw(faulty.endpoint)
     fmt = {"type": "grammar", "grammar": 'start: "ridgeboom"'}

@@ -43,6 +43,9 @@ def add_bench_daemon_parser(sub) -> None:
                    help="only time N starts of `ridge serve`, from exec to the first health reply")
     p.add_argument("--thread-check", action="store_true",
                    help="only time engine steps on the main thread, on another thread, and built on another thread")
+    p.add_argument("--health-under-load", type=int, default=0, metavar="N",
+                   help="only time health round trips while N clients send 512 KiB prompts and new JSON schemas")
+    p.add_argument("--load-seconds", type=float, default=10.0, help="how long --health-under-load pings")
     p.add_argument("--json", default=None, metavar="PATH")
     add_engine_args(p)
     p.set_defaults(func=run_bench_daemon)
@@ -228,6 +231,8 @@ def run_bench_daemon(args) -> int:
 
     from .workloads import make_workload
 
+    if args.health_under_load:
+        return _run_health_under_load(args)
     if args.thread_check or args.startup:
         res = {"command": shlex.join(["ridge", "bench-daemon"] + sys.argv[2:])}
         if args.thread_check:
@@ -282,6 +287,27 @@ def run_bench_daemon(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
+    return 0
+
+
+def _run_health_under_load(args) -> int:
+    from .health_load import health_under_load
+
+    proc, endpoint = (None, args.endpoint) if args.endpoint else _spawn(args, 1)
+    try:
+        r = health_under_load(endpoint, args.health_under_load, args.load_seconds)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    r["command"] = shlex.join(["ridge", "bench-daemon"] + sys.argv[2:])
+    i, b = r["idle_s"], r["loaded_s"]
+    print(f"health idle: p50 {_ms(i['p50'])}, p99 {_ms(i['p99'])}; under {r['clients']} loaders: p50 "
+          f"{_ms(b['p50'])}, p99 {_ms(b['p99'])}, max {_ms(r['max_s'])} over {r['round_trips']} round trips; "
+          f"loader replies {r['loader_replies']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
     return 0
 
 
