@@ -20,35 +20,86 @@ from .kv_cache import FP8
 from .metadata import AttentionMetadata
 
 
-def _attend(q, k, v, mask, scale):
+def check_window_softcap(window: int | None, softcap: float | None) -> None:
+    """The arguments every backend takes: a sliding window of at least one key (the query's own),
+    a soft-cap that is a positive finite number. Refused loudly, never run approximately."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"paged_attention: window must be an int >= 1 or None, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"paged_attention: softcap must be a positive finite number or None, got {softcap!r}")
+
+
+def _first_key(pos: int, window: int | None) -> int:
+    """The first key a query at position `pos` sees: transformers' sliding window keeps keys j
+    with pos - window < j <= pos."""
+    return 0 if window is None else max(0, pos - window + 1)
+
+
+def _attend(q, k, v, mask, scale, softcap=None):
     # q: [B, H, Tq, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Tq, L] bool (True = attend)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    # SDPA cannot cap the scores: they are formed here, in fp32 (Gemma 2's s = c * tanh(s / c),
+    # on the scaled scores, before the mask). Head h reads KV head h // group, as enable_gqa does.
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(b, hkv, h // hkv, tq, d)
+    s = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, Tq, L]
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), v.float().unsqueeze(2))  # [B, Hkv, G, Tq, D]
+    return o.view(b, h, tq, d).to(q.dtype)
 
 
 class _RefPlan:
     """What the reference needs about one step's batch, built once per step (every layer
     shares the metadata): 30 layers rebuilding index and mask tensors cost more than the
-    attention arithmetic itself at decode on CPU."""
+    attention arithmetic itself at decode on CPU. The window-dependent parts are built once per
+    window the step's layers use (Gemma alternates sliding and full layers)."""
 
     def __init__(self, meta: AttentionMetadata, block_size: int, device: torch.device):
-        qlens, slens = meta.query_lens_host, meta.seq_lens_host
-        starts = _starts(qlens)
-        decodes = [i for i, n in enumerate(qlens) if n == 1]
-        table = meta.block_table.to(device)
-        self.all_decode = len(decodes) == len(qlens)
-        self.decode_rows = None if self.all_decode else torch.tensor([starts[i] for i in decodes], device=device)
-        self.decode = None
-        if decodes:
-            nb = math.ceil(max(slens[i] for i in decodes) / block_size)
-            seqs = torch.tensor(decodes, device=device)
-            blocks = (table if self.all_decode else table[seqs])[:, :nb].long().reshape(-1)  # [Bd * nb]
-            lens = meta.seq_lens.to(device)
-            lens = lens if self.all_decode else lens[seqs]
-            mask = (torch.arange(nb * block_size, device=device) < lens[:, None])[:, None, None, :]
-            self.decode = (len(decodes), nb * block_size, blocks, mask)
-        # Multi-token queries (prefill chunks, speculative verification): one causal call each.
-        self.chunks = _chunks(meta, table, starts, block_size, 1, device)
+        self.meta, self.block_size, self.device = meta, block_size, device
+        qlens = meta.query_lens_host
+        self.starts = _starts(qlens)
+        self.decodes = [i for i, n in enumerate(qlens) if n == 1]
+        self.table = meta.block_table.to(device)
+        self.all_decode = len(self.decodes) == len(qlens)
+        self.decode_rows = None if self.all_decode else torch.tensor([self.starts[i] for i in self.decodes],
+                                                                      device=device)
+        self._windows: dict = {}
+
+    def for_window(self, window: int | None) -> tuple:
+        """(decode, chunks) for this window: the decodes' gather and mask, one batched call;
+        multi-token queries (prefill chunks, speculative verification), one call each."""
+        got = self._windows.get(window)
+        if got is None:
+            got = self._windows[window] = (self._decode(window),
+                                           _chunks(self.meta, self.table, self.starts, self.block_size, 1,
+                                                   self.device, window))
+        return got
+
+    def _decode(self, window: int | None):
+        """Each decode reads its own blocks from the first one inside its window: rows shorter than
+        the widest repeat their last block (masked), so no row reads a block behind its window or
+        past its context (such table entries may point at a freed or reused block)."""
+        if not self.decodes:
+            return None
+        bs, device = self.block_size, self.device
+        lens = [self.meta.seq_lens_host[i] for i in self.decodes]
+        first = torch.tensor([_first_key(L - 1, window) // bs for L in lens], device=device)
+        last = torch.tensor([(L - 1) // bs for L in lens], device=device)
+        nb = int((last - first).max()) + 1
+        cols = first[:, None] + torch.arange(nb, device=device)  # [Bd, nb]
+        table = self.table if self.all_decode else self.table[torch.tensor(self.decodes, device=device)]
+        blocks = table.gather(1, torch.minimum(cols, last[:, None])).long().reshape(-1)  # [Bd * nb]
+        pos = (cols[:, :, None] * bs + torch.arange(bs, device=device)).reshape(len(lens), -1)  # [Bd, nb * bs]
+        end = torch.tensor(lens, device=device)[:, None]
+        mask = pos < end
+        if window is not None:
+            mask &= pos >= end - window
+        return len(lens), nb * bs, blocks, mask[:, None, None, :]
 
 
 def _starts(query_lens: list[int]) -> list[int]:
@@ -60,25 +111,31 @@ def _starts(query_lens: list[int]) -> list[int]:
 
 
 def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], block_size: int,
-            longer_than: int, device: torch.device) -> list[tuple]:
-    """(start, n, L, blocks, causal mask) of each query longer than `longer_than` tokens."""
+            longer_than: int, device: torch.device, window: int | None = None) -> list[tuple]:
+    """(start, n, keys, blocks, mask) of each query longer than `longer_than` tokens: its blocks
+    from the first inside the window of its first token (`keys` keys from that block's start),
+    and the causal, windowed mask over them."""
     out = []
     for i, n in enumerate(meta.query_lens_host):
         if n > longer_than:
             L = meta.seq_lens_host[i]
-            blocks = table[i, :math.ceil(L / block_size)].long()
-            q_pos = torch.arange(L - n, L, device=device)
-            mask = (torch.arange(L, device=device)[None, :] <= q_pos[:, None])[None, None]
-            out.append((starts[i], n, L, blocks, mask))
+            first = _first_key(L - n, window) // block_size
+            blocks = table[i, first:math.ceil(L / block_size)].long()
+            q_pos = torch.arange(L - n, L, device=device)[:, None]
+            k_pos = torch.arange(first * block_size, L, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            out.append((starts[i], n, L - first * block_size, blocks, mask[None, None]))
     return out
 
 
-def _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out) -> None:
-    for start, n, L, blocks, mask in chunks:
-        k = _gather(k_cache, k_scale, blocks, q.dtype, 1, L)  # [1, Hkv, L, D]
-        v = _gather(v_cache, v_scale, blocks, q.dtype, 1, L)
+def _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap=None) -> None:
+    for start, n, keys, blocks, mask in chunks:
+        k = _gather(k_cache, k_scale, blocks, q.dtype, 1, keys)  # [1, Hkv, keys, D]
+        v = _gather(v_cache, v_scale, blocks, q.dtype, 1, keys)
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale)[0].transpose(0, 1)
+        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale, softcap)[0].transpose(0, 1)
 
 
 def _gather(cache, scale, blocks, dtype, rows: int, length: int):
@@ -95,27 +152,31 @@ def _gather(cache, scale, blocks, dtype, rows: int, length: int):
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                        meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. Query token j of a sequence with q_len n and
-    context length L sits at position L - n + j and sees keys 0 .. L - n + j.
-    All single-token queries (decodes) go through one batched call."""
+    context length L sits at position p = L - n + j and sees keys 0 .. p, or with a sliding
+    window keys p - window < key <= p. softcap: scores s (scaled) become softcap * tanh(s / softcap)
+    before the mask (Gemma 2). All single-token queries (decodes) go through one batched call."""
+    check_window_softcap(window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     assert k_cache.shape[-1] == head_dim and num_heads % k_cache.shape[2] == 0
     assert num_tokens == sum(meta.query_lens_host)
     plan = meta.state_for(_RefPlan, block_size, block_size, q.device)
-    if plan.decode is not None:
-        rows, length, blocks, mask = plan.decode
+    decode, chunks = plan.for_window(window)
+    if decode is not None:
+        rows, length, blocks, mask = decode
         k = _gather(k_cache, k_scale, blocks, q.dtype, rows, length)  # [Bd, Hkv, L, D]
         v = _gather(v_cache, v_scale, blocks, q.dtype, rows, length)
         qd = q if plan.all_decode else q[plan.decode_rows]
-        o = _attend(qd.unsqueeze(2), k, v, mask, softmax_scale).squeeze(2)  # [Bd, H, D]
+        o = _attend(qd.unsqueeze(2), k, v, mask, softmax_scale, softcap).squeeze(2)  # [Bd, H, D]
         if plan.all_decode:
             return o
     out = torch.empty_like(q)
-    if plan.decode is not None:
+    if decode is not None:
         out[plan.decode_rows] = o
-    _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
+    _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap)
     return out
 
 
@@ -318,11 +379,14 @@ def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                           meta: AttentionMetadata, softmax_scale: float, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
+                           softcap: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
     """Same contract as paged_attention_ref. Host lists (max query/seq length) only size
     the grid; lengths, offsets and blocks are read on the device. num_splits overrides
     the flash-decoding heuristic (tests)."""
+    check_window_softcap(window, softcap)
+    if window is not None or softcap is not None:
+        raise ValueError("paged_attention_triton: window and softcap are not in this kernel yet")
     _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

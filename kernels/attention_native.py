@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .attention import _attend_chunks, _chunks, _starts
+from .attention import _attend_chunks, _chunks, _starts, check_window_softcap
 from .kv_cache import FP8, NATIVE_KV
 from .metadata import AttentionMetadata
 
@@ -20,9 +20,12 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-         v_scale: torch.Tensor | None, meta: AttentionMetadata) -> bool:
+         v_scale: torch.Tensor | None, meta: AttentionMetadata, window: int | None = None,
+         softcap: float | None = None) -> bool:
     """Whether the C kernel takes this call: the library built, fp32 queries, an fp32, bf16 or FP8
     cache (FP8 with its fp16 scales), contiguous, and head shapes within its limits."""
+    if window is not None or softcap is not None:
+        return False
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if (native.library() is None or q.dtype != torch.float32 or NATIVE_KV.get(k_cache.dtype) is None
@@ -54,8 +57,12 @@ class _NativePlan:
 
 def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                           meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """paged_attention_ref's contract, for a call that fits()."""
+    check_window_softcap(window, softcap)
+    if window is not None or softcap is not None:
+        raise ValueError("paged_attention_native: the C kernel takes no window or softcap yet; fits() refuses them")
     num_tokens, num_heads, head_dim = q.shape
     fp8 = k_cache.dtype == FP8
     plan = meta.state_for(_NativePlan, (k_cache.shape[1], k_cache.shape[2], num_tokens), q, k_cache)

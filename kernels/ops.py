@@ -124,16 +124,21 @@ def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta:
             key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
 
 
-def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale):
-    fn = paged_attention_native if attention_native.fits(q, k_cache, v_cache, k_scale, v_scale, meta) \
+def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=None, softcap=None):
+    fn = paged_attention_native if attention_native.fits(q, k_cache, v_cache, k_scale, v_scale, meta,
+                                                         window=window, softcap=softcap) \
         else paged_attention_ref
-    return fn(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+    return fn(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap)
 
 
-def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float):
+def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float,
+                    window: int | None = None, softcap: float | None = None):
+    """window: a sliding window (a query at p sees keys p - window < j <= p; None: full causal);
+    softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
+    Every backend takes both and skips the KV blocks wholly behind the window."""
     with section("attention"):
         return _pick("paged_attention", paged_attention_ref, q, _paged_attention_cpu)(
-            q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale)
+            q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap)
 
 
 if torch.cuda.is_available():

@@ -95,3 +95,47 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], *, num_head
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(q_dtype)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, [-1] * num_tokens)
     return PagedBatch(q, k_cache, v_cache, k_scale, v_scale, meta)
+
+
+def poison_behind_window(batch: PagedBatch, window: int) -> None:
+    """NaN into every cached block wholly behind the window of its sequence's first query (what
+    a freed block may hold once reused): an attention that reads one returns NaN. FP8 caches get
+    NaN scales, which any dequantization carries."""
+    bs = batch.k_cache.shape[1]
+    meta = batch.meta
+    for i, (n, L) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        behind = meta.block_table[i, :max(0, L - n - window + 1) // bs].long()
+        for cache, scale in ((batch.k_cache, batch.k_scale), (batch.v_cache, batch.v_scale)):
+            if scale is not None:
+                scale[behind] = float("nan")
+            else:
+                cache[behind] = float("nan")
+
+
+def naive_attention(batch: PagedBatch, softmax_scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """The oracle of every paged attention: one query at a time, in float64, over the keys its
+    position sees (transformers' rule: p - window < j <= p), each read through the block table."""
+    q, meta = batch.q, batch.meta
+    bs, hkv = batch.k_cache.shape[1], batch.k_cache.shape[2]
+    group = q.shape[1] // hkv
+
+    def read(cache, scale, blocks, offsets):  # -> [keys, H, D], each KV head repeated for its group
+        x = cache[blocks, offsets].double()
+        if scale is not None:
+            x = x * scale[blocks, offsets].double()[..., None]
+        return x.repeat_interleave(group, dim=1)
+
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for i, (n, L) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        for p in range(L - n, L):
+            keys = torch.arange(0 if window is None else max(0, p - window + 1), p + 1)
+            blocks, offsets = meta.block_table[i, keys // bs].long(), keys % bs
+            k, v = read(batch.k_cache, batch.k_scale, blocks, offsets), read(batch.v_cache, batch.v_scale, blocks, offsets)
+            s = torch.einsum("hd,khd->hk", q[row].double(), k) * softmax_scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[row] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
+            row += 1
+    return out

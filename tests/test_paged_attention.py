@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_utils import assert_close, make_paged_batch, naive_attention, poison_behind_window
 
+from ridge.kernels import ops
 from ridge.kernels.attention import paged_attention_ref
 from ridge.kernels.kv_cache import write_kv_ref
 from ridge.kernels.metadata import AttentionMetadata
@@ -83,3 +85,52 @@ def test_write_kv_quantizes_per_token_head_and_skips_padding():
     deq = kc.view(-1, HKV, D)[40].float() * ks.view(-1, HKV)[40].float()[:, None]
     torch.testing.assert_close(deq, k[2], atol=0, rtol=2 ** -4)
     assert ks.view(-1, HKV)[6:40].abs().sum() == 0  # the padding token (-1) wrote nothing
+
+
+# Sliding windows and soft-capping. Block 16; windows smaller than a block, equal, larger, and
+# none. The batch mixes decodes and chunks whose contexts cross block and window boundaries.
+WINDOWS = [1, 7, 16, 33, None]
+WINDOWED = dict(query_lens=[1, 17, 40, 1, 5, 1], context_lens=[100, 40, 0, 47, 3, 15])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_window_softcap_against_naive(window, softcap, kv_dtype):
+    batch = make_paged_batch(**WINDOWED, num_heads=4, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
+                             q_dtype=torch.float32)
+    if window is not None:
+        poison_behind_window(batch, window)
+    scale = 32 ** -0.5
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta,
+                              scale, window=window, softcap=softcap)
+    assert_close(out, naive_attention(batch, scale, window, softcap).float(), torch.float32)
+
+
+def test_reference_layers_of_two_windows_share_one_step():
+    # Gemma alternates sliding and full layers over one step's metadata: each gets its own mask.
+    batch = make_paged_batch(**WINDOWED, num_heads=2, num_kv_heads=1, head_dim=16, kv_dtype=torch.float32,
+                             q_dtype=torch.float32)
+    args = (batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.25)
+    for window in (8, None, 8, 20):
+        assert_close(paged_attention_ref(*args, window=window), naive_attention(batch, 0.25, window).float())
+
+
+def test_softcap_bounds_the_scores():
+    # Huge scores: capped at +-2 the weights stay within e^4 of each other, uncapped one key wins.
+    batch = make_paged_batch([1], [30], num_heads=1, num_kv_heads=1, head_dim=16, kv_dtype=torch.float32,
+                             q_dtype=torch.float32)
+    batch.q *= 1000
+    args = (batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.25)
+    capped = paged_attention_ref(*args, softcap=2.0)
+    assert_close(capped, naive_attention(batch, 0.25, None, 2.0).float())
+    assert not torch.allclose(capped, paged_attention_ref(*args), atol=1e-2)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (-3, None), (2.0, None), (True, None),
+                                            (None, 0.0), (None, -1.0), (None, float("inf")), (None, "50")])
+def test_bad_window_or_softcap_is_refused(window, softcap):
+    batch = make_paged_batch([1], [4], num_heads=1, num_kv_heads=1, head_dim=16, kv_dtype=torch.float32)
+    with pytest.raises(ValueError, match="window|softcap"):
+        ops.paged_attention(batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.25,
+                            window=window, softcap=softcap)
