@@ -12,10 +12,13 @@ from ridge.config import ModelConfig
 from .errors import ModelLoadError
 from .progress import progress
 
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
 
 def read_hf_config(path: Path) -> ModelConfig:
+    """config.json -> ModelConfig through the model_type's family (quant/families.py), which
+    honours or refuses every field its transformers model reads."""
+    from .families import FAMILIES
+    from .hf_config import HFConfig
+
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(path, "no config.json in this directory")
@@ -23,27 +26,31 @@ def read_hf_config(path: Path) -> ModelConfig:
         c = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(cfg_file, f"invalid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ModelLoadError(cfg_file, "not a JSON object")
     kind = c.get("model_type")
-    if kind not in _ARCHS:
-        raise ModelLoadError(cfg_file, f"unsupported model_type {kind!r}; ridge runs {', '.join(_ARCHS)}")
-    arch = _ARCHS[kind]
-    heads = c["num_attention_heads"]
-    rope = c.get("rope_parameters") or {}  # transformers 5 moves theta and scaling here
-    scaling = c.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
-        scaling = None
-    return ModelConfig(
-        arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-        rope_theta=c.get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=scaling,
-        max_position=c.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        qk_norm=arch == "qwen3", name=path.name,
-    )
+    if kind not in FAMILIES:
+        raise ModelLoadError(cfg_file, f"unsupported model_type {kind!r}; ridge runs {', '.join(FAMILIES)}")
+    family = FAMILIES[kind]
+    view = HFConfig(c, cfg_file, family.defaults)
+    _check_quantization(view)
+    kw = family.model_config_kwargs(view)
+    kw["name"] = path.name
+    return ModelConfig(**kw)
+
+
+def _check_quantization(c) -> None:
+    """ridge reads FP8 e4m3 checkpoints with one weight_scale per tensor or per output channel;
+    any other quantization_config would be misread."""
+    q = c.get("quantization_config")
+    if q is None:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else q
+    if not isinstance(q, dict) or method not in ("fp8", "compressed-tensors"):
+        c.refuse("quantization_config.quant_method", method, "ridge reads FP8 checkpoints (fp8, compressed-tensors)")
+    if q.get("weight_block_size") is not None:
+        c.refuse("quantization_config.weight_block_size", q["weight_block_size"],
+                 "ridge reads one FP8 scale per tensor or per output channel, not per block")
 
 
 def load_hf(path, show_progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import torch
 
 from .fp8 import QUANT_VERSION
 
-FORMAT = 1
+FORMAT = 2  # 2: ModelConfig gained the per-family fields (issue 25); older entries lack them
 
 
 def cache_root() -> Path:

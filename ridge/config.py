@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text")
 
 
 @dataclass(slots=True)
@@ -22,8 +22,30 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2
-    qk_norm: bool = False  # qwen3
+    attention_bias: bool = False  # q, k and v projections have biases (qwen2; llama's attention_bias)
+    qk_norm: bool = False  # qwen3, gemma3_text
+    # The gated MLP's activation, as transformers' ACT2FN names it: silu, gelu (erf) or
+    # gelu_pytorch_tanh (the tanh approximation).
+    hidden_act: str = "silu"
+    o_bias: bool = False  # o_proj has a bias (llama's, qwen3's, olmo2's, granite's attention_bias)
+    mlp_bias: bool = False  # gate, up and down projections have biases
+    rotary_dim: int | None = None  # the leading dims of each head that rotate (partial rotary); None: all
+    softmax_scale: float | None = None  # None: head_dim ** -0.5 (granite: attention_multiplier)
+    embedding_multiplier: float = 1.0  # scales the embeddings (granite)
+    residual_multiplier: float = 1.0  # scales each sublayer's output before the residual add (granite)
+    logits_scaling: float = 1.0  # the logits are divided by it (granite)
+    # Layer i attends within a sliding window (keys p - window < j <= p) where layer_types[i] is
+    # "sliding_attention"; "full_attention" layers, or every layer when layer_types is None, see all.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    # Gemma 2/3 (ridge/models/gemma.py): softmax scale query_pre_attn_scalar ** -0.5; soft-caps
+    # s -> c * tanh(s / c) on the attention scores and on the final logits; the sliding layers'
+    # own RoPE base and scaling (Gemma 3; None: the full layers' table serves every layer).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict | None = None
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -32,6 +54,13 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.arch!r}; ridge runs {', '.join(SUPPORTED_ARCHS)}")
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group evenly over KV heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head_dim"
+        assert self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, None where it attends to the whole context."""
+        if self.layer_types is None or self.layer_types[i] == "full_attention":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:

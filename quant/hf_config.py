@@ -1,0 +1,162 @@
+"""Reading a Hugging Face config.json field by field, as transformers reads it.
+
+A family (quant/families.py) names every field its transformers model reads.
+Each is honoured, or refused with a ModelLoadError naming the field and its
+value where ridge cannot run it exactly; the fields that cannot change the math
+at inference (dropout, initialisation, token ids, ...) are listed as ignored.
+Keys the family's transformers model never reads leave its math unchanged and
+are ignored here too. The defaults are transformers' class defaults, for
+configs that leave a field out."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# What transformers' ACT2FN runs for each name -> ridge's name for the same function. gelu_new and
+# GELUTanh are one formula (their rounding differs in the last bit).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+               "gelu_new": "gelu_pytorch_tanh"}
+
+# Each rope_type's parameters, as transformers' modeling_rope_utils reads them; any other key in
+# rope_parameters is refused (it belongs to a variant ridge does not know).
+ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "original_max_position_embeddings", "truncate"},
+    "longrope": {"short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings"},
+}
+ROPE_REQUIRED = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
+                 "yarn": {"factor"}, "longrope": {"short_factor", "long_factor"}}
+_ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+
+class HFConfig:
+    """config.json's values with the family's defaults; refuse() names the field and its value."""
+
+    def __init__(self, values: dict, path: Path, defaults: dict):
+        self.values, self.path, self.defaults = values, path, defaults
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
+
+    def get(self, key: str):
+        """The value, or transformers' default where the file leaves the key out (None stays None)."""
+        return self.values[key] if key in self.values else self.defaults.get(key)
+
+    def require(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise ModelLoadError(self.path, f"config.json has no {key}")
+        return v
+
+    def refuse(self, key: str, value, why: str):
+        raise ModelLoadError(self.path, f"{key}={value!r}: {why}")
+
+    def flag(self, key: str) -> bool:
+        v = self.get(key)
+        if not isinstance(v, bool):
+            self.refuse(key, v, "expected true or false")
+        return v
+
+    def number(self, key: str) -> float:
+        v = self.require(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            self.refuse(key, v, "expected a finite number")
+        return float(v)
+
+    def positive_int(self, key: str) -> int | None:
+        v = self.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            self.refuse(key, v, "expected a positive integer")
+        return v
+
+
+def common_fields(c: HFConfig, arch: str) -> dict:
+    """The fields every decoder family reads, as ModelConfig keyword arguments."""
+    heads = c.positive_int("num_attention_heads")
+    hidden = c.positive_int("hidden_size")
+    act = c.get("hidden_act")
+    if act not in ACTIVATIONS:
+        c.refuse("hidden_act", act, f"ridge runs {', '.join(ACTIVATIONS)}")
+    return dict(
+        arch=arch, vocab_size=c.positive_int("vocab_size"), hidden_size=hidden,
+        intermediate_size=c.positive_int("intermediate_size"), num_layers=c.positive_int("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=c.positive_int("num_key_value_heads") or heads,
+        head_dim=c.positive_int("head_dim") or hidden // heads, rms_norm_eps=c.number("rms_norm_eps"),
+        max_position=c.positive_int("max_position_embeddings"), tie_word_embeddings=c.flag("tie_word_embeddings"),
+        hidden_act=ACTIVATIONS[act], name=c.path.name,
+    )
+
+
+def rope_fields(c: HFConfig, head_dim: int, *, types: tuple[str, ...] = ("default", "linear", "llama3", "yarn"),
+                aliases: dict | None = None, partial_rotary: bool = False, original_max_field: bool = False) -> dict:
+    """rope_theta, rope_scaling (rope_type and every parameter its formula reads, filled as
+    transformers' standardize_rope_params fills them) and rotary_dim.
+    aliases: old rope_type names (phi3's su). partial_rotary: the family rotates the first
+    partial_rotary_factor of each head. original_max_field: the family's config class declares
+    original_max_position_embeddings (phi3), which then overrides rope_parameters' own."""
+    params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})  # transformers: rope_scaling first
+    where = "rope_parameters"
+    theta = params.get("rope_theta", c.get("rope_theta") if c.get("rope_theta") is not None else 10000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    kind = (aliases or {}).get(kind, kind)
+    if kind not in types:
+        c.refuse(f"{where}.rope_type", kind, f"ridge runs {', '.join(types)} for this family")
+    unknown = sorted(set(params) - _ROPE_COMMON - ROPE_KEYS[kind])
+    if unknown:
+        c.refuse(f"{where}.{unknown[0]}", params[unknown[0]], f"not a parameter of rope_type {kind!r} that ridge knows")
+    missing = sorted(ROPE_REQUIRED.get(kind, set()) - set(params))
+    if missing:
+        c.refuse(f"{where}.{missing[0]}", None, f"rope_type {kind!r} needs it")
+    prf = params.get("partial_rotary_factor", c.get("partial_rotary_factor") or 1.0)
+    rotary_dim = int(head_dim * prf)
+    if prf != 1.0 and (not partial_rotary or rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
+        c.refuse("partial_rotary_factor", prf, "this family rotates every dim of a head" if not partial_rotary
+                 else f"gives {rotary_dim} rotary dims of {head_dim}; ridge needs an even number")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        c.refuse("rope_theta", theta, "expected a positive number")
+    scaling = None
+    if kind != "default":
+        scaling = {k: v for k, v in params.items() if k in ROPE_KEYS[kind]}
+        scaling["rope_type"] = kind
+        if "original_max_position_embeddings" in ROPE_KEYS[kind]:
+            if original_max_field:
+                scaling["original_max_position_embeddings"] = c.positive_int("original_max_position_embeddings")
+            else:
+                scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
+        if kind in ("yarn", "longrope") and scaling.get("factor") is None:  # transformers' rule for both
+            scaling["factor"] = c.get("max_position_embeddings") / scaling["original_max_position_embeddings"]
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(scaling[key]) != rotary_dim // 2:
+                    c.refuse(f"{where}.{key}", f"{len(scaling[key])} values", f"needs {rotary_dim // 2}, one per frequency")
+    return dict(rope_theta=float(theta), rope_scaling=scaling, rotary_dim=None if rotary_dim == head_dim else rotary_dim)
+
+
+def window_all(c: HFConfig, num_layers: int) -> dict:
+    """sliding_window on every layer (mistral, phi3); None: full attention."""
+    w = c.positive_int("sliding_window")
+    return dict(sliding_window=w, layer_types=None if w is None else ["sliding_attention"] * num_layers)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def window_from_layer_types(c: HFConfig, num_layers: int, window: int | None, default_types: list[str]) -> dict:
+    """layer_types as given (each of LAYER_TYPES), else default_types; sliding layers get `window`
+    (None: they attend to everything, as in transformers)."""
+    types = c.get("layer_types")
+    if types is None:
+        types = default_types
+    elif not isinstance(types, list) or len(types) != num_layers:
+        c.refuse("layer_types", types, f"expected a list of {num_layers} layer types")
+    for t in types:
+        if t not in LAYER_TYPES:
+            c.refuse("layer_types", t, f"ridge runs {', '.join(LAYER_TYPES)}")
+    if window is None or "sliding_attention" not in types:
+        return dict(sliding_window=None, layer_types=None)
+    return dict(sliding_window=window, layer_types=list(types))
