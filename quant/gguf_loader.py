@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ridge.config import SUPPORTED_ARCHS, ModelConfig
+from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
 from .progress import progress
@@ -57,10 +57,14 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
+# general.architecture values this reader knows (llama.cpp writes Mistral as llama).
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
 def read_config(reader, path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {arch!r}; ridge runs {', '.join(SUPPORTED_ARCHS)}")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {arch!r}; ridge runs {', '.join(GGUF_ARCHS)} from GGUF")
 
     def a(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
