@@ -23,9 +23,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale:
          v_scale: torch.Tensor | None, meta: AttentionMetadata, window: int | None = None,
          softcap: float | None = None) -> bool:
     """Whether the C kernel takes this call: the library built, fp32 queries, an fp32, bf16 or FP8
-    cache (FP8 with its fp16 scales), contiguous, and head shapes within its limits."""
-    if window is not None or softcap is not None:
-        return False
+    cache (FP8 with its fp16 scales), contiguous, and head shapes within its limits. Any window
+    and softcap: the kernel takes both (paged_attention_native checks their values)."""
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if (native.library() is None or q.dtype != torch.float32 or NATIVE_KV.get(k_cache.dtype) is None
@@ -45,7 +44,8 @@ class _NativePlan:
 
     def __init__(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
         starts = _starts(meta.query_lens_host)
-        self.chunks = _chunks(meta, meta.block_table, starts, k_cache.shape[1], NATIVE_MAX_Q, q.device)
+        self.meta, self.starts, self.block_size, self.device = meta, starts, k_cache.shape[1], q.device
+        self._chunks: dict = {}  # window -> the long queries' chunks (sliding and full layers share a step)
         table, seq_lens, loc = meta.block_table, meta.seq_lens, meta.query_start_loc
         assert table.dtype == seq_lens.dtype == loc.dtype == torch.int32 and table.is_contiguous(), "int32 metadata"
         assert q.shape[0] == starts[-1], (q.shape, starts[-1])
@@ -54,6 +54,13 @@ class _NativePlan:
                       k_cache.shape[1])
         self.tail = (self.work.data_ptr(), torch.get_num_threads())
 
+    def chunks(self, window: int | None) -> list[tuple]:
+        got = self._chunks.get(window)
+        if got is None:
+            got = self._chunks[window] = _chunks(self.meta, self.meta.block_table, self.starts, self.block_size,
+                                                 NATIVE_MAX_Q, self.device, window)
+        return got
+
 
 def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -61,8 +68,6 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softcap: float | None = None) -> torch.Tensor:
     """paged_attention_ref's contract, for a call that fits()."""
     check_window_softcap(window, softcap)
-    if window is not None or softcap is not None:
-        raise ValueError("paged_attention_native: the C kernel takes no window or softcap yet; fits() refuses them")
     num_tokens, num_heads, head_dim = q.shape
     fp8 = k_cache.dtype == FP8
     plan = meta.state_for(_NativePlan, (k_cache.shape[1], k_cache.shape[2], num_tokens), q, k_cache)
@@ -71,10 +76,12 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = native.library().paged_attention(
         q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, NATIVE_KV[k_cache.dtype],
-        *plan.batch, softmax_scale, NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
+        *plan.batch, softmax_scale, 0 if window is None else min(window, 2 ** 31 - 1), softcap or 0.0,
+        NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
     if rc != 0:
         raise RuntimeError(f"paged_attention: shapes past the C kernel's limits ({q.shape}, {k_cache.shape}); "
                            "fits() should have refused them")
-    if plan.chunks:
-        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, plan.chunks, softmax_scale, out)
+    chunks = plan.chunks(window)
+    if chunks:
+        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap)
     return out

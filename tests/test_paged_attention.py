@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from kernel_utils import assert_close, make_paged_batch, naive_attention, poison_behind_window
 
-from ridge.kernels import ops
+from ridge.kernels import attention_native, native, ops
 from ridge.kernels.attention import paged_attention_ref
+from ridge.kernels.attention_native import NATIVE_MAX_Q
 from ridge.kernels.kv_cache import write_kv_ref
 from ridge.kernels.metadata import AttentionMetadata
 
@@ -134,3 +135,38 @@ def test_bad_window_or_softcap_is_refused(window, softcap):
     with pytest.raises(ValueError, match="window|softcap"):
         ops.paged_attention(batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.25,
                             window=window, softcap=softcap)
+
+
+# ridge's C kernel (the CPU path where the library builds) with windows and soft-capping.
+needs_cc = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("window", [1, 7, 16, 33, None])
+def test_paged_attention_cpu_window_softcap_matches_the_reference(window, softcap, dtype):
+    """Windows smaller than a block (16), equal, larger and none, over decodes, short chunks (the C
+    kernel) and one past NATIVE_MAX_Q (the reference's chunk path), contexts across block and
+    window boundaries; the blocks wholly behind each window hold NaN, so reading one fails."""
+    batch = make_paged_batch([1, 17, NATIVE_MAX_Q + 9, 1, 5, 1], [100, 40, 30, 47, 3, 15], num_heads=6,
+                             num_kv_heads=2, head_dim=32, kv_dtype=dtype, q_dtype=torch.float32)
+    if window is not None:
+        poison_behind_window(batch, window)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, 32 ** -0.5)
+    assert attention_native.fits(*args[:6], window=window, softcap=softcap)
+    out = ops.paged_attention(*args, window=window, softcap=softcap)
+    assert_close(out, naive_attention(batch, args[-1], window, softcap).float(), torch.float32)
+    assert_close(out, paged_attention_ref(*args, window=window, softcap=softcap), torch.float32)
+
+
+@needs_cc
+def test_paged_attention_cpu_window_on_long_decodes():
+    """Decodes at several windows' length with blocks of 32: the kernel starts at the window."""
+    batch = make_paged_batch([1, 1, 1], [1000, 257, 64], num_heads=4, num_kv_heads=1, head_dim=64,
+                             kv_dtype=torch.bfloat16, q_dtype=torch.float32, block_size=32)
+    poison_behind_window(batch, 100)
+    args = (batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.125)
+    for softcap in (None, 30.0):
+        assert_close(ops.paged_attention(*args, window=100, softcap=softcap),
+                     naive_attention(batch, 0.125, 100, softcap).float(), torch.float32)

@@ -64,15 +64,29 @@ static void e4m3_row_f16c(const uint8_t *p, int D, float s, float *out) { (void)
 static int f16c_rows_ok(void) { return 0; }
 #endif
 
-/* One query token x one KV head: the G query heads sharing that KV head, over keys 0..len-1
-   of the sequence's blocks. Online softmax a block at a time. kc/vc: fp32, bf16 or e4m3 (kind)
-   ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales [num_blocks][bs][hkv] for e4m3.
+/* Gemma 2's soft-cap of n scaled scores: s = cap * tanh(s / cap), tanh from exp_neg (vectorized;
+   absolute error about 1e-7 against tanh, times cap). */
+static inline __attribute__((always_inline)) void softcap_scores(float *s, int n, float cap) {
+    const float inv = 1.0f / cap;
+#pragma omp simd
+    for (int j = 0; j < n; j++) {
+        float x = s[j] * inv, e = exp_neg(-2.0f * (x < 0 ? -x : x)), t = (1.0f - e) / (1.0f + e);
+        s[j] = cap * (x < 0 ? -t : t);
+    }
+}
+
+/* One query token x one KV head: the G query heads sharing that KV head, over keys lo..len-1
+   of the sequence's blocks (lo > 0: a sliding window; the blocks wholly before lo are never
+   read, nor their block-table entries, which may name a freed block). Online softmax a block at
+   a time. kc/vc: fp32, bf16 or e4m3 (kind) ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales
+   [num_blocks][bs][hkv] for e4m3. softcap > 0: scores capped before the softmax.
    DC: D / 16, a constant where inlined for the common head sizes. */
 static int f16c_ready;  /* set once per call of paged_attention, before the threads start */
 
 static inline __attribute__((always_inline)) void attend(
-        const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int len,
-        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale, float *out) {
+        const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
+        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
+        float softcap, float *out) {
     const int D = DC * 16;
     const int f16c_rows = kind == KV_FP8 && f16c_ready;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
@@ -83,13 +97,13 @@ static inline __attribute__((always_inline)) void attend(
         m[h] = -INFINITY; l[h] = 0.0f;
         for (int c = 0; c < DC; c++) { acc[h][c] = (v16){0}; qv[h][c] = LD(q + h * D + c * 16) * scale; }
     }
-    for (int start = 0; start < len; start += bs) {
-        int n = len - start < bs ? len - start : bs;
+    for (int start = lo / bs * bs; start < len; start += bs) {
+        int n = len - start < bs ? len - start : bs, j0 = start < lo ? lo - start : 0;  /* keys j0..n-1 */
         int64_t base = ((int64_t)blocks[start / bs] * bs) * hkv + g;  /* (slot, head) row of key 0 */
         const float *kr[BS_MAX], *vr[BS_MAX];
         if (kind == KV_FP8) {
             const uint8_t *k8 = kc, *v8 = vc;
-            for (int j = 0; j < n; j++) {
+            for (int j = j0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
                 _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
                 float sk = (float)a * 256.0f, sv = (float)b * 256.0f;  /* e4m3x16 gives value / 256 */
@@ -106,35 +120,36 @@ static inline __attribute__((always_inline)) void attend(
             }
         } else if (kind == KV_BF16) {  /* bf16 is fp32's top half: widen by a shift */
             const uint16_t *k16 = kc, *v16p = vc;
-            for (int j = 0; j < n; j++) {
+            for (int j = j0; j < n; j++) {
                 int64_t r = (base + (int64_t)j * hkv) * D;
                 uint32_t *kw = (uint32_t *)kb[j], *vw = (uint32_t *)vb[j];
                 for (int d = 0; d < D; d++) { kw[d] = (uint32_t)k16[r + d] << 16; vw[d] = (uint32_t)v16p[r + d] << 16; }
                 kr[j] = kb[j]; vr[j] = vb[j];
             }
         } else {
-            for (int j = 0; j < n; j++) {
+            for (int j = j0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
                 kr[j] = (const float *)kc + r * D; vr[j] = (const float *)vc + r * D;
             }
         }
         for (int h = 0; h < G; h++) {
             float mx = m[h];
-            for (int j = 0; j < n; j++) {
+            for (int j = j0; j < n; j++) {
                 v16 a = qv[h][0] * LD(kr[j]);
                 for (int c = 1; c < DC; c++) a += qv[h][c] * LD(kr[j] + c * 16);
                 s[h][j] = hsum16(a);
-                mx = s[h][j] > mx ? s[h][j] : mx;
             }
+            if (softcap > 0.0f) softcap_scores(s[h] + j0, n - j0, softcap);
+            for (int j = j0; j < n; j++) mx = s[h][j] > mx ? s[h][j] : mx;
             float corr = exp_neg(m[h] - mx);  /* m = -inf at first: exp_neg clamps to 2^-126 ~ 0 */
             m[h] = mx;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < n; j++) { s[h][j] = exp_neg(s[h][j] - mx); sum += s[h][j]; }
+            for (int j = j0; j < n; j++) { s[h][j] = exp_neg(s[h][j] - mx); sum += s[h][j]; }
             l[h] = l[h] * corr + sum;
             for (int c = 0; c < DC; c++) {
                 v16 a = acc[h][c] * corr;
-                for (int j = 0; j < n; j++) a += s[h][j] * LD(vr[j] + c * 16);
+                for (int j = j0; j < n; j++) a += s[h][j] * LD(vr[j] + c * 16);
                 acc[h][c] = a;
             }
         }
@@ -146,22 +161,25 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
-                              int len, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs,
-                              int kind, float scale, float *out) {
-    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
-    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
-    else attend(q, G, D / 16, hkv, g, bs, blocks, len, kc, vc, ks, vs, kind, scale, out);
+                              int lo, int len, const void *kc, const void *vc, const uint16_t *ks,
+                              const uint16_t *vs, int kind, float scale, float softcap, float *out) {
+    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
+    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
+    else attend(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
 }
 
 /* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
-   position seq_lens[i] - qlen + j and sees keys 0 .. that position. Sequences whose query is
+   position p = seq_lens[i] - qlen + j and sees keys 0 .. p, or with window > 0 the keys
+   p - window < key <= p (transformers' sliding window). softcap > 0: each scaled score s becomes
+   softcap * tanh(s / softcap) (Gemma 2); 0: none. Sequences whose query is
    longer than max_q are skipped (their rows of out untouched): a long prefill chunk runs
    faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
    Returns 0, or -1 when a shape is past the kernel's fixed limits. */
 int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
                     const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table,
                     int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
-                    int bs, float scale, int max_q, float *out, int64_t *work, int nthreads) {
+                    int bs, float scale, int window, float softcap, int max_q, float *out, int64_t *work,
+                    int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
     if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
@@ -175,9 +193,9 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
     for (int64_t w = 0; w < nw; w++) {
         int64_t i = work[w] & ((1 << 20) - 1), tg = work[w] >> 20, t = tg / hkv;
         int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
-        int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1;
-        attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, len,
-                   kc, vc, ks, vs, kind, scale, out + (t * H + (int64_t)g * G) * D);
+        int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && len > window ? len - window : 0;
+        attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, lo, len,
+                   kc, vc, ks, vs, kind, scale, softcap, out + (t * H + (int64_t)g * G) * D);
     }
     return 0;
 }
