@@ -13,15 +13,18 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    """CPU path: one C call (kernels/csrc/small_ops.c) for contiguous fp32 input where the library
-    is built, silu_and_mul_ref otherwise."""
-    lib = native.library()
-    if lib is None or x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] % 2:
-        return silu_and_mul_ref(x)
+def native_fits(x: torch.Tensor) -> bool:
+    """Whether the C kernel (kernels/csrc/small_ops.c) takes this call: the library built,
+    contiguous fp32 input of an even width."""
+    return native.library() is not None and x.dtype == torch.float32 and x.is_contiguous() and not x.shape[-1] % 2
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_ref's contract in one C call, for a call that native_fits()."""
     n = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
-    lib.silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1] if n else 0, n, out.data_ptr(), torch.get_num_threads())
+    native.library().silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1] if n else 0, n, out.data_ptr(),
+                                  torch.get_num_threads())
     return out
 
 

@@ -75,18 +75,15 @@ def _all_slots_valid(meta, slot_mapping: torch.Tensor | None = None) -> bool:
 NATIVE_KV = {torch.float32: 0, FP8: 1, torch.bfloat16: 2}  # cache dtype -> the C kernels' `kind`
 
 
-def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
-                 meta=None) -> None:
-    """CPU path: write_kv_ref's contract, byte for byte: one C call for K and V
-    (kernels/csrc/small_ops.c) where the library is built, FP8 quantized there by the same
-    rule. Otherwise write_kv_ref."""
-    lib = native.library()
-    num_blocks, block_size, num_heads, head_dim = k_cache.shape
-    kind = NATIVE_KV.get(k_cache.dtype)
+def native_fits(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor) -> bool:
+    """Whether the C kernel (kernels/csrc/small_ops.c) takes this call: the library built, fp32
+    rows with contiguous heads, an fp32, bf16 or FP8 cache (FP8 with its fp16 scales), contiguous,
+    and an int64 slot mapping."""
+    _, _, num_heads, head_dim = k_cache.shape
     fp8 = k_cache.dtype == FP8
-    if (lib is not None and kind is not None and v_cache.dtype == k_cache.dtype
-            and key.dtype == value.dtype == torch.float32
+    return (native.library() is not None and NATIVE_KV.get(k_cache.dtype) is not None
+            and v_cache.dtype == k_cache.dtype and key.dtype == value.dtype == torch.float32
             and key.shape == value.shape and key.shape[1:] == (num_heads, head_dim)
             and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (key, value))
             and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -94,15 +91,22 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
                              and k_scale.dtype == v_scale.dtype == SCALE_DTYPE
                              and k_scale.is_contiguous() and v_scale.is_contiguous()))
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and slot_mapping.shape == (key.shape[0],)):
-        rc = lib.write_kv(key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0),
-                          num_heads, head_dim, slot_mapping.data_ptr(), num_blocks * block_size,
-                          k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr() if fp8 else None,
-                          v_scale.data_ptr() if fp8 else None, kind)
-        if rc != 0:
-            raise IndexError(f"write_kv: a slot past the cache's {num_blocks * block_size} slots")
-        return
-    write_kv_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
+            and slot_mapping.shape == (key.shape[0],))
+
+
+def write_kv_native(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                    meta=None) -> None:
+    """write_kv_ref's contract, byte for byte, in one C call for K and V (FP8 quantized there by
+    the same rule; -1 slots skipped there, so no per-step state), for a call that native_fits()."""
+    num_blocks, block_size, num_heads, head_dim = k_cache.shape
+    fp8 = k_cache.dtype == FP8
+    rc = native.library().write_kv(
+        key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0), num_heads, head_dim,
+        slot_mapping.data_ptr(), num_blocks * block_size, k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, NATIVE_KV[k_cache.dtype])
+    if rc != 0:
+        raise IndexError(f"write_kv: a slot past the cache's {num_blocks * block_size} slots")
 
 
 # ---------------------------------------------------------------------------

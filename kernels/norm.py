@@ -18,24 +18,31 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (xf * weight.float()).to(x.dtype), residual
 
 
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU path: rms_norm_ref's contract for fp32, allocating less: the residual is added into x
-    IN PLACE (x is a layer's fresh output, which becomes the residual stream). One C call
-    (kernels/csrc/small_ops.c) where the library is built; else torch.rms_norm (a composite
-    on CPU in torch 2.13, but fewer ops than the reference: 12 against 16 us at batch 1;
-    docs/benchmarks.md, issue 17)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return rms_norm_ref(x, weight, eps, residual)
-    lib = native.library()
-    if (lib is not None and x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]
+def native_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the C kernel (kernels/csrc/small_ops.c) takes this call: the library built, fp32
+    and contiguous throughout, one weight per column."""
+    return (native.library() is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+            and weight.is_contiguous() and weight.numel() == x.shape[-1]
             and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
-                                      and residual.dtype == x.dtype))):
-        n = x.shape[-1]
-        out = torch.empty_like(x)
-        lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
-                     out.data_ptr(), x.numel() // n if n else 0, n, torch.get_num_threads())
-        return out, x
+                                      and residual.dtype == x.dtype)))
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_torch's contract (the sum lands in x) in one C call, for a call that native_fits()."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    native.library().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                              eps, out.data_ptr(), x.numel() // n if n else 0, n, torch.get_num_threads())
+    return out, x
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU torch path, fp32: rms_norm_ref's contract allocating less: the residual is added into x
+    IN PLACE (x is a layer's fresh output, which becomes the residual stream), then torch.rms_norm
+    (a composite on CPU in torch 2.13, but fewer ops than the reference: 12 against 16 us at
+    batch 1; docs/benchmarks.md, issue 17)."""
     if residual is not None:
         x = x.add_(residual)
     return torch.rms_norm(x, (x.shape[-1],), weight, eps), x

@@ -1,15 +1,17 @@
-"""The one place that chooses an implementation per device.
+"""The one place that chooses an implementation, per device and per shape.
 
 The model calls these functions; CUDA tensors go to the Triton kernels where
-one exists, CPU tensors to the CPU path where one exists (ridge's C kernels, or a
-rewrite of the reference with fewer passes and allocations, chosen by
-measurement: docs/benchmarks.md), everything else to the torch reference beside
-it. Paged attention on CPU takes the C kernel where the step's shapes fit it
-(attention_native.fits). A linear layer whose weight was upcast at load runs in
-the CPU format chosen for its shape and the step's size (cpu_linear.py, chosen at
-start-up by cpu_linear_plan.py). Every backend of an op has the op's signature,
-the step's AttentionMetadata included where it has one: a backend keeps its
-per-step state there, in its own entry (AttentionMetadata.state_for).
+one exists, everything else to the torch reference beside it, except CPU tensors,
+which go to ridge's C kernel where the call fits it (each module's native_fits;
+attention_native.fits), else to a rewrite of the reference with fewer passes and
+allocations where there is one (chosen by measurement: docs/benchmarks.md), else
+to the reference. backend(op, *args) says which runs a call. The modules only offer
+their implementations; none chooses between them. A linear layer whose weight was
+upcast at load (keeps_fp8) runs in the CPU format chosen for its shape and the
+step's size (cpu_linear.py, chosen at start-up by cpu_linear_plan.py). Every
+backend of an op has the op's signature, the step's AttentionMetadata included
+where it has one: a backend keeps its per-step state there, in its own entry
+(AttentionMetadata.state_for).
 use_triton() overrides the choice: Triton for every tensor (interpreter tests of
 a whole model step on CPU) or the references only (the oracle)."""
 from __future__ import annotations
@@ -20,16 +22,16 @@ from contextlib import contextmanager
 
 import torch
 
-from . import attention_native, native
-from .activation import silu_and_mul_cpu, silu_and_mul_ref
+from . import activation, attention_native, kv_cache, native, norm, rope as rope_impl
+from .activation import silu_and_mul_native, silu_and_mul_ref
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
 from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
-from .kv_cache import write_kv_cpu, write_kv_ref
+from .kv_cache import write_kv_native, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
-from .norm import rms_norm_cpu, rms_norm_ref
-from .rope import rope_cpu, rope_ref
+from .norm import rms_norm_native, rms_norm_ref, rms_norm_torch
+from .rope import rope_native, rope_ref, rope_torch
 from .timing import section
 
 _TRITON: dict[str, object] = {}
@@ -90,22 +92,79 @@ def kv_dtype(device: torch.device) -> str:
     return "bf16" if native.library() is not None else "fp32"
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The activations' dtype a model runs in by default. CUDA: bf16 (the Triton kernels and
+    tensor cores). CPU: fp32, the dtype ridge's C kernels and the CPU weight formats take (bf16
+    products are slower than fp32 at large batch on AVX2, and cpu_linear packs bf16 copies where
+    they are measured faster)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def keeps_fp8(device: torch.device) -> bool:
+    """Whether an FP8 weight stays FP8 on the device. CUDA: its FP8 kernels read it. CPU: upcast
+    once at load (fp8 * scale is exact in fp32), since torch's fp8 cast per step is far too slow;
+    the layer's CPU formats (cpu_linear.CpuLinear) then choose per step size."""
+    return device.type == "cuda"
+
+
+# -- the CPU choices: each takes its op's arguments and returns the backend that runs them. The
+# C kernel where it takes the call (each module's native_fits: the library built, the shapes and
+# dtypes it handles); the torch rewrite with fewer passes where there is one; else the reference.
+def _rms_norm_cpu(x, weight, eps, residual=None):
+    if norm.native_fits(x, weight, residual):
+        return rms_norm_native
+    return rms_norm_torch if x.dtype == weight.dtype == torch.float32 else rms_norm_ref
+
+
+def _rope_cpu(q, k, positions, cos_sin, meta=None):
+    if rope_impl.native_fits(q, k, positions, cos_sin):
+        return rope_native
+    return rope_torch if q.dtype == k.dtype == torch.float32 else rope_ref
+
+
+def _silu_and_mul_cpu(x):
+    return silu_and_mul_native if activation.native_fits(x) else silu_and_mul_ref
+
+
+def _write_kv_cpu(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta=None):
+    return write_kv_native if kv_cache.native_fits(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) \
+        else write_kv_ref
+
+
+_CHOICES = {  # op -> (its reference, its CPU choice)
+    "rms_norm": (rms_norm_ref, _rms_norm_cpu),
+    "rope": (rope_ref, _rope_cpu),
+    "silu_and_mul": (silu_and_mul_ref, _silu_and_mul_cpu),
+    "write_kv": (write_kv_ref, _write_kv_cpu),
+}
+
+
+def backend(name: str, *args):
+    """The implementation that runs op `name` on these arguments (the op's own, in its order):
+    CUDA tensors its Triton kernel, CPU tensors what the CPU choice picks for their shapes and
+    dtypes; use_triton() overrides both."""
+    ref, cpu = _CHOICES[name]
+    if _FORCE is None and not args[0].is_cuda:
+        return cpu(*args)
+    return _pick(name, ref, args[0])
+
+
 def rms_norm(x, weight, eps, residual=None):
     """-> (normed, x + residual). The CPU path adds the residual into x in place: callers pass
     a layer's fresh output, which nothing else reads."""
     with section("norm"):
-        return _pick("rms_norm", rms_norm_ref, x, rms_norm_cpu)(x, weight, eps, residual)
+        return backend("rms_norm", x, weight, eps, residual)(x, weight, eps, residual)
 
 
 def rope(q, k, positions, cos_sin, meta: AttentionMetadata | None = None):
     """-> rotated (q, k). The CPU path rotates them in place."""
     with section("rope"):
-        return _pick("rope", rope_ref, q, rope_cpu)(q, k, positions, cos_sin, meta)
+        return backend("rope", q, k, positions, cos_sin, meta)(q, k, positions, cos_sin, meta)
 
 
 def silu_and_mul(x):
     with section("act"):
-        return _pick("silu_and_mul", silu_and_mul_ref, x, silu_and_mul_cpu)(x)
+        return backend("silu_and_mul", x)(x)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None):
@@ -120,8 +179,8 @@ def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None)
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):
     with section("kv_write"):
-        return _pick("write_kv", write_kv_ref, key, write_kv_cpu)(
-            key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
+        args = (key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)
+        return backend("write_kv", *args)(*args)
 
 
 def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=None, softcap=None):

@@ -42,28 +42,36 @@ class _Angles:
         self.cos, self.sin = cs[:, None, :half].contiguous(), cs[:, None, half:].contiguous()
 
 
-def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-             meta=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU path: rope_ref's contract, but q and k are rotated IN PLACE (as rope_triton does):
-    one C call for both where the library is built (kernels/csrc/small_ops.c); else torch ops
-    with the step's angles looked up once and kept in `meta`'s state for every layer. fp32 only.
-    A batch-1 layer then runs 5 small ops per tensor instead of about 10, allocating one
-    half-width temporary instead of five full ones (docs/benchmarks.md, issue 17)."""
-    if q.dtype != torch.float32 or k.dtype != torch.float32:
-        return rope_ref(q, k, positions, cos_sin)
+def native_fits(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    """Whether the C kernel (kernels/csrc/small_ops.c) takes this call: the library built, fp32
+    q, k and angles, head_dim contiguous, int64 positions."""
+    return (native.library() is not None and q.dtype == k.dtype == cos_sin.dtype == torch.float32
+            and q.stride(2) == 1 and k.stride(2) == 1 and positions.dtype == torch.int64
+            and positions.is_contiguous() and cos_sin.is_contiguous())
+
+
+def rope_native(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_ref's contract, rotating q and k IN PLACE (as rope_triton does) in one C call (one for
+    both where k's heads follow q's), for a call that native_fits()."""
     lib = native.library()
-    views = _adjacent(q, k)
-    if (lib is not None and positions.dtype == torch.int64 and positions.is_contiguous()
-            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and all(x.stride(2) == 1 for x in views)):
-        for x in views:
-            lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), x.shape[2], positions.data_ptr(),
-                     cos_sin.data_ptr(), torch.get_num_threads())
-        return q, k
+    for x in _adjacent(q, k):
+        lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), x.shape[2], positions.data_ptr(),
+                 cos_sin.data_ptr(), torch.get_num_threads())
+    return q, k
+
+
+def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU torch path, fp32: rope_ref's contract, rotating q and k IN PLACE, with the step's
+    angles looked up once and kept in `meta`'s state for every layer. A batch-1 layer then runs
+    5 small ops per tensor instead of about 10, allocating one half-width temporary instead of
+    five full ones (docs/benchmarks.md, issue 17)."""
     key = (id(positions), id(cos_sin))  # valid while the state holds both tensors
     angles = _Angles(None, positions, cos_sin) if meta is None else meta.state_for(_Angles, key, positions, cos_sin)
     cos, sin = angles.cos, angles.sin
     half = cos.shape[-1]
-    for x in views:
+    for x in _adjacent(q, k):
         x1, x2 = x[..., :half], x[..., half:]
         t = x1 * sin
         x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin

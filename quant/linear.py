@@ -1,9 +1,10 @@
 """Runtime FP8 linear layer: consumes what quant/fp8.py produced.
 
-On CUDA the weight stays FP8 in memory and runs through the FP8 kernels. On CPU
-torch's fp8 -> fp32 cast is far too slow to run every step, so the weight is
-upcast once at load; fp8 * scale is exact in fp32, so both devices compute
-with the same quantized numbers. Which product runs, per device and on CPU per
+Whether the weight stays FP8 is kernels' choice per device (ops.keeps_fp8): on
+CUDA it does and runs through the FP8 kernels; on CPU torch's fp8 -> fp32 cast
+is far too slow to run every step, so the weight is upcast once at load; fp8 *
+scale is exact in fp32, so both devices compute with the same quantized
+numbers. Which product runs, per device and on CPU per
 step size (bf16 copies, ridge's e4m3 kernel), is kernels' choice
 (kernels/ops.py, kernels/cpu_linear.py): the layer only holds its weights."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(0))
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
-        self.fp8_device = False  # the weight stays FP8 on the device (CUDA), set by load
+        self.fp8_device = False  # the weight stays FP8 on the device (ops.keeps_fp8: CUDA), set by load
         self.cpu: CpuLinear | None = None  # the CPU weight and its formats (kernels/cpu_linear.py)
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -32,7 +33,7 @@ class FP8Linear(nn.Module):
         assert weight.shape == (self.out_features, self.in_features), (weight.shape, self.out_features, self.in_features)
         assert (bias is not None) == self.has_bias
         self.cpu = None
-        self.fp8_device = weight.dtype == FP8 and device.type == "cuda"  # FP8 kept: the FP8 kernels run
+        self.fp8_device = weight.dtype == FP8 and ops.keeps_fp8(device)  # FP8 kept: the FP8 kernels run
         if self.fp8_device:
             self.weight = weight.to(device)
             self.weight_scale = scale.float().to(device)

@@ -3,10 +3,9 @@ import pytest
 import torch
 from kernel_utils import poison_empty, HUGE_NUM_BLOCKS
 
-from ridge.kernels import native
+from ridge.kernels import native, ops
 from ridge.kernels.attention import _load_f32
-from ridge.kernels.kv_cache import (FP8, _FP8_NATIVE, _all_slots_valid, _launch_write, write_kv_cpu, write_kv_ref,
-                                    write_kv_triton)
+from ridge.kernels.kv_cache import FP8, _FP8_NATIVE, _all_slots_valid, _launch_write, write_kv_ref, write_kv_triton
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.triton_utils import jit, tl
 
@@ -109,7 +108,7 @@ def test_e4m3_software_decode_all_bytes():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
 @pytest.mark.parametrize("padded", [False, True])
 def test_cpu_path_matches_reference_and_asks_once_a_step(cache_dtype, padded):
-    """write_kv_cpu: write_kv_ref's bytes; whether a slot is padding is asked at the first
+    """ops.write_kv on CPU: write_kv_ref's bytes; whether a slot is padding is asked at the first
     layer and kept in the torch path's own state on the step's metadata for the others."""
     num_tokens, heads, dim, block_size, num_blocks = 21, 3, 64, 16, 5
     slots = torch.randperm(num_blocks * block_size)[:num_tokens]
@@ -121,7 +120,7 @@ def test_cpu_path_matches_reference_and_asks_once_a_step(cache_dtype, padded):
     for layer in range(2):
         key, value = key_value(num_tokens, heads, dim, torch.float32, seed=layer)
         write_kv_ref(key, value, *ref, meta.slot_mapping)
-        write_kv_cpu(key, value, *cpu, meta.slot_mapping, meta)
+        ops.write_kv(key, value, *cpu, meta.slot_mapping, meta)
         assert all(same(a, b) for a, b in zip(ref, cpu))
     if native.library() is not None:
         assert meta.states == {}  # the C write skips -1 slots itself: nothing to ask
@@ -130,5 +129,5 @@ def test_cpu_path_matches_reference_and_asks_once_a_step(cache_dtype, padded):
     other = slots.flip(0)  # not this step's slot mapping: asked afresh, not taken from meta
     key, value = key_value(num_tokens, heads, dim, torch.float32, seed=5)
     write_kv_ref(key, value, *ref, other)
-    write_kv_cpu(key, value, *cpu, other, meta)
+    ops.write_kv(key, value, *cpu, other, meta)
     assert all(same(a, b) for a, b in zip(ref, cpu))

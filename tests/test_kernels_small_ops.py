@@ -3,11 +3,11 @@ import pytest
 import torch
 from kernel_utils import poison_empty, assert_close
 
-from ridge.kernels import native
+from ridge.kernels import native, ops
 from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from ridge.kernels.metadata import AttentionMetadata
-from ridge.kernels.norm import rms_norm_cpu, rms_norm_ref, rms_norm_triton
-from ridge.kernels.rope import rope_cpu, rope_ref, rope_triton
+from ridge.kernels.norm import rms_norm_ref, rms_norm_triton
+from ridge.kernels.rope import rope_ref, rope_triton
 from ridge.models.rope import rope_cos_sin
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -72,27 +72,36 @@ def test_silu_and_mul(dtype, rows, inter):
 
 
 
-# -- the CPU paths (kernels/ops.py runs them for CPU tensors), against the same references ----------
+# -- the CPU paths, through ops (which picks per call), against the same references ---------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("rows,cols", [(1, 576), (17, 123)])
-def test_rms_norm_cpu_adds_the_residual_in_place(dtype, rows, cols):
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c", "torch"])
+def test_rms_norm_cpu_adds_the_residual_in_place(dtype, rows, cols, c_kernels):
+    if c_kernels:
+        _rms_norm_in_place(dtype, rows, cols)
+    else:
+        with native.off():  # as where the C kernels are not built
+            _rms_norm_in_place(dtype, rows, cols)
+
+
+def _rms_norm_in_place(dtype, rows, cols):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, cols, generator=g).to(dtype)
     res = torch.randn(rows, cols, generator=g).to(dtype)
     w = 1 + 0.1 * torch.randn(cols, generator=g)
     ref_out, ref_res = rms_norm_ref(x, w, 1e-5, res)
-    out, new_res = rms_norm_cpu(x.clone() if dtype != torch.float32 else x, w, 1e-5, res)
+    out, new_res = ops.rms_norm(x.clone() if dtype != torch.float32 else x, w, 1e-5, res)
     assert_close(new_res, ref_res)
     assert_close(out, ref_out)
-    if dtype == torch.float32:  # fp32 runs the fused path: the sum lands in x itself
+    if dtype == torch.float32:  # fp32 runs a fused path (C or torch): the sum lands in x itself
         assert new_res is x
     q = torch.randn(19, 7 * 32)[:, : 4 * 32].view(19, 4, 32)  # per-head norm of a strided view
-    assert_close(rms_norm_cpu(q, w[:32], 1e-6)[0], rms_norm_ref(q, w[:32], 1e-6)[0])
+    assert_close(ops.rms_norm(q, w[:32], 1e-6)[0], rms_norm_ref(q, w[:32], 1e-6)[0])
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (3, 1, 18)])
-def test_rope_cpu_in_place_with_the_steps_angles_kept(heads, kv_heads, dim):
-    with native.off():  # torch's path (the C kernel's is in tests/test_native.py)
+def test_rope_torch_in_place_with_the_steps_angles_kept(heads, kv_heads, dim):
+    with native.off():  # as where the C kernels are not built (theirs: tests/test_native.py)
         _rope_in_place(heads, kv_heads, dim)
 
 
@@ -107,7 +116,7 @@ def _rope_in_place(heads, kv_heads, dim):
         k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
         ref_q, ref_k = rope_ref(q, k, positions, cos_sin)
         v_before = qkv[:, (heads + kv_heads) * dim:].clone()
-        out_q, out_k = rope_cpu(q, k, positions, cos_sin, meta)
+        out_q, out_k = ops.rope(q, k, positions, cos_sin, meta)
         assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
         assert_close(out_q, ref_q)
         assert_close(out_k, ref_k)
@@ -117,10 +126,10 @@ def _rope_in_place(heads, kv_heads, dim):
     other = positions.flip(0)  # another step's positions: looked up again
     q, k = torch.randn(num_tokens, heads, dim), torch.randn(num_tokens, kv_heads, dim)
     ref_q, _ = rope_ref(q, k, other, cos_sin)
-    assert_close(rope_cpu(q, k, other, cos_sin, meta)[0], ref_q)
+    assert_close(ops.rope(q, k, other, cos_sin, meta)[0], ref_q)
 
 
-def test_rope_cpu_rotates_q_and_k_as_one_view_only_where_they_are_adjacent():
+def test_rope_rotates_q_and_k_as_one_view_only_where_they_are_adjacent():
     from ridge.kernels.rope import _adjacent
     qkv = torch.randn(5, (9 + 2 * 3) * 64)
     q, k = qkv[:, : 9 * 64].view(5, 9, 64), qkv[:, 9 * 64: 12 * 64].view(5, 3, 64)

@@ -221,3 +221,107 @@ def test_the_seam_rule_sees_a_backend_reached_from_outside(tmp_path):
                                      ("ridge.kernels.ops", "rms_norm")}
     finally:
         del modules()[fake]
+
+
+def _device_tests(tree: ast.AST) -> int:
+    """Branches on the device: `.is_cuda`, `X.type == "cuda"` (or "cpu", either operator) and
+    `torch.cuda.is_available()`."""
+    n = 0
+    for t in ast.walk(tree):
+        if isinstance(t, ast.Attribute) and t.attr == "is_cuda":
+            n += 1
+        elif isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Eq, ast.NotEq)):
+            sides = (t.left, t.comparators[0])
+            if (any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
+                    and any(isinstance(s, ast.Constant) and s.value in ("cuda", "cpu") for s in sides)):
+                n += 1
+        elif isinstance(t, ast.Call) and ast.unparse(t.func) == "torch.cuda.is_available":
+            n += 1
+    return n
+
+
+# Code outside kernels/ that branches on the device, and why no branch there picks a kernel. A
+# module that starts to branch on the device must move the choice into kernels/ops.py (as
+# ops.kv_dtype, ops.keeps_fp8 and ops.compute_dtype did) or be listed here with its reason.
+DEVICE_BRANCHES = {
+    "ridge.plan": "which devices the machine has, for the plan's report",
+    "ridge.models.loader": "the default device",
+    "ridge.engine.engine": "the default device, a GPU engine's host threads, the CPU allocator and threads, overlap's default",
+    "ridge.engine.runner": "CUDA graphs' default (capture exists on CUDA only)",
+    "ridge.engine.graphs": "the graph pool exists on CUDA only",
+    "ridge.engine.sizing": "memory: a GPU's free bytes, RAM on CPU",
+    "ridge.engine.budget": "the ridge point: a GPU's from its table, a CPU's by measurement",
+    "ridge.engine.stats": "free memory, as sizing",
+    "ridge.engine.sampler": "pinned host copies of a GPU's samples",
+    "ridge.engine.step_batch": "pinned staging on a GPU; on CPU the staging buffer is the device buffer",
+    "ridge.engine.structured.step": "pinned token masks on a GPU",
+    "ridge.engine.cpu_format": "CPU weight formats exist on CPU only (kernels/cpu_linear_plan.py chooses them)",
+    "ridge.cache.block_io": "block copies: CUDA streams or host memcpy",
+    "ridge.cache.tiers": "a pinned host tier beside a GPU",
+    "ridge.cache.kv_cache": "a CPU pool zeroed lazily through calloc",
+}
+
+
+def test_device_branches_outside_kernels_are_not_kernel_choices():
+    """The other half of the rule: a branch on the device outside kernels/ is where a kernel
+    choice would creep back (`x.is_cuda` and a torch path beside the op). Only the modules listed
+    above branch on it, each for a reason that is not a kernel, and every one listed still does."""
+    found = {m for m in modules() if node(m) not in ("ridge.kernels", "ridge.bench", "ridge.tui")
+             and _device_tests(ast.parse(modules()[m].read_text()))}
+    assert not found - DEVICE_BRANCHES.keys(), (
+        "device branches outside kernels/ (move the choice into kernels/ops.py, or list the module "
+        f"in DEVICE_BRANCHES with why it is not a kernel choice): {sorted(found - DEVICE_BRANCHES.keys())}")
+    assert not DEVICE_BRANCHES.keys() - found, f"listed but no longer branching: {sorted(DEVICE_BRANCHES.keys() - found)}"
+
+
+# Inside kernels/, the modules offer implementations and ops.py chooses: only a predicate (fits,
+# native_fits) or a C wrapper (*_native) reaches the C library, and only ops calls a predicate.
+# native.py is the library; cpu_linear.py and cpu_linear_plan.py are the CPU weight formats,
+# measured at start-up and held per layer (ops.fp8_linear runs the one a layer holds).
+CHOOSERS = {"ridge.kernels.ops", "ridge.kernels.native", "ridge.kernels.cpu_linear", "ridge.kernels.cpu_linear_plan"}
+PREDICATES = {"fits", "native_fits"}
+
+
+def _library_reads(tree: ast.AST) -> list[str]:
+    """The function (outermost) around every read of `native.library`, '<module>' outside one."""
+    out = []
+
+    def visit(n: ast.AST, fn: str) -> None:
+        for child in ast.iter_child_nodes(n):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn == "<module>" else fn
+            if isinstance(child, ast.Attribute) and child.attr == "library" and ast.unparse(child.value) == "native":
+                out.append(name)
+            visit(child, name)
+    visit(tree, "<module>")
+    return out
+
+
+def _predicate_calls(tree: ast.AST) -> int:
+    return sum(isinstance(n, ast.Call) and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in PREDICATES
+               for n in ast.walk(tree))
+
+
+def test_only_ops_chooses_inside_kernels():
+    bad = []
+    for m in modules():
+        if node(m) != "ridge.kernels" or m in CHOOSERS:
+            continue
+        tree = ast.parse(modules()[m].read_text())
+        bad += [f"{m}.{fn} reaches the C library" for fn in _library_reads(tree)
+                if fn not in PREDICATES and not fn.endswith("_native")]
+        if _predicate_calls(tree):
+            bad.append(f"{m} asks a backend whether it fits (ops.py's choice)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_kernels_rule_sees_a_module_choosing_its_backend():
+    """The scan itself, on the shape this rule replaced: a CPU path that picks C or torch inside."""
+    src = ("from . import native\n"
+           "def native_fits(x):\n    return native.library() is not None\n"
+           "def norm_native(x):\n    return native.library().rms_norm(x)\n"
+           "def norm_cpu(x):\n    lib = native.library()\n    return norm_native(x) if native_fits(x) else x\n")
+    tree = ast.parse(src)
+    assert _library_reads(tree) == ["native_fits", "norm_native", "norm_cpu"]
+    assert _predicate_calls(tree) == 1
+    assert _device_tests(ast.parse("a = x.is_cuda\nb = d.type != 'cpu'\nc = torch.cuda.is_available()\n"
+                                   "d = x.type == 'gguf'\n")) == 3

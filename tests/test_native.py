@@ -179,20 +179,21 @@ def test_the_library_is_built_once_per_source(tmp_path):
 @needs_cc
 @pytest.mark.parametrize("rows", [1, 3, 200])
 def test_small_ops_match_their_references(rows):
-    from ridge.kernels.activation import silu_and_mul_cpu, silu_and_mul_ref
-    from ridge.kernels.norm import rms_norm_cpu, rms_norm_ref
-    from ridge.kernels.rope import rope_cpu, rope_ref
+    from ridge.kernels.activation import silu_and_mul_native, silu_and_mul_ref
+    from ridge.kernels.norm import rms_norm_native, rms_norm_ref
+    from ridge.kernels.rope import rope_native, rope_ref
     from ridge.models.rope import rope_cos_sin
 
     g = torch.Generator().manual_seed(rows)
     x, res, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.rand(576, generator=g)
     normed, new_res = rms_norm_ref(x, w, 1e-5, res)
     x2 = x.clone()
-    got, got_res = rms_norm_cpu(x2, w, 1e-5, res)
+    got, got_res = rms_norm_native(x2, w, 1e-5, res)
     assert got_res is x2  # the residual added in place, as the torch CPU path does
     torch.testing.assert_close(got, normed, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_res, new_res)
-    torch.testing.assert_close(rms_norm_cpu(x.clone(), w, 1e-5)[0], rms_norm_ref(x, w, 1e-5)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rms_norm_native(x.clone(), w, 1e-5)[0], rms_norm_ref(x, w, 1e-5)[0], atol=1e-5,
+                               rtol=1e-5)
 
     # RoPE on the fused qkv output's views (k's heads right after q's), and on separate tensors.
     cos_sin = rope_cos_sin(64, 4096, 10000.0, None).float()
@@ -201,21 +202,21 @@ def test_small_ops_match_their_references(rows):
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
     q, k = q.reshape(rows, 9, 64), k.reshape(rows, 3, 64)
     rq, rk = rope_ref(q, k, positions, cos_sin)
-    got_q, got_k = rope_cpu(q, k, positions, cos_sin)
+    got_q, got_k = rope_native(q, k, positions, cos_sin)
     torch.testing.assert_close(got_q, rq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_k, rk, atol=1e-5, rtol=1e-5)
     q, k = torch.randn(rows, 4, 64, generator=g), torch.randn(rows, 2, 64, generator=g)
     rq, rk = rope_ref(q, k, positions, cos_sin)
-    torch.testing.assert_close(rope_cpu(q, k, positions, cos_sin), (rq, rk), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope_native(q, k, positions, cos_sin), (rq, rk), atol=1e-5, rtol=1e-5)
 
     # silu(gate) * up, with gates far out on both sides.
     gu = torch.randn(rows, 2 * 1536, generator=g) * 30
-    torch.testing.assert_close(silu_and_mul_cpu(gu), silu_and_mul_ref(gu), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(silu_and_mul_native(gu), silu_and_mul_ref(gu), atol=1e-5, rtol=1e-5)
 
 
 @needs_cc
-def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
-    from ridge.kernels.kv_cache import write_kv_cpu
+def test_write_kv_native_matches_the_reference_and_rejects_a_slot_past_the_cache():
+    from ridge.kernels.kv_cache import write_kv_native
 
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(5, 2 * 3 * 64, generator=g)
@@ -224,7 +225,7 @@ def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
     for dtype in (torch.bfloat16, torch.float32):  # bf16: rounded as torch's cast rounds
         caches = [torch.zeros(256, 16, 3, 64, dtype=dtype) for _ in range(4)]
         write_kv_ref(k, v, caches[0], caches[1], None, None, slots)
-        write_kv_cpu(k, v, caches[2], caches[3], None, None, slots)
+        write_kv_native(k, v, caches[2], caches[3], None, None, slots)
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     # FP8: the same bytes and fp16 scales as the reference, over magnitudes from e4m3's
     # subnormals to its top (and rows whose amax floors the scale at 2^-14).
@@ -233,11 +234,53 @@ def test_write_kv_cpu_matches_the_reference_and_rejects_a_slot_past_the_cache():
     caches = [torch.zeros(256, 16, 3, 64, dtype=FP8) for _ in range(4)]
     scales = [torch.zeros(256, 16, 3, dtype=torch.float16) for _ in range(4)]
     write_kv_ref(k8, v8, caches[0], caches[1], scales[0], scales[1], slots)
-    write_kv_cpu(k8, v8, caches[2], caches[3], scales[2], scales[3], slots)
+    write_kv_native(k8, v8, caches[2], caches[3], scales[2], scales[3], slots)
     for a, b in ((0, 2), (1, 3)):
         assert torch.equal(caches[a].view(torch.uint8), caches[b].view(torch.uint8))
         assert torch.equal(scales[a], scales[b])
     caches = [torch.zeros(256, 16, 3, 64) for _ in range(2)]
     with pytest.raises(IndexError, match="past the cache"):
-        write_kv_cpu(k, v, caches[0], caches[1], None, None, torch.tensor([1, 2, 3, 4096, 5]))
+        write_kv_native(k, v, caches[0], caches[1], None, None, torch.tensor([1, 2, 3, 4096, 5]))
     assert not caches[0].any() and not caches[1].any()  # nothing written
+
+
+@needs_cc
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+def test_ops_takes_the_c_kernels_for_the_calls_a_model_step_makes(tokens, cache_dtype):
+    """The speed rule of the dispatch: every small op of a llama layer, called as the layer calls it
+    (q, k and v split from the fused projection, the norm's residual, the fused gate/up), runs its
+    C kernel; the torch paths only where the C kernel cannot take the call."""
+    from ridge.kernels.activation import silu_and_mul_native, silu_and_mul_ref
+    from ridge.kernels.kv_cache import write_kv_native
+    from ridge.kernels.norm import rms_norm_native, rms_norm_ref, rms_norm_torch
+    from ridge.kernels.rope import rope_native, rope_ref, rope_torch
+    from ridge.models.rope import rope_cos_sin
+
+    h, res, w = torch.randn(tokens, 576), torch.randn(tokens, 576), torch.ones(576)
+    assert ops.backend("rms_norm", h, w, 1e-5, res) is rms_norm_native
+    assert ops.backend("rms_norm", h, w, 1e-5, None) is rms_norm_native
+    q, k, v = torch.randn(tokens, (9 + 3 + 3) * 64).split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k, v = q.reshape(tokens, 9, 64), k.reshape(tokens, 3, 64), v.reshape(tokens, 3, 64)
+    positions, cos_sin = torch.arange(tokens), rope_cos_sin(64, 4096, 10000.0, None).float()
+    meta = AttentionMetadata.build([tokens], [tokens], [[0, 1, 2, 3]], list(range(tokens)))
+    assert ops.backend("rope", q, k, positions, cos_sin, meta) is rope_native
+    caches = [torch.zeros(4, 16, 3, 64, dtype=cache_dtype) for _ in range(2)]
+    scales = [torch.zeros(4, 16, 3, dtype=torch.float16) for _ in range(2)] if cache_dtype == FP8 else [None, None]
+    args = (k, v, *caches, *scales, meta.slot_mapping, meta)
+    assert ops.backend("write_kv", *args) is write_kv_native
+    assert ops.backend("silu_and_mul", torch.randn(tokens, 2 * 1536)) is silu_and_mul_native
+    # Where the C kernel cannot take the call: a strided per-head norm view, non-fp32 tensors,
+    # an FP8 cache without scales, or the library off.
+    assert ops.backend("rms_norm", q[:, :, :32], w[:32], 1e-6, None) is rms_norm_torch
+    assert ops.backend("rms_norm", h.bfloat16(), w, 1e-5, None) is rms_norm_ref
+    assert ops.backend("rope", q.bfloat16(), k.bfloat16(), positions, cos_sin, meta) is rope_ref
+    assert ops.backend("rope", q, k, positions.int(), cos_sin, meta) is rope_torch
+    assert ops.backend("silu_and_mul", torch.randn(tokens, 4 * 1536)[:, ::2]) is silu_and_mul_ref
+    if cache_dtype == FP8:
+        assert ops.backend("write_kv", k, v, *caches, None, None, meta.slot_mapping, meta) is write_kv_ref
+    with native.off():
+        assert ops.backend("rms_norm", h, w, 1e-5, res) is rms_norm_torch
+        assert ops.backend("rope", q, k, positions, cos_sin, meta) is rope_torch
+        assert ops.backend("write_kv", *args) is write_kv_ref
+        assert ops.backend("silu_and_mul", torch.randn(tokens, 2 * 1536)) is silu_and_mul_ref

@@ -17,7 +17,7 @@ from ridge.config import kv_bytes_per_token
 from ridge.errors import internal_error
 from ridge.models.loader import LoadedModel, load_model
 
-from ridge.kernels import native
+from ridge.kernels import native, ops
 from ridge.kernels.timing import section
 
 from .budget import default_token_budget
@@ -127,7 +127,7 @@ class LLMEngine:
     # -- set-up -----------------------------------------------------------------
     def _plan_budget(self) -> None:
         c = self.config
-        fp8 = self.device.type == "cuda" and c.quantize
+        fp8 = ops.keeps_fp8(self.device) and c.quantize
         b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
         chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point)
         chunk = c.prefill_chunk or chunk

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ridge.config import ModelConfig
+from ridge.kernels import ops
 from ridge.quant.convert import convert
 from ridge.quant.source import resolve_model_path
 
@@ -38,7 +39,7 @@ def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quanti
                use_cache=True, show_progress=True, rule="mse") -> LoadedModel:
     t0 = time.perf_counter()
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or ops.compute_dtype(device)
     conv = convert(path, quantize=quantize, rule=rule, use_cache=use_cache, show_progress=show_progress)
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
         model = CausalLM(conv.config, max_model_len)
