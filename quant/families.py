@@ -35,13 +35,14 @@ class Family:
     defaults: dict
     read: Callable[[HFConfig, dict], dict]
     ignored: frozenset = field(default_factory=frozenset)
+    act_field: str = "hidden_act"  # the activation's key in the config class
 
     @property
     def fields(self) -> set[str]:
         return set(self.defaults) | set(COMMON_FIELDS)
 
     def model_config_kwargs(self, c: HFConfig) -> dict:
-        kw = common_fields(c, self.arch)
+        kw = common_fields(c, self.arch, self.act_field)
         return {**kw, **self.read(c, kw)}
 
 

@@ -12,6 +12,10 @@ from ridge.config import ModelConfig
 from .errors import ModelLoadError
 
 FP8 = torch.float8_e4m3fn
+# Each layer's norms, by architecture (Gemma norms both branches' inputs and outputs).
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
+_GEMMA_NORMS = _LLAMA_NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+LAYER_NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS}
 
 
 def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
@@ -48,8 +52,8 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="mode
         _cat(sd, ["lm_head"], out, "lm_head", path)
     for i in range(cfg.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
-        take(p + "input_layernorm.weight", q + "input_layernorm.weight")
-        take(p + "post_attention_layernorm.weight", q + "post_attention_layernorm.weight")
+        for norm in LAYER_NORMS.get(cfg.arch, _LLAMA_NORMS):
+            take(p + norm + ".weight", q + norm + ".weight")
         a, m = p + "self_attn.", p + "mlp."
         _cat(sd, [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj", path)
         _cat(sd, [a + "o_proj"], out, q + "o_proj", path)

@@ -75,13 +75,14 @@ class HFConfig:
         return v
 
 
-def common_fields(c: HFConfig, arch: str) -> dict:
-    """The fields every decoder family reads, as ModelConfig keyword arguments."""
+def common_fields(c: HFConfig, arch: str, act_field: str = "hidden_act") -> dict:
+    """The fields every decoder family reads, as ModelConfig keyword arguments. act_field: the
+    activation's key in the family's config class (Gemma's is hidden_activation)."""
     heads = c.positive_int("num_attention_heads")
     hidden = c.positive_int("hidden_size")
-    act = c.get("hidden_act")
+    act = c.get(act_field)
     if act not in ACTIVATIONS:
-        c.refuse("hidden_act", act, f"ridge runs {', '.join(ACTIVATIONS)}")
+        c.refuse(act_field, act, f"ridge runs {', '.join(ACTIVATIONS)}")
     return dict(
         arch=arch, vocab_size=c.positive_int("vocab_size"), hidden_size=hidden,
         intermediate_size=c.positive_int("intermediate_size"), num_layers=c.positive_int("num_hidden_layers"),

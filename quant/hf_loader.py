@@ -10,6 +10,7 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
+from .hf_gemma import shift_norms
 from .progress import progress
 
 
@@ -69,4 +70,6 @@ def load_hf(path, show_progress: bool = True) -> tuple[ModelConfig, dict[str, to
                     sd[name] = st.get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
+    if cfg.arch in ("gemma2", "gemma3_text"):
+        shift_norms(sd)
     return cfg, sd

@@ -38,10 +38,9 @@ class ModelConfig:
     # "sliding_attention"; "full_attention" layers, or every layer when layer_types is None, see all.
     sliding_window: int | None = None
     layer_types: list[str] | None = None
-    # Gemma 2/3 (ridge/models/gemma.py): softmax scale query_pre_attn_scalar ** -0.5; soft-caps
-    # s -> c * tanh(s / c) on the attention scores and on the final logits; the sliding layers'
-    # own RoPE base and scaling (Gemma 3; None: the full layers' table serves every layer).
-    query_pre_attn_scalar: float | None = None
+    # Gemma 2/3 (ridge/models/gemma.py): soft-caps s -> c * tanh(s / c) on the attention scores
+    # and on the final logits; the sliding layers' own RoPE base and scaling (Gemma 3; None: the
+    # full layers' table serves every layer).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None

@@ -1,0 +1,195 @@
+"""Gemma 2 and Gemma 3 (text) against transformers: tiny random models built by transformers
+from a config, saved as safetensors, loaded through ridge's loader; teacher-forced logits,
+FP8 weights against transformers on the same e4m3 weights, greedy tokens through the engine
+(one pass, prefill chunks, a prefix-cache hit), and the config fields ridge refuses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_utils import greedy, make_engine, prompts, run
+from ridge.models.loader import load_model
+from ridge.models.oneshot import prompt_logits
+from ridge.quant.errors import ModelLoadError
+from ridge.quant.hf_loader import read_hf_config
+from tiny_models import tiny_vocab, write_tokenizer_files
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = len(tiny_vocab()[0])
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Windows smaller than the prompt and not a multiple of the engine's 16-token blocks; soft-caps
+# small enough that tanh bends the random models' scores and logits.
+VARIANTS = {
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, sliding_window=12, attn_logit_softcapping=1.5,
+                              final_logit_softcapping=2.0)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=5, sliding_window_pattern=3, sliding_window=20,
+                                   rope_theta=10000.0, rope_local_base_freq=100.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    "gemma3-untied-bias-cap": ("gemma3_text", dict(num_hidden_layers=3, sliding_window_pattern=2, sliding_window=9,
+                                                   tie_word_embeddings=False, attention_bias=True,
+                                                   final_logit_softcapping=3.0)),
+}
+PROMPT = prompts(VOCAB, [80], seed=5)[0]  # 80 positions: five blocks, several windows
+
+
+def build_hf(kind: str, over: dict, path, seed: int = 0):
+    cfg = transformers.AutoConfig.for_model(kind, **BASE, **over)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # transformers' init leaves norms at 0 and scores near 0: widen both
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.15)
+    model.eval()
+    model.save_pretrained(str(path))
+    write_tokenizer_files(path)
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, f"relative logit error {err:.2e}"
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() == 1.0
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def gemma(request, tmp_path_factory):
+    kind, over = VARIANTS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_hf(kind, over, path)
+    return path, hf, load_model(path, device="cpu", weights="fp32", use_cache=False)
+
+
+def test_config_read(gemma):
+    path, hf, lm = gemma
+    c, cfg = hf.config, lm.config
+    assert cfg.arch == c.model_type and cfg.layer_types == c.layer_types
+    assert {"sliding_attention", "full_attention"} <= set(cfg.layer_types)
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == [
+        c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
+    assert cfg.softmax_scale == 24 ** -0.5 and cfg.tie_word_embeddings == c.tie_word_embeddings
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (c.attn_logit_softcapping,
+                                                                           c.final_logit_softcapping)
+    if c.model_type == "gemma3_text":
+        assert cfg.rope_theta == c.rope_parameters["full_attention"]["rope_theta"]
+        assert cfg.rope_local_theta == c.rope_parameters["sliding_attention"]["rope_theta"]
+
+
+def test_fp32_logits_match_transformers(gemma):
+    path, hf, lm = gemma
+    assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(hf, PROMPT))
+
+
+def _on_ridge_weights(hf, lm):
+    """transformers' model with the linear weights ridge runs (its e4m3 values times their scales,
+    upcast at load on CPU), unfused."""
+    import copy
+
+    ref = copy.deepcopy(hf)
+    cfg = lm.config
+    with torch.no_grad():
+        for ours, theirs in zip(lm.model.layers, ref.model.layers):
+            a, m = theirs.self_attn, theirs.mlp
+            for w, t in zip(ours.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size]),
+                            (a.q_proj, a.k_proj, a.v_proj)):
+                t.weight.copy_(w)
+            a.o_proj.weight.copy_(ours.o_proj.weight)
+            gate, up = ours.gate_up_proj.weight.split(cfg.intermediate_size)
+            m.gate_proj.weight.copy_(gate)
+            m.up_proj.weight.copy_(up)
+            m.down_proj.weight.copy_(ours.down_proj.weight)
+    return ref
+
+
+def test_fp8_weights_match_transformers_on_the_same_weights(gemma):
+    path, hf, _ = gemma
+    lm = load_model(path, device="cpu", weights="fp8", use_cache=False)
+    first = lm.model.layers[0].o_proj.weight
+    assert not torch.equal(first, hf.model.layers[0].self_attn.o_proj.weight)  # really quantized
+    assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(_on_ridge_weights(hf, lm), PROMPT))
+
+
+def _greedy_reference(hf, prompt: list[int], tokens: list[int]) -> list[int]:
+    """transformers' argmax after each prefix of prompt + tokens (teacher-forced)."""
+    logits = hf_logits(hf, prompt + tokens)
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
+
+
+def test_engine_greedy_one_pass_chunks_and_prefix_hit(gemma):
+    path, hf, lm = gemma
+    prompt = PROMPT[:70]
+    one = run(make_engine(lm, prefill_chunk=128, enable_prefix_caching=False, cpu_weight_format="fp32"),
+              [prompt], greedy(20))["r0"]
+    assert one == _greedy_reference(hf, prompt, one)
+    chunked = run(make_engine(lm, prefill_chunk=16, enable_prefix_caching=False, cpu_weight_format="fp32"),
+                  [prompt], greedy(20))["r0"]
+    assert chunked == one
+    eng = make_engine(lm, prefill_chunk=32, cpu_weight_format="fp32")
+    run(eng, [prompt], greedy(4))
+    eng.add_request("again", prompt + [7, 8], greedy(20))
+    toks, cached = [], 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert cached == 64  # four full blocks, more than any window
+    assert toks == _greedy_reference(hf, prompt + [7, 8], toks)
+
+
+def _write_config(tmp_path, kind: str, **over) -> dict:
+    c = transformers.AutoConfig.for_model(kind, **BASE, num_hidden_layers=4, sliding_window=8).to_dict()
+    c.update(over)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    return c
+
+
+def test_older_config_fields_read_as_transformers_reads_them(tmp_path):
+    """Gemma 3 files written before transformers 5: rope_theta, rope_scaling (full layers only),
+    rope_local_base_freq and sliding_window_pattern instead of rope_parameters and layer_types."""
+    new = _write_config(tmp_path, "gemma3_text", sliding_window_pattern=3,
+                        rope_parameters=None, layer_types=None)
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=20000.0, rope_local_base_freq=500.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = read_hf_config(tmp_path)
+    ref = transformers.Gemma3TextConfig(**{k: v for k, v in old.items() if k != "model_type"})
+    assert cfg.layer_types == ref.layer_types == ["sliding_attention", "sliding_attention", "full_attention",
+                                                  "sliding_attention"]
+    assert cfg.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"] == 20000.0
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert cfg.rope_local_theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 500.0
+    assert cfg.rope_local_scaling is None
+
+
+@pytest.mark.parametrize("kind, field, value", [
+    ("gemma2", "hidden_activation", "gelu"),
+    ("gemma3_text", "hidden_activation", "silu"),
+    ("gemma3_text", "use_bidirectional_attention", True),
+    ("gemma3_text", "attn_logit_softcapping", 50.0),
+    ("gemma2", "attn_logit_softcapping", -1.0),
+    ("gemma2", "final_logit_softcapping", 0),
+    ("gemma2", "query_pre_attn_scalar", 0),
+    ("gemma2", "sliding_window", 0),
+    ("gemma3_text", "sliding_window", None),
+    ("gemma2", "layer_types", ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]),
+    ("gemma2", "layer_types", ["full_attention"]),
+    ("gemma2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
+    ("gemma3_text", "rope_parameters", {"full_attention": {"rope_type": "dynamic", "factor": 2.0},
+                                        "sliding_attention": {"rope_type": "default"}}),
+    ("gemma3_text", "rope_parameters", {"full_attention": {"rope_type": "default"},
+                                        "sliding_attention": {"rope_type": "llama3", "factor": 8.0}}),
+])
+def test_unsupported_fields_are_refused_by_name(tmp_path, kind, field, value):
+    _write_config(tmp_path, kind, **{field: value})
+    with pytest.raises(ModelLoadError) as e:
+        read_hf_config(tmp_path)
+    assert field in str(e.value)
