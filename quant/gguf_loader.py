@@ -1,4 +1,5 @@
-"""GGUF files (llama, qwen2, qwen3) -> ModelConfig + a Hugging Face-named fp32 state dict.
+"""GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py) -> ModelConfig
++ a Hugging Face-named fp32 state dict.
 
 Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
 K rows of llama models for its interleaved RoPE; we undo it to get back the
@@ -11,6 +12,7 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
+from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
 from .progress import progress
 
 _LAYER_NAMES = {
@@ -36,13 +38,19 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+_ARCH_LAYER_NAMES = {"gemma2": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
+                     "gemma3_text": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES}}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """arch: ModelConfig.arch, for the families whose layers name their tensors otherwise."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+        if rest in layer_names:
+            return f"model.layers.{idx}.{layer_names[rest]}"
     return None
 
 
@@ -58,7 +66,7 @@ def _field(reader, key, default=None):
 
 
 # general.architecture values this reader knows (llama.cpp writes Mistral as llama).
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # gemma2, gemma3 join with their model
 
 
 def read_config(reader, path) -> ModelConfig:
@@ -78,7 +86,7 @@ def read_config(reader, path) -> ModelConfig:
     if a("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": a("rope.scaling.type"), "factor": a("rope.scaling.factor", 1.0),
                    "original_max_position_embeddings": a("rope.scaling.original_context_length", 4096)}
-    return ModelConfig(
+    kw = dict(
         arch=arch, vocab_size=int(vocab), hidden_size=int(hidden),
         intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
         num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv", heads)),
@@ -90,6 +98,9 @@ def read_config(reader, path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         name=str(_field(reader, "general.name", "") or ""),
     )
+    if arch in GEMMA_GGUF:
+        kw.update(gemma_fields(arch, a, kw, names, path))
+    return ModelConfig(**kw)
 
 
 def _dequantize(t) -> torch.Tensor:
@@ -122,7 +133,7 @@ def load_gguf(path, show_progress: bool = True):
         if t.name == "rope_freqs.weight":
             freq_factors = w
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.arch)
         if name is None:
             continue
         if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):

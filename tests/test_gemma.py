@@ -14,7 +14,7 @@ from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
 from ridge.quant.errors import ModelLoadError
 from ridge.quant.hf_loader import read_hf_config
-from tiny_models import tiny_vocab, write_tokenizer_files
+from tiny_models import tiny_config, random_state_dict, tiny_vocab, write_gguf, write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,7 +38,7 @@ PROMPT = prompts(VOCAB, [80], seed=5)[0]  # 80 positions: five blocks, several w
 
 
 def build_hf(kind: str, over: dict, path, seed: int = 0):
-    cfg = transformers.AutoConfig.for_model(kind, **BASE, **over)
+    cfg = transformers.AutoConfig.for_model(kind, **{**BASE, **over})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():  # transformers' init leaves norms at 0 and scores near 0: widen both
@@ -143,6 +143,44 @@ def test_engine_greedy_one_pass_chunks_and_prefix_hit(gemma):
             cached = o.num_cached_tokens
     assert cached == 64  # four full blocks, more than any window
     assert toks == _greedy_reference(hf, prompt + [7, 8], toks)
+
+
+# llama.cpp's Gemma GGUFs: no query_pre_attn_scalar (head_dim's is used), Gemma 3's period of 6 and
+# its sliding layers' RoPE base of 10000.
+GGUF_VARIANTS = {
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, sliding_window=12, attn_logit_softcapping=1.5,
+                              final_logit_softcapping=2.0, query_pre_attn_scalar=16)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=7, sliding_window=20, rope_theta=20000.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=16,
+                                   tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_gguf_matches_transformers(tmp_path, variant):
+    kind, over = GGUF_VARIANTS[variant]
+    hf = build_hf(kind, over, tmp_path / "hf")
+    want = read_hf_config(tmp_path / "hf")
+    path = write_gguf(tmp_path / "m.gguf", want, hf.state_dict())  # norms + 1, as llama.cpp's converter
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False)
+    got = lm.config
+    for field in ("arch", "layer_types", "sliding_window", "softmax_scale", "attn_logit_softcapping",
+                  "final_logit_softcapping", "rope_theta", "rope_local_theta", "tie_word_embeddings", "qk_norm"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.rope_scaling == want.rope_scaling or got.rope_scaling["factor"] == want.rope_scaling["factor"]
+    assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(hf, PROMPT))
+
+
+@pytest.mark.parametrize("kind, layers, scalar", [("gemma2", 46, 16), ("gemma2", 26, 32), ("gemma3_text", 62, 16),
+                                                  ("gemma3_text", 34, 32)])
+def test_gguf_attention_scale_is_llama_cpps(tmp_path, kind, layers, scalar):
+    """The 27B models scale by (hidden / heads) ** -0.5, the others by head_dim ** -0.5."""
+    from ridge.quant.source import read_config
+
+    cfg = tiny_config(kind, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=32, max_position=64,
+                      sliding_window=8, layer_types=["sliding_attention"] * layers)
+    path = write_gguf(tmp_path / "m.gguf", cfg, random_state_dict(cfg, seed=1))
+    assert read_config(path).softmax_scale == scalar ** -0.5
 
 
 def _write_config(tmp_path, kind: str, **over) -> dict:

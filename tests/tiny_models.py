@@ -94,13 +94,35 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_name(hf: str) -> str:
+# Gemma's four norms a layer, as llama.cpp's converter names them.
+_GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_GEMMA = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # ModelConfig.arch -> general.architecture
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if hf in fixed:
         return fixed[hf]
     _, _, idx, rest = hf.split(".", 3)
-    return f"blk.{idx}.{_GGUF_NAMES[rest]}"
+    return f"blk.{idx}.{(_GEMMA_GGUF_NAMES if arch in _GEMMA else _GGUF_NAMES)[rest]}"
+
+
+def _gemma_metadata(w, cfg: ModelConfig) -> None:
+    """What llama.cpp's converter writes for Gemma beyond llama's keys (no query_pre_attn_scalar:
+    the format has none, so a model must use head_dim's)."""
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.attn_logit_softcapping is not None:
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if cfg.rope_scaling:
+        import gguf
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
@@ -112,7 +134,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     from gguf.quants import quantize
 
     qt = gguf.GGMLQuantizationType[qtype]
-    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w = gguf.GGUFWriter(str(path), _GEMMA.get(cfg.arch, cfg.arch))
     w.add_name(cfg.name)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -125,6 +147,8 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.arch in _GEMMA:
+        _gemma_metadata(w, cfg)
     if tokenizer:
         tokens, types, merges = tiny_vocab()
         w.add_tokenizer_model("gpt2")
@@ -138,18 +162,22 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
         w.add_chat_template(CHATML)
     for name, t in sd.items():
         t = t.float()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # transformers' state dict names the tied table twice; the converter writes it once
+        if cfg.arch in _GEMMA and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp's converter stores Gemma's multiplier 1 + w
         if cfg.arch == "llama" and name.endswith("q_proj.weight"):
             t = permute_qk(t, cfg.num_heads)
         elif cfg.arch == "llama" and name.endswith("k_proj.weight"):
             t = permute_qk(t, cfg.num_kv_heads)
         arr = t.numpy()
-        if raw and _gguf_name(name) in raw:
-            data, kind = raw[_gguf_name(name)]
-            w.add_tensor(_gguf_name(name), data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+        if raw and _gguf_name(name, cfg.arch) in raw:
+            data, kind = raw[_gguf_name(name, cfg.arch)]
+            w.add_tensor(_gguf_name(name, cfg.arch), data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
         elif arr.ndim == 2 and qtype != "F32":
-            w.add_tensor(_gguf_name(name), quantize(arr, qt), raw_shape=quantize(arr, qt).shape, raw_dtype=qt)
+            w.add_tensor(_gguf_name(name, cfg.arch), quantize(arr, qt), raw_shape=quantize(arr, qt).shape, raw_dtype=qt)
         else:
-            w.add_tensor(_gguf_name(name), arr)
+            w.add_tensor(_gguf_name(name, cfg.arch), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
