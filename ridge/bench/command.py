@@ -10,6 +10,7 @@
     ridge bench structured structured-output libraries compared, and the mask overhead
     ridge bench host       a pure-decode step's host time (schedule, plan, update, emit) per context
     ridge bench hashing    block identity's cost: hashing and hit checks per prompt and per decode step
+    ridge bench contention throughput beside another CPU-heavy process, adaptive vs fixed threads
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -98,6 +99,7 @@ def add_bench_parser(subparsers) -> None:
     a.add_argument("--timeout", type=float, default=600.0)
 
     from .accuracy import add_accuracy_parser
+    from .contention import add_contention_parser
     from .hashing import add_hashing_parser
     from .host import add_host_parser
     from .prefix import add_prefix_parser
@@ -109,6 +111,7 @@ def add_bench_parser(subparsers) -> None:
     add_structured_parser(sub, _common)
     add_host_parser(sub, _common)
     add_hashing_parser(sub, _common)
+    add_contention_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -340,7 +343,7 @@ def run_bench(args) -> int:
         run_structured(args, rep)
         _write_json(rep, args)
         return 0
-    needs_engine = name in ("throughput", "sweep", "overhead", "host", "all") or (
+    needs_engine = name in ("throughput", "sweep", "overhead", "host", "contention", "all") or (
         name in ("hf", "server") and not args.no_ridge)
     if needs_engine:
         need = max([getattr(args, "in_flight", 1)] + (_ints(args.batches) if name == "overhead" else [])
@@ -369,6 +372,11 @@ def run_bench(args) -> int:
         rows = run_host(engine, args.batch, _ints(args.contexts), args.steps)
         rep.add("host", rows)
         host_table(rep, rows)
+    elif name == "contention":
+        from .contention import contention_table, run_contention
+        res = run_contention(engine, workload_for(args, engine), args.in_flight, args.compete_threads)
+        rep.add("contention", res)
+        contention_table(rep, res)
     elif name == "kv":
         part_kv(rep, args)
     elif name == "all":

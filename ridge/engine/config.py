@@ -46,6 +46,9 @@ class EngineConfig:
     kv_disk_dir: str | None = _opt(None, "where the disk tier lives (default: $XDG_CACHE_HOME/ridge/kv)",
                                    example="/var/cache/ridge/kv")
     num_threads: int | None = _opt(None, "CPU threads for torch (default: torch's on CPU, 4 on CUDA)", flag="--threads", example=8)
+    adaptive_threads: bool = _opt(True, "on CPU keep the thread count fixed, even while other processes hold "
+                                        "cores (default: the team shrinks to the cores left free)",
+                                  flag="--fixed-threads")
     quantize: bool = True
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
                                      example=295.0)
