@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from . import activation, attention_native, kv_cache, native, norm, rope as rope_impl
-from .activation import silu_and_mul_native, silu_and_mul_ref
+from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_native, silu_and_mul_ref
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
 from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
@@ -135,6 +135,8 @@ _CHOICES = {  # op -> (its reference, its CPU choice)
     "rms_norm": (rms_norm_ref, _rms_norm_cpu),
     "rope": (rope_ref, _rope_cpu),
     "silu_and_mul": (silu_and_mul_ref, _silu_and_mul_cpu),
+    "gelu_and_mul": (gelu_and_mul_ref, lambda x: gelu_and_mul_ref),
+    "gelu_tanh_and_mul": (gelu_tanh_and_mul_ref, lambda x: gelu_tanh_and_mul_ref),
     "write_kv": (write_kv_ref, _write_kv_cpu),
 }
 
@@ -165,6 +167,16 @@ def rope(q, k, positions, cos_sin, meta: AttentionMetadata | None = None):
 def silu_and_mul(x):
     with section("act"):
         return backend("silu_and_mul", x)(x)
+
+
+def gelu_and_mul(x):
+    with section("act"):
+        return backend("gelu_and_mul", x)(x)
+
+
+def gelu_tanh_and_mul(x):
+    with section("act"):
+        return backend("gelu_tanh_and_mul", x)(x)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None):

@@ -1,4 +1,8 @@
-"""Rotary position embedding in the rotate-half (Hugging Face) layout."""
+"""Rotary position embedding in the rotate-half (Hugging Face) layout.
+
+Partial rotary (Phi-3/4's partial_rotary_factor): the angle table's width R = 2 x
+frequencies may be below head_dim; then only each head's first R dims rotate (halves
+[0, R/2) and [R/2, R)) and the rest pass through, as transformers' apply_rotary_pos_emb."""
 from __future__ import annotations
 
 import torch
@@ -8,16 +12,17 @@ from . import native
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
              meta=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, Hkv, D], positions: [T], cos_sin: [max_pos, D] = [cos | sin]
-    each over D/2 frequencies. Returns rotated (q, k) in their own dtype. meta: the step's
-    AttentionMetadata, where a backend keeps per-step state (this one keeps none)."""
+    """q: [T, H, D], k: [T, Hkv, D], positions: [T], cos_sin: [max_pos, R] = [cos | sin]
+    each over R/2 frequencies, R <= D (R < D: partial rotary). Returns rotated (q, k) in their
+    own dtype. meta: the step's AttentionMetadata, where a backend keeps per-step state (this one
+    keeps none)."""
     cs = cos_sin[positions].float()
     half = cs.shape[-1] // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:]
 
     def rotate(x):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2, rest = x.float().split([half, half, x.shape[-1] - 2 * half], dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
 
@@ -56,8 +61,9 @@ def rope_native(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
     both where k's heads follow q's), for a call that native_fits()."""
     lib = native.library()
     for x in _adjacent(q, k):
-        lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), x.shape[2], positions.data_ptr(),
-                 cos_sin.data_ptr(), torch.get_num_threads())
+        # The kernel's D is the table's width: it rotates each head's first D dims.
+        lib.rope(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), cos_sin.shape[1],
+                 positions.data_ptr(), cos_sin.data_ptr(), torch.get_num_threads())
     return q, k
 
 
@@ -72,7 +78,7 @@ def rope_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     cos, sin = angles.cos, angles.sin
     half = cos.shape[-1]
     for x in _adjacent(q, k):
-        x1, x2 = x[..., :half], x[..., half:]
+        x1, x2 = x[..., :half], x[..., half:2 * half]
         t = x1 * sin
         x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
         x2.mul_(cos).add_(t)  # x2 cos + x1 sin
@@ -125,11 +131,12 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim and head_dim % 2 == 0, (q.shape, k.shape)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
-    assert cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.stride(-1) == 1
+    assert cos_sin.dim() == 2 and cos_sin.shape[1] <= head_dim and cos_sin.shape[1] % 2 == 0
+    assert cos_sin.stride(-1) == 1
     assert q.device == k.device == positions.device == cos_sin.device
     if num_tokens == 0:
         return q, k
-    num_k, half = k.shape[1], head_dim // 2
+    num_k, half = k.shape[1], cos_sin.shape[1] // 2  # partial rotary: the kernel rotates 2 * half dims
     heads_p, half_p = next_pow2(max(num_q, num_k)), next_pow2(half)
     block_t = max(1, min(next_pow2(num_tokens), (16384 if interpreting(q) else 1024) // (heads_p * half_p)))
     _rope_kernel[(cdiv(num_tokens, block_t),)](

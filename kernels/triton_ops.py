@@ -9,7 +9,7 @@ from .triton_utils import HAS_TRITON
 if not HAS_TRITON:
     raise ImportError("triton is not importable on this machine")
 
-from .activation import silu_and_mul_triton  # noqa: E402
+from .activation import gelu_and_mul_triton, gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from .attention import paged_attention_triton  # noqa: E402
 from .kv_cache import write_kv_triton  # noqa: E402
 from .linear import fp8_linear_triton  # noqa: E402
@@ -20,6 +20,8 @@ KERNELS = {
     "rms_norm": rms_norm_triton,
     "rope": rope_triton,
     "silu_and_mul": silu_and_mul_triton,
+    "gelu_and_mul": gelu_and_mul_triton,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul_triton,
     "fp8_linear": fp8_linear_triton,
     "write_kv": write_kv_triton,
     "paged_attention": paged_attention_triton,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .hf_config import HFConfig, common_fields, rope_fields, window_all, window_from_layer_types
+from .hf_gemma import GEMMA2_DEFAULTS, GEMMA3_DEFAULTS, read_gemma
 
 # PreTrainedConfig's own fields and the keys save_pretrained adds: none changes a causal LM's math.
 BASE_IGNORED = frozenset({
@@ -104,3 +105,35 @@ register(Family("mistral", "mistral", dict(_LLAMA_DEFAULTS, intermediate_size=14
                                            max_position_embeddings=4096 * 32, sliding_window=4096), _read_mistral))
 register(Family("qwen2", "qwen2", _QWEN_DEFAULTS, _read_qwen2))
 register(Family("qwen3", "qwen3", dict(_QWEN_DEFAULTS, head_dim=128, attention_bias=False), _read_qwen3))
+register(Family("gemma2", "gemma2", GEMMA2_DEFAULTS, read_gemma, act_field="hidden_activation"))
+register(Family("gemma3_text", "gemma3_text", GEMMA3_DEFAULTS, read_gemma, act_field="hidden_activation"))
+
+
+def _read_phi3(c: HFConfig, kw: dict) -> dict:
+    # rope: su and yarn are longrope's old names (Phi3Config); original_max_position_embeddings is a
+    # class field, so it overrides rope_parameters' own.
+    rope = rope_fields(c, kw["head_dim"], types=("default", "longrope"), aliases={"su": "longrope", "yarn": "longrope"},
+                       partial_rotary=True, original_max_field=True)
+    return {**rope, **window_all(c, kw["num_layers"])}
+
+
+def _read_olmo2(c: HFConfig, kw: dict) -> dict:
+    return dict(qk_norm=True, **_biases(c, mlp=False), **rope_fields(c, kw["head_dim"]))
+
+
+def _read_granite(c: HFConfig, kw: dict) -> dict:
+    return dict(**_biases(c, mlp=True), **rope_fields(c, kw["head_dim"]),
+                embedding_multiplier=c.number("embedding_multiplier"),
+                residual_multiplier=c.number("residual_multiplier"),
+                softmax_scale=c.number("attention_multiplier"), logits_scaling=c.number("logits_scaling"))
+
+
+register(Family("phi3", "phi3", dict(_LLAMA_DEFAULTS, vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                                     max_position_embeddings=4096, original_max_position_embeddings=4096,
+                                     rms_norm_eps=1e-5, sliding_window=None, partial_rotary_factor=None),
+                _read_phi3, frozenset({"resid_pdrop", "embd_pdrop"})))
+register(Family("olmo2", "olmo2", dict(_LLAMA_DEFAULTS, vocab_size=50304, rms_norm_eps=1e-5, attention_bias=False),
+                _read_olmo2))
+register(Family("granite", "granite", dict(_LLAMA_DEFAULTS, attention_bias=False, mlp_bias=False,
+                                           embedding_multiplier=1.0, residual_multiplier=1.0,
+                                           attention_multiplier=1.0, logits_scaling=1.0), _read_granite))

@@ -30,8 +30,13 @@ class FP8Linear(nn.Module):
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
-        assert weight.shape == (self.out_features, self.in_features), (weight.shape, self.out_features, self.in_features)
-        assert (bias is not None) == self.has_bias
+        # The converter (quant/fuse.py) hands what the config declares; these guard its contract.
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"weight {tuple(weight.shape)}, the layer is {self.out_features} x {self.in_features}")
+        if (bias is not None) != self.has_bias:
+            raise ValueError("a bias for a layer without one" if bias is not None else "no bias for a layer with one")
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias {tuple(bias.shape)}, the layer has {self.out_features} outputs")
         self.cpu = None
         self.fp8_device = weight.dtype == FP8 and ops.keeps_fp8(device)  # FP8 kept: the FP8 kernels run
         if self.fp8_device:

@@ -137,3 +137,54 @@ def test_rope_rotates_q_and_k_as_one_view_only_where_they_are_adjacent():
     assert joint.shape == (5, 12, 64) and torch.equal(joint[:, 9:], k)
     assert len(_adjacent(q, qkv[:, 12 * 64:].view(5, 3, 64))) == 2  # V's heads, not K's: apart
     assert len(_adjacent(torch.randn(5, 9, 64), torch.randn(5, 3, 64))) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("rows,inter", [(1, 96), (17, 77)])
+@pytest.mark.parametrize("name", ["gelu_and_mul", "gelu_tanh_and_mul"])
+def test_gelu_and_mul(dtype, rows, inter, name):
+    """Both GELUs of transformers' ACT2FN (gelu: erf; gelu_pytorch_tanh: tanh), Triton and the
+    CPU choice against the reference; the two differ, so each kernel runs its own."""
+    from ridge.kernels import activation
+    x = (3 * torch.randn(rows, 2 * inter)).to(dtype)
+    ref = getattr(activation, name + "_ref")(x)
+    assert_close(getattr(activation, name + "_triton")(x), ref)
+    assert_close(getattr(ops, name)(x), ref)
+    other = activation.gelu_tanh_and_mul_ref if name == "gelu_and_mul" else activation.gelu_and_mul_ref
+    assert (other(x.float()) - ref.float()).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton", "c", "torch"])
+@pytest.mark.parametrize("dim,rotary", [(64, 48), (16, 8), (32, 2)])
+def test_partial_rotary_rotates_only_the_leading_dims(backend, dim, rotary):
+    """A table narrower than head_dim (partial_rotary_factor) rotates each head's first `rotary`
+    dims as rotate-half over them and leaves the rest as they were (transformers' Phi-3)."""
+    heads, kv_heads, num_tokens = 3, 1, 19
+    cos_sin = rope_cos_sin(rotary, 512, 10000.0)
+    positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(rotary))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(num_tokens, heads, dim)
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+    cos, sin = cos_sin[positions, None, : rotary // 2].repeat(1, 1, 2), cos_sin[positions, None, rotary // 2:].repeat(1, 1, 2)
+
+    def oracle(x):  # transformers: q_rot * cos + rotate_half(q_rot) * sin, then q_pass
+        r, rest = x[..., :rotary], x[..., rotary:]
+        half = torch.cat((-r[..., rotary // 2:], r[..., : rotary // 2]), dim=-1)
+        return torch.cat((r * cos + half * sin, rest), dim=-1)
+
+    want_q, want_k, v_before = oracle(q), oracle(k), qkv[:, (heads + kv_heads) * dim:].clone()
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], list(range(num_tokens)))
+    if backend == "ref":
+        out_q, out_k = rope_ref(q, k, positions, cos_sin)
+    elif backend == "triton":
+        out_q, out_k = rope_triton(q, k, positions, cos_sin)
+    elif backend == "c":
+        if native.library() is None:
+            pytest.fail("the C kernels are not built")
+        out_q, out_k = ops.rope(q, k, positions, cos_sin, meta)
+    else:
+        with native.off():
+            out_q, out_k = ops.rope(q, k, positions, cos_sin, meta)
+    assert_close(out_q, want_q)
+    assert_close(out_k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "V must be untouched"

@@ -27,10 +27,10 @@ def agreement(logits: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def _model(conv, sd):
-    from ridge.models.llama import CausalLM
+    from ridge.models.families import model_class
 
     with torch.device("meta"):
-        m = CausalLM(conv.config)
+        m = model_class(conv.config)(conv.config)
     m.load_weights(sd, torch.device("cpu"), torch.float32, conv.freq_factors)
     return m
 

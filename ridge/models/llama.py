@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/4) over a flattened
+batch; the other families' models build on its layer and model (ridge/models/families.py).
 
 The forward pass takes every scheduled token of every request in one
 [num_tokens] row, with positions and attention metadata; attention reads and
@@ -28,20 +29,27 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+# ModelConfig.hidden_act (transformers' ACT2FN name) -> the gated MLP's op.
+ACT_AND_MUL = {"silu": ops.silu_and_mul, "gelu": ops.gelu_and_mul, "gelu_pytorch_tanh": ops.gelu_tanh_and_mul}
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = FP8Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = FP8Linear(cfg.q_size, cfg.hidden_size)
-        self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = FP8Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.o_proj = FP8Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = FP8Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_and_mul = ACT_AND_MUL[cfg.hidden_act]
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.softmax_scale or cfg.head_dim ** -0.5
+        self.window = cfg.layer_window(index)  # None: the layer attends to the whole context
+        self.softcap = None  # the attention scores' soft-cap (Gemma 2)
 
     def attention(self, h, positions, cos_sin, meta, kv):
         cfg = self.cfg
@@ -51,11 +59,19 @@ class DecoderLayer(nn.Module):
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm.forward(q)[0], self.k_norm.forward(k)[0]
+            q, k = self.norm_qk(q, k)
         q, k = ops.rope(q, k, positions, cos_sin, meta)
         ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.slot_mapping, meta)
-        o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta, self.scale)
+        o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta, self.scale,
+                                window=self.window, softcap=self.softcap)
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
+
+    def norm_qk(self, q, k):
+        """q: [T, H, D], k: [T, Hkv, D], each head normed on its own (qwen3)."""
+        return self.q_norm.forward(q)[0], self.k_norm.forward(k)[0]
+
+    def mlp(self, h):
+        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
 
     def forward(self, h, residual, positions, cos_sin, meta, kv):
         # .forward, not __call__: no hooks are used, and a batch-1 step makes about 200 of these
@@ -63,8 +79,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.forward(h, residual)
         h = self.attention(h, positions, cos_sin, meta, kv)
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        h = self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(h)))
-        return h, residual
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -76,12 +91,16 @@ class CausalLM(nn.Module):
         # imports torch's compiler stack (1.4 s of start-up).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = FP8Linear(cfg.hidden_size, cfg.vocab_size)
         # Built by load_weights on the model's device (on the meta device, building it here would
         # import torch's compiler stack: 1.3 s of start-up).
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """Layer `index` of the stack (a family's model overrides it: ridge/models/gemma.py)."""
+        return DecoderLayer(cfg, index)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -89,11 +108,14 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden].
         num_layers runs only the first L layers (the self-draft)."""
         with section("embed"):
-            h = self.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         residual = None
         for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
             h, residual = layer.forward(h, residual, positions, self.cos_sin, meta, kv)
         return self.norm.forward(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -120,10 +142,11 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight.data
         cfg = self.cfg
         self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
-                                    freq_factors=freq_factors).to(device)
+                                    freq_factors=freq_factors, rotary_dim=cfg.rotary_dim).to(device)
 
     def weight_bytes(self) -> int:
-        tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n != "cos_sin" and b is not None]
+        tables = self._non_persistent_buffers_set  # the RoPE tables: derived, not weights
+        tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n not in tables and b is not None]
         unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
         lowp = [t for m in self.modules() if isinstance(m, FP8Linear) and m.cpu is not None for t in m.cpu.copies.values()]
         return sum(t.numel() * t.element_size() for t in list(unique.values()) + lowp)

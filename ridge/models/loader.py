@@ -12,6 +12,7 @@ from ridge.kernels import ops
 from ridge.quant.convert import convert
 from ridge.quant.source import resolve_model_path
 
+from .families import model_class
 from .llama import CausalLM
 
 
@@ -42,7 +43,7 @@ def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quanti
     dtype = dtype or ops.compute_dtype(device)
     conv = convert(path, quantize=quantize, rule=rule, use_cache=use_cache, show_progress=show_progress)
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
-        model = CausalLM(conv.config, max_model_len)
+        model = model_class(conv.config)(conv.config, max_model_len)
     model.load_weights(conv.state_dict, device, dtype, conv.freq_factors)
     model.eval()
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,

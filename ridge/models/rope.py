@@ -1,4 +1,9 @@
-"""Rotary frequencies, with the context-extension rules configs name."""
+"""Rotary frequencies, with the context-extension rules configs name.
+
+Each rule is transformers' (modeling_rope_utils: _compute_*_parameters), computed in
+float64; the HF reader (quant/hf_config.py) hands every parameter filled as
+transformers fills it. A rule may also scale cos and sin (yarn's and longrope's
+attention factor), which scales q.k by its square, as in transformers."""
 from __future__ import annotations
 
 import math
@@ -19,32 +24,57 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
                        torch.where(wavelen > old_ctx / low, inv_freq / factor, blended))
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn(inv_freq: torch.Tensor, s: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
     # YaRN: interpolate the low frequencies, extrapolate the high ones, ramp between
     # the dims that turn beta_slow and beta_fast times over the original context.
     factor = s["factor"]
     old_ctx = s.get("original_max_position_embeddings", 4096)
-    beta_fast, beta_slow = s.get("beta_fast", 32.0), s.get("beta_slow", 1.0)
+    beta_fast, beta_slow = s.get("beta_fast") or 32.0, s.get("beta_slow") or 1.0
 
     def corr_dim(rotations: float) -> float:
         return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    lo = max(math.floor(corr_dim(beta_fast)), 0)
-    hi = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
     extrapolate = 1 - ramp
     inv = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
-    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        mscale = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
     return inv, mscale
 
 
+def _longrope(inv_freq: torch.Tensor, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    # LongRoPE (Phi-3): per-frequency divisors, short_factor within the original context and
+    # long_factor beyond it. transformers switches by the running sequence's length; a table
+    # serves every length here, so the model's context picks: long_factor where it exceeds
+    # original_max_position_embeddings (as llama.cpp picks by its context).
+    old_ctx = s["original_max_position_embeddings"]
+    ext = torch.tensor(s["long_factor"] if max_pos > old_ctx else s["short_factor"], dtype=torch.float64)
+    factor = s["factor"]
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    return inv_freq / ext, mscale
+
+
 def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None = None,
-                 freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """-> [max_pos, head_dim] fp32 = [cos | sin], each over head_dim / 2 frequencies.
-    freq_factors: llama.cpp's `rope_freqs` tensor, which divides the frequencies."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+                 freq_factors: torch.Tensor | None = None, rotary_dim: int | None = None) -> torch.Tensor:
+    """-> [max_pos, R] fp32 = [cos | sin], each over R / 2 frequencies, R = rotary_dim or head_dim
+    (partial rotary: the kernels rotate each head's first R dims). freq_factors: llama.cpp's
+    `rope_freqs` tensor, which divides the frequencies."""
+    dim = rotary_dim or head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     mscale = 1.0
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if freq_factors is not None:
@@ -54,8 +84,10 @@ def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, scaling)
     elif kind == "yarn":
-        inv_freq, mscale = _yarn(inv_freq, scaling, head_dim, theta)
+        inv_freq, mscale = _yarn(inv_freq, scaling, dim, theta)
+    elif kind == "longrope":
+        inv_freq, mscale = _longrope(inv_freq, scaling, max_pos)
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling {kind!r} (ridge knows linear, llama3, yarn)")
+        raise ValueError(f"unsupported rope scaling {kind!r} (ridge knows linear, llama3, yarn, longrope)")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     return torch.cat((angles.cos() * mscale, angles.sin() * mscale), dim=-1).float()
