@@ -191,7 +191,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # registers: the K scale multiplies the scores, the V scale the probabilities,
 # so the dots run on raw fp8 values cast to the dot dtype. With num_splits > 1
 # each program covers a slice of the context (flash-decoding) and a second
-# kernel merges the partial softmaxes.
+# kernel merges the partial softmaxes. With a sliding window a program's KV loop
+# starts at the tile holding its first query's first key and loads nothing
+# before that key: a block wholly behind the window is never read (it may have
+# been freed and reused).
 
 from .triton_utils import (capability, cdiv, interpreting, jit, native_fp8, next_pow2, num_sms,  # noqa: E402
                            pick_config, tl)
@@ -226,6 +229,12 @@ def _load_f32(ptr, mask, FP8_MODE: tl.constexpr):
 
 
 @jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): saturates to +-1 at both ends (e^2x -> inf or 0) without a NaN.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@jit
 def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i: a
     # binary search over device data, so no host list decides correctness.
@@ -243,11 +252,13 @@ def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @jit
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_acc, part_m, part_l,
-        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, num_splits, qk_scale,
+        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, num_splits, qk_scale, window, softcap,
         stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr):
+        SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+    # window: keys p - window < j <= p (the host passes a bound past any context for none);
+    # softcap: Gemma 2's cap times log2(e), as the scores here are in log2 units.
     q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc + seq)
@@ -270,11 +281,14 @@ def _paged_attn_kernel(
     dot_ty = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
     q = q.to(dot_ty)
 
-    # Causal: this program's last query sees keys up to its own position.
+    # Causal: this program's last query sees keys up to its own position; with a window its
+    # first query sees none before kv_start.
     kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
+    kv_start = tl.maximum(context + local * BLOCK_Q - window + 1, 0)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    t_lo = split * per_split
+    first_tile = kv_start // BLOCK_N
+    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    t_lo = first_tile + split * per_split
     t_hi = tl.minimum(t_lo + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -283,7 +297,7 @@ def _paged_attn_kernel(
     table_row = block_table + seq.to(tl.int64) * stride_bt
     for tile in range(t_lo, t_hi):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
+        n_ok = (n < kv_end) & (n >= kv_start)
         block = tl.load(table_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + n % BLOCK_SIZE  # [N] int64: no 32-bit overflow on big caches
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
@@ -293,7 +307,10 @@ def _paged_attn_kernel(
         if FP8_MODE != 0:
             s = s * tl.load(ks_ptr + slot * NUM_KV_HEADS + kv_head, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         s = s * qk_scale
-        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        sees = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(n_ok[None, :] & sees, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may see no key for a row
         p = tl.exp2(s - m_safe[:, None])
@@ -308,7 +325,7 @@ def _paged_attn_kernel(
     row = (q_start + tok).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # (token, head) in [T, H]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows past a window see no key
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part = row * num_splits + split
@@ -385,8 +402,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the grid; lengths, offsets and blocks are read on the device. num_splits overrides
     the flash-decoding heuristic (tests)."""
     check_window_softcap(window, softcap)
-    if window is not None or softcap is not None:
-        raise ValueError("paged_attention_triton: window and softcap are not in this kernel yet")
     _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -401,8 +416,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused pointers still need a tensor
     decode = meta.max_query_len <= 1
     cands = _attn_candidates(q, decode, head_dim, group)
+    # The keys one query reads: its window at most, plus the chunk's other queries.
+    keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window + meta.max_query_len)
     splits = num_splits or _num_splits(q, (num_tokens // max(1, cands[0]["BLOCK_M"] // group) + num_seqs)
-                                       * num_kv_heads, meta.max_seq_len)
+                                       * num_kv_heads, keys)
     parts = [torch.empty(n, dtype=torch.float32, device=q.device)
              for n in (num_tokens * num_heads * splits * head_dim, num_tokens * num_heads * splits,
                        num_tokens * num_heads * splits)] if splits > 1 else [out, out, out]
@@ -412,13 +429,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         _paged_attn_kernel[grid](
             q, kc, vc, ks, vs, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            num_seqs, num_tokens, splits, softmax_scale * LOG2E, q.stride(0), q.stride(1),
+            num_seqs, num_tokens, splits, softmax_scale * LOG2E, min(window or 1 << 30, 1 << 30),
+            (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             num_kv_heads, group, head_dim, next_pow2(head_dim), cfg["BLOCK_M"], block_q, cfg["BLOCK_N"],
-            k_cache.shape[1], splits > 1, fp8_mode, interpreting(q) or q.dtype == torch.float32,
+            k_cache.shape[1], splits > 1, fp8_mode, interpreting(q) or q.dtype == torch.float32, softcap is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1)
+    key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1,
+           softcap is not None)
     launch(pick_config("paged_attention", key, cands, q, launch))
     if splits > 1:
         _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, splits, head_dim, next_pow2(head_dim),

@@ -1,7 +1,8 @@
 """Paged attention: the Triton kernel under the interpreter against paged_attention_ref."""
 import pytest
 import torch
-from kernel_utils import poison_empty, HUGE_NUM_BLOCKS, assert_close, make_paged_batch
+from kernel_utils import (poison_empty, HUGE_NUM_BLOCKS, assert_close, make_paged_batch, naive_attention,
+                          poison_behind_window)
 
 from ridge.kernels.attention import paged_attention_ref, paged_attention_triton
 from ridge.kernels.kv_cache import FP8
@@ -9,11 +10,13 @@ from ridge.kernels.kv_cache import FP8
 pytestmark = pytest.mark.usefixtures(poison_empty.__name__)
 
 
-def check(batch, num_splits=None, atol=None):
+def check(batch, num_splits=None, atol=None, window=None, softcap=None):
     scale = batch.q.shape[-1] ** -0.5
     args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, scale)
-    expected = paged_attention_ref(*args)
-    out = paged_attention_triton(*args, num_splits=num_splits)
+    if window is not None:
+        poison_behind_window(batch, window)  # a block read wholly behind the window shows as NaN
+    expected = paged_attention_ref(*args, window=window, softcap=softcap)
+    out = paged_attention_triton(*args, window=window, softcap=softcap, num_splits=num_splits)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     kw = {} if atol is None else dict(atol=atol, rtol=atol)
     assert_close(out, expected, **kw)
@@ -106,3 +109,36 @@ def test_software_fp8_decode_path(monkeypatch):
 
     monkeypatch.setattr(attention, "native_fp8", lambda t: False)
     check(make_paged_batch([1, 17], [40, 20], num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=FP8))
+
+
+# Sliding windows (block 16, tile 128 under the interpreter): under a block, one block, over a
+# block, over a tile (the KV loop starts past tile 0); decodes and chunks across both boundaries.
+WINDOWED = dict(query_lens=[1, 17, 40, 1, 5], context_lens=[100, 40, 0, 200, 3])
+
+
+@pytest.mark.parametrize("window,softcap,kv_dtype", [
+    (7, None, torch.bfloat16), (16, 1.5, FP8), (33, None, FP8), (150, 1.5, torch.bfloat16), (None, 1.5, FP8)])
+def test_window_softcap_mixed_batch(window, softcap, kv_dtype):
+    check(make_paged_batch(**WINDOWED, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=kv_dtype),
+          window=window, softcap=softcap)
+
+
+def test_window_softcap_fp32_against_naive():
+    b = make_paged_batch(**WINDOWED, num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=torch.float32,
+                         q_dtype=torch.float32)
+    poison_behind_window(b, 20)
+    out = paged_attention_triton(b.q, b.k_cache, b.v_cache, None, None, b.meta, 0.125, window=20, softcap=2.0)
+    assert_close(out, naive_attention(b, 0.125, 20, 2.0).float(), torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_window_split_k_decode(num_splits):
+    # The splits share the tiles from the window's first: a split may hold none of them.
+    check(make_paged_batch([1, 1, 1], [300, 70, 0], num_heads=4, num_kv_heads=2, head_dim=64, kv_dtype=FP8),
+          num_splits=num_splits, window=150, softcap=30.0)
+
+
+def test_window_bad_arguments_are_refused():
+    b = make_paged_batch([1], [4], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention_triton(b.q, b.k_cache, b.v_cache, b.k_scale, b.v_scale, b.meta, 0.125, window=0)
