@@ -216,15 +216,18 @@ def paged_inputs(q_lens: list[int], ctx_lens: list[int], kv_dtype, copies: int =
 
 
 def check_attention(name: str, q_lens: list[int], ctx_lens: list[int], kv_dtype, ceil: dict,
-                    splits: int | None = None) -> None:
+                    splits: int | None = None, window: int | None = None, softcap: float | None = None) -> None:
+    """window: bandwidth counts the keys a sliding window reads (at a context of 4 windows a decode
+    must run at the speed of one window's)."""
     nq, nk, hd = L["heads"], L["kv"], L["hd"]
-    kv_bytes = sum(c + n for c, n in zip(ctx_lens, q_lens)) * nk * (2 * hd * kv_dtype.itemsize +
-                                                                     (4 if kv_dtype == FP8 else 0))
+    read = [c + n if window is None else min(c + n, window + n) for c, n in zip(ctx_lens, q_lens)]
+    kv_bytes = sum(read) * nk * (2 * hd * kv_dtype.itemsize + (4 if kv_dtype == FP8 else 0))
     (kc, vc), (ks, vs), metas, qs = paged_inputs(q_lens, ctx_lens, kv_dtype, copies_for(kv_bytes))
     scale = hd ** -0.5
-    exp = paged_attention_ref(qs[0], kc, vc, ks, vs, metas[0], scale)
-    err = rel_err(paged_attention_triton(qs[0], kc, vc, ks, vs, metas[0], scale, num_splits=splits), exp)
-    ms = bench([lambda q=q, m=m: paged_attention_triton(q, kc, vc, ks, vs, m, scale, num_splits=splits)
+    kw = dict(window=window, softcap=softcap)
+    exp = paged_attention_ref(qs[0], kc, vc, ks, vs, metas[0], scale, **kw)
+    err = rel_err(paged_attention_triton(qs[0], kc, vc, ks, vs, metas[0], scale, num_splits=splits, **kw), exp)
+    ms = bench([lambda q=q, m=m: paged_attention_triton(q, kc, vc, ks, vs, m, scale, num_splits=splits, **kw)
                 for q, m in zip(qs, metas)])
     flops = sum(4 * nq * hd * sum(c + j + 1 for j in range(n)) for c, n in zip(ctx_lens, q_lens))
     shape = f"B={len(q_lens)} q={max(q_lens)} ctx={max(ctx_lens)} {'fp8' if kv_dtype == FP8 else 'bf16'}"
@@ -418,6 +421,9 @@ def main() -> int:
                         torch.bfloat16, ceil)
         check_attention("attn prefill chunk", [big // 2], [ctx - big // 2], FP8, ceil)
         check_attention("attn mixed", [1] * 8 + [big // 8], [ctx // 2] * 8 + [ctx // 4], FP8, ceil)
+        for c in (ctx // 4, ctx):  # a window of ctx/4 at 1 and at 4 windows: the same time
+            check_attention("attn decode window+softcap", [1] * (4 if TINY else 32), [c] * (4 if TINY else 32), FP8,
+                            ceil, window=ctx // 4, softcap=50.0)
         H, I, Q, KV = L["hidden"], L["inter"], L["heads"] * L["hd"], L["kv"] * L["hd"]
         for M in ((1, 40, 100) if TINY else (1, 16, 4096)):
             check_linear("fp8 qkv", M, Q + 2 * KV, H, ceil)
