@@ -231,3 +231,19 @@ def test_unsupported_fields_are_refused_by_name(tmp_path, kind, field, value):
     with pytest.raises(ModelLoadError) as e:
         read_hf_config(tmp_path)
     assert field in str(e.value)
+
+
+def test_bench_window_model(tmp_path):
+    """`ridge bench window`'s random model: the Gemma 3 shape and pattern it claims, and a
+    tokenizer its fixtures can prompt."""
+    from ridge.bench.window import write_model
+    from ridge.tokenizer import Tokenizer
+
+    write_model(tmp_path, "gemma3", window=8, layers=7, vocab=600, max_position=128)
+    cfg = read_hf_config(tmp_path)
+    assert cfg.arch == "gemma3_text" and (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim) == (640, 1, 256)
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta) == (8, 1_000_000.0, 10000.0)
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert len(tok.encode_chat([{"role": "user", "content": "hello"}])) > 5
+

@@ -1,0 +1,126 @@
+"""`ridge bench window`: a sliding-window model's decode step against its context.
+
+A sliding layer attends to its last `window` keys whatever the context, so a model whose
+layers all slide should decode at 4 windows of context in the time it takes at 1; Gemma 3's
+full layers (1 in 6) still grow with the context. The model is random, Gemma-3-270M-shaped by
+default, built from transformers' Gemma3TextConfig and written as safetensors with a byte-level
+tokenizer; it loads through ridge's loader like any HF directory. Each context is a fixture of
+`batch` requests sharing one long prompt (bench/host.py), timed step by step in pure decode,
+one context after the other on one engine; the attention section is the engine's own
+(bench/profile.py). Freeing the KV blocks behind the window is separate work: this measures
+the attention's cost, not the pool's."""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+# Gemma-3-270M (google/gemma-3-270m config.json), but its 262144-row vocabulary (--vocab).
+GEMMA3_270M = dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=256, query_pre_attn_scalar=256, rope_theta=1_000_000.0, rope_local_base_freq=10000.0)
+PATTERNS = ("sliding", "gemma3")  # every layer sliding; Gemma 3's 5 sliding : 1 full
+_CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def add_window_parser(sub, common) -> None:
+    w = sub.add_parser("window", help="a sliding-window model's decode step at 1, 2 and 4 windows of context")
+    common(w, workload=False)
+    w.add_argument("--window", type=int, default=512, help="sliding window (Gemma-3-270M's: 512)")
+    w.add_argument("--multiples", default="1,2,4", help="contexts, in windows")
+    w.add_argument("--batch", type=int, default=16, help="requests in the step")
+    w.add_argument("--steps", type=int, default=12, help="timed steps per context")
+    w.add_argument("--layers", type=int, default=18, help="decoder layers (Gemma-3-270M: 18)")
+    w.add_argument("--vocab", type=int, default=262144, help="vocabulary rows (Gemma 3: 262144)")
+    w.add_argument("--patterns", default=",".join(PATTERNS),
+                   help="layer patterns: sliding (every layer) and/or gemma3 (5 sliding : 1 full)")
+
+
+def write_model(path: Path, pattern: str, window: int, layers: int, vocab: int, max_position: int) -> Path:
+    """A random gemma3_text directory: transformers' config and initialisation, bf16 safetensors,
+    a byte-level tokenizer with a ChatML template."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if pattern not in PATTERNS:
+        raise ValueError(f"--patterns {pattern!r}: choose from {', '.join(PATTERNS)}")
+    types = ["sliding_attention" if pattern == "sliding" or (i + 1) % 6 else "full_attention" for i in range(layers)]
+    cfg = transformers.AutoConfig.for_model("gemma3_text", vocab_size=vocab, num_hidden_layers=layers,
+                                            sliding_window=window, layer_types=types,
+                                            max_position_embeddings=max_position, **GEMMA3_270M)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(path))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": _CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return path
+
+
+def run_contexts(engine, batch: int, contexts: list[int], steps: int, retries: int) -> list[dict]:
+    """Per context: the median decode step and its attention section, in ms."""
+    from .decode import _breakdown, _uncontended
+    from .host import SharedPrefixDecode
+
+    rows = []
+    for ctx in contexts:
+        fx = SharedPrefixDecode(engine, batch, ctx, steps * (2 + retries) + 12, f"win{ctx}")
+        try:
+            for _ in range(3):  # warm: the first steps of a new context build its step state
+                fx.step()
+
+            def timed():
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    fx.step()
+                    times.append(time.perf_counter() - t)
+                return times
+            times, util, tries = _uncontended(timed, retries)
+            bd, _, _ = _uncontended(lambda: _breakdown(fx, 3), retries)
+        finally:
+            fx.close()
+        rows.append({"context": ctx, "mean_context": fx.context, "batch": batch, "step_ms": 1e3 * statistics.median(times),
+                     "attention_ms": bd.get("attention"), "cpu_util": util, "tries": tries})
+    first = rows[0]
+    for r in rows:
+        r["step_vs_first"] = r["step_ms"] / first["step_ms"]
+        r["attention_vs_first"] = r["attention_ms"] / first["attention_ms"] if first["attention_ms"] else None
+    return rows
+
+
+def run_window(args, rep) -> None:
+    from ridge.engine.config import engine_config
+    from ridge.engine.engine import LLMEngine
+
+    from .runs import warm_up
+
+    multiples = [int(m) for m in args.multiples.split(",") if m.strip()]
+    contexts = [m * args.window for m in multiples]
+    for pattern in args.patterns.split(","):
+        with tempfile.TemporaryDirectory(prefix="ridge-window-") as d:
+            write_model(Path(d), pattern, args.window, args.layers, args.vocab, max(contexts) + 4 * args.steps + 256)
+            cfg = engine_config(args)
+            cfg.model, cfg.max_num_seqs, cfg.kv_disk = d, max(cfg.max_num_seqs, args.batch), False
+            engine = LLMEngine(cfg)
+            rep.set_env(engine)
+            warm_up(engine)
+            rows = run_contexts(engine, args.batch, contexts, args.steps, args.retries)
+            del engine
+        rep.add(f"window_{pattern}", {"pattern": pattern, "window": args.window, "layers": args.layers, "rows": rows})
+        rep.table(f"decode step against context, window {args.window}, {pattern} layers, batch {args.batch} "
+                  "(medians, ms)",
+                  ["context", "windows", "step ms", "x 1 window", "attention ms", "x 1 window", "cpu util"],
+                  [[r["context"], m, f"{r['step_ms']:.1f}", f"{r['step_vs_first']:.2f}",
+                    f"{r['attention_ms']:.2f}" if r["attention_ms"] is not None else "-",
+                    f"{r['attention_vs_first']:.2f}" if r["attention_vs_first"] is not None else "-",
+                    f"{r['cpu_util']:.2f}"] for m, r in zip(multiples, rows)],
+                  note="x 1 window: against the first context; a sliding layer's attention should stay flat")
