@@ -1,4 +1,5 @@
-"""GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py) -> ModelConfig
+"""GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py; phi3, olmo2 and
+granite in quant/gguf_families.py) -> ModelConfig
 + a Hugging Face-named fp32 state dict.
 
 Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
@@ -12,6 +13,7 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
+from .gguf_families import CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, family_fields
 from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
 from .progress import progress
 
@@ -39,7 +41,8 @@ _GLOBAL_NAMES = {
 
 
 _ARCH_LAYER_NAMES = {"gemma2": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
-                     "gemma3_text": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES}}
+                     "gemma3_text": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
+                     **{arch: {**_LAYER_NAMES, **names} for arch, names in FAMILY_LAYER_NAMES.items()}}
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -66,7 +69,7 @@ def _field(reader, key, default=None):
 
 
 # general.architecture values this reader knows (llama.cpp writes Mistral as llama).
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # gemma2, gemma3 join with their model
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", *GEMMA_GGUF, *FAMILY_GGUF)
 
 
 def read_config(reader, path) -> ModelConfig:
@@ -100,6 +103,8 @@ def read_config(reader, path) -> ModelConfig:
     )
     if arch in GEMMA_GGUF:
         kw.update(gemma_fields(arch, a, kw, names, path))
+    if arch in FAMILY_GGUF:
+        kw.update(family_fields(arch, a, kw, names, reader, path))
     return ModelConfig(**kw)
 
 
@@ -133,12 +138,14 @@ def load_gguf(path, show_progress: bool = True):
         if t.name == "rope_freqs.weight":
             freq_factors = w
             continue
-        name = hf_name(t.name, cfg.arch)
-        if name is None:
+        if t.name in CONFIG_TENSORS:
             continue
-        if cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        name = hf_name(t.name, cfg.arch)
+        if name is None:  # a tensor the model would not use: the file is a variant ridge does not know
+            raise ModelLoadError(path, f"tensor {t.name}: not part of the {cfg.arch} model ridge runs")
+        if cfg.arch in PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, cfg.num_heads)
-        elif cfg.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif cfg.arch in PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_qk(w, cfg.num_kv_heads)
         sd[name] = w
     return cfg, sd, freq_factors, reader

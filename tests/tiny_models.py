@@ -3,6 +3,7 @@ directories with safetensors), so that tests load them through the real loaders.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,16 @@ _GGUF_NAMES = {
     "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.o_proj.bias": "attn_output.bias", "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias", "mlp.down_proj.bias": "ffn_down.bias",
 }
+# Phi-3's fused projections and OLMo 2's post-norms, as llama.cpp's converter names them.
+_FAMILY_GGUF_NAMES = {
+    "phi3": {**_GGUF_NAMES, "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "olmo2": {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+_PERMUTED = ("llama", "granite")  # the converter interleaves Q and K rows for llama.cpp's NORM rope
 
 
 # Gemma's four norms a layer, as llama.cpp's converter names them.
@@ -107,7 +117,7 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in fixed:
         return fixed[hf]
     _, _, idx, rest = hf.split(".", 3)
-    return f"blk.{idx}.{(_GEMMA_GGUF_NAMES if arch in _GEMMA else _GGUF_NAMES)[rest]}"
+    return f"blk.{idx}.{(_GEMMA_GGUF_NAMES if arch in _GEMMA else _FAMILY_GGUF_NAMES.get(arch, _GGUF_NAMES))[rest]}"
 
 
 def _gemma_metadata(w, cfg: ModelConfig) -> None:
@@ -123,6 +133,26 @@ def _gemma_metadata(w, cfg: ModelConfig) -> None:
         import gguf
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+
+
+def _family_metadata(w, cfg: ModelConfig) -> None:
+    """What llama.cpp's converter writes for Phi-3 (Phi3MiniModel) and Granite (GraniteModel)
+    beyond llama's keys; the LongRoPE factors go in as tensors (write_gguf)."""
+    if cfg.arch == "phi3":
+        w.add_rope_dimension_count(cfg.rotary_dim or cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window or 0)  # 0: none (Phi-4)
+        s = cfg.rope_scaling
+        if s:
+            old = s["original_max_position_embeddings"]
+            w.add_rope_scaling_orig_ctx_len(old)
+            scale = cfg.max_position / old
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1.0 else 1.0)
+    elif cfg.arch == "granite":
+        if cfg.softmax_scale:
+            w.add_attention_scale(cfg.softmax_scale)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
@@ -149,6 +179,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     w.add_vocab_size(cfg.vocab_size)
     if cfg.arch in _GEMMA:
         _gemma_metadata(w, cfg)
+    _family_metadata(w, cfg)
     if tokenizer:
         tokens, types, merges = tiny_vocab()
         w.add_tokenizer_model("gpt2")
@@ -166,9 +197,9 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
             continue  # transformers' state dict names the tied table twice; the converter writes it once
         if cfg.arch in _GEMMA and name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp's converter stores Gemma's multiplier 1 + w
-        if cfg.arch == "llama" and name.endswith("q_proj.weight"):
+        if cfg.arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):  # as LlamaModel.modify_tensors
             t = permute_qk(t, cfg.num_heads)
-        elif cfg.arch == "llama" and name.endswith("k_proj.weight"):
+        elif cfg.arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_qk(t, cfg.num_kv_heads)
         arr = t.numpy()
         if raw and _gguf_name(name, cfg.arch) in raw:
@@ -178,6 +209,9 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
             w.add_tensor(_gguf_name(name, cfg.arch), quantize(arr, qt), raw_shape=quantize(arr, qt).shape, raw_dtype=qt)
         else:
             w.add_tensor(_gguf_name(name, cfg.arch), arr)
+    if cfg.arch == "phi3" and cfg.rope_scaling:
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(cfg.rope_scaling[f"{kind}_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
