@@ -53,6 +53,7 @@ import_ridge()
 from ridge.cache.kv_cache import KVCache  # noqa: E402
 from ridge.config import ModelConfig  # noqa: E402
 from ridge.kernels import ops  # noqa: E402
+from ridge.kernels import activation  # noqa: E402
 from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from ridge.kernels.attention import paged_attention_ref, paged_attention_triton  # noqa: E402
 from ridge.engine.graphs import StepGraphs  # noqa: E402
@@ -168,6 +169,11 @@ def check_small_ops(ceil: dict) -> None:
     moved = 2 * T * (nq + nk) * hd * 2
     record("rope (in place)", f"{T}x({nq}+{nk})x{hd}", max(rel_err(got[0], exp[0]), rel_err(got[1], exp[1])),
            1e-2, ms, moved / ms / 1e6, "GB/s", bw)
+    part = rope_cos_sin(hd * 3 // 4, cs.shape[0], 500000.0).to(DEV)  # partial rotary (Phi-4-mini's 0.75)
+    exp = rope_ref(*views(qkvs[0]), pos, part)
+    got = rope_triton(*views(qkvs[0].clone()), pos, part)
+    record("rope partial 3/4", f"{T}x({nq}+{nk})x{hd}", max(rel_err(got[0], exp[0]), rel_err(got[1], exp[1])),
+           1e-2, float("nan"), float("nan"), "GB/s", bw)
 
     inter = L["inter"]
     k = copies_for(T * 3 * inter * 2)
@@ -175,6 +181,11 @@ def check_small_ops(ceil: dict) -> None:
     err = rel_err(silu_and_mul_triton(xs[0]), silu_and_mul_ref(xs[0]))
     ms = bench([lambda x=x: silu_and_mul_triton(x) for x in xs])
     record("silu_and_mul", f"{T}x{inter}", err, 1e-2, ms, 3 * T * inter * 2 / ms / 1e6, "GB/s", bw)
+    for name in ("gelu_and_mul", "gelu_tanh_and_mul"):
+        fn = getattr(activation, name + "_triton")
+        err = rel_err(fn(xs[0]), getattr(activation, name + "_ref")(xs[0]))
+        ms = bench([lambda x=x: fn(x) for x in xs])
+        record(name, f"{T}x{inter}", err, 1e-2, ms, 3 * T * inter * 2 / ms / 1e6, "GB/s", bw)
 
 
 def check_write_kv(ceil: dict) -> None:
