@@ -123,7 +123,3 @@ class BlockPool:
         self.cached[block_hash] = b
         return True
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.cached.values():
-            b.block_hash = b.parent = b.tokens = None
-        self.cached.clear()

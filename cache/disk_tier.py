@@ -93,7 +93,7 @@ class DiskTier:
         self.lock = threading.Lock()
         self.enabled, self.off_reason = True, ""
         self.paused, self._retry_at = False, 0.0  # writes paused by a full disk, until _retry_at at least
-        self.bytes_read = self.bytes_written = self.corrupt = 0
+        self.corrupt = 0
         self.hash_key: bytes | None = None
         try:
             make_dirs(self.dir)
@@ -222,7 +222,6 @@ class DiskTier:
         with self.lock:
             self.index[block_hash] = size
             self.used_bytes += size
-        self.bytes_written += size
         self._unlink(self._over_cap())
         return True
 
@@ -256,5 +255,4 @@ class DiskTier:
             os.utime(p)  # the LRU order a restart rebuilds
         except OSError:
             pass
-        self.bytes_read += len(head) + self.block_bytes + CRC.size
         return True

@@ -61,11 +61,6 @@ class HostTier:
         self.index[block_hash] = slot
         self.ident[slot] = (parent, tokens)
 
-    def release(self, slots: list[int]) -> None:
-        """Give back reserved slots that were not filled."""
-        with self.lock:
-            self.free.extend(slots)
-
     def pin(self, slots: list[int]) -> None:
         with self.lock:
             for s in slots:
@@ -75,9 +70,3 @@ class HostTier:
         with self.lock:
             for s in slots:
                 self.pins[s] -= 1
-
-    def clear(self) -> None:
-        """Drop every unpinned entry."""
-        with self.lock:
-            for h in [h for h, s in self.index.items() if not self.pins[s]]:
-                self.free.append(self.index.pop(h))

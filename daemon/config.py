@@ -54,6 +54,11 @@ def all_options() -> list[Option]:
     return engine_options() + DAEMON_OPTIONS + GATEWAY_OPTIONS
 
 
+def defaults() -> dict:
+    """Every option at its declared default: what resolve() gives when nothing sets a key."""
+    return {o.name: o.default for o in all_options()}
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Every option as a flag whose default is None, so that 'not given' can fall through."""
     add_engine_args(p, given_only=True)

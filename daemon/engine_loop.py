@@ -66,7 +66,7 @@ class HeldOutputs:
 class EngineLoop(threading.Thread):
     """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message)."""
 
-    def __init__(self, make_engine, stats_interval: float = 0.25):
+    def __init__(self, make_engine, stats_interval: float):  # the option's value (daemon/config.py)
         super().__init__(name="ridge-engine", daemon=True)
         self._make_engine = make_engine
         self.engine = None

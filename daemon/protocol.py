@@ -44,14 +44,16 @@ class ProtocolError(Exception):
         self.code, self.message, self.request_id, self.extra = code, message, request_id, extra
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Limits:
-    max_frame_bytes: int = 1 << 20
-    max_prompt_tokens: int = 0  # 0 = the context length - 1
-    max_tokens: int = 0  # 0 = the context length
+    """What hello announces. The fields that are options take their values from `ridge serve`'s
+    resolved options (daemon/serve.py, limits): their defaults live only in daemon/config.py."""
+    max_frame_bytes: int
+    max_prompt_tokens: int  # fitted to the context: at most its length - 1
+    max_tokens: int  # at most the context length
     max_n: int = 64
-    max_requests_per_client: int = 256
-    max_queue: int = 1024
+    max_requests_per_client: int
+    max_queue: int
     max_id_bytes: int = MAX_ID_BYTES
     max_messages: int = MAX_MESSAGES
 

@@ -64,7 +64,8 @@ def served_name(model: dict) -> str:
     return model["name"]
 
 
-def _limits(c: dict, max_model_len: int) -> Limits:
+def limits(c: dict, max_model_len: int) -> Limits:
+    """The protocol's limits from resolved options (0: the context's own bound)."""
     return Limits(max_frame_bytes=c["max_frame_bytes"],
                   max_prompt_tokens=min(c["max_prompt_tokens"] or max_model_len - 1, max_model_len - 1),
                   max_tokens=min(c["max_tokens"] or max_model_len, max_model_len),
@@ -152,7 +153,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
     model["name"] = c["served_model_name"] or served_name(model)
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
-                       limits=_limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
+                       limits=limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600,
                        prefix_sharing=c["prefix_sharing"])

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -35,19 +35,21 @@ PEER_FORGET_S = 60.0  # a peer with nothing in flight is forgotten after this mu
 FORCE_AFTER_ABORT_S = 5.0  # past the grace period, finals the engine has not sent by then are written here
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServerConfig:
+    """Built by `ridge serve` (daemon/serve.py) from the resolved options: the values of
+    options have no defaults here, only in their declarations (daemon/config.py)."""
     endpoint: str
-    tcp: str | None = None
-    pub_endpoint: str | None = None
+    tcp: str | None  # None: no TCP listener
+    pub_endpoint: str | None  # None: no stats PUB socket
     curve: object | None = None  # endpoint.CurveConfig, for the TCP socket
-    limits: Limits = field(default_factory=Limits)
-    heartbeat_interval: float = 1.0
-    client_timeout: float = 10.0
-    drain_grace: float = 30.0
-    stats_interval: float = 0.25
+    limits: Limits
+    heartbeat_interval: float
+    client_timeout: float
+    drain_grace: float
+    stats_interval: float
     socket_mode: int = 0o600
-    prefix_sharing: str = "user"  # daemon/sharing.py
+    prefix_sharing: str  # daemon/sharing.py
 
 
 class Server:

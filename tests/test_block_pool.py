@@ -134,18 +134,6 @@ def test_without_caching_nothing_is_published():
     assert find(pool, 111) is None and pool.num_cached_blocks == 0
 
 
-def test_reset_prefix_cache_forgets_hashes_and_keeps_references():
-    pool = BlockPool(3)
-    a, b = pool.allocate(2)
-    publish(pool, a, 111)
-    publish(pool, b, 222)
-    pool.free([b])
-    pool.reset_prefix_cache()
-    assert pool.num_cached_blocks == 0 and find(pool, 111) is None
-    assert all(blk.block_hash is None for blk in pool.blocks)
-    assert pool.blocks[a].ref_cnt == 1 and free_order(pool) == [2, b]
-
-
 def test_a_hit_is_used_only_if_the_blocks_parent_and_tokens_are_the_requests():
     """The hash only finds a candidate (cache/block_hash.py): another block under the same hash,
     or the same tokens after another parent, is a miss."""

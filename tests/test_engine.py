@@ -60,7 +60,7 @@ def test_decodes_run_beside_prefill_chunks(loaded):
         n = {s.request.request_id: s.num_scheduled_tokens for s in out.scheduled}
         if n.get("short") == 1 and n.get("long", 0) > 1:
             mixed += 1
-        tokens, samples = eng.runner.execute(out)
+        tokens, samples = eng.runner.launch(out).read()
         eng.scheduler.update(out, tokens)
         eng._postprocess(out, tokens, samples)
     assert mixed >= 10  # the long prompt's 13 chunks shared their steps with the decode

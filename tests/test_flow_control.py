@@ -60,10 +60,11 @@ def test_engine_outbox_stays_bounded_while_nobody_drains_it(tmp_path_factory):
     """The socket thread held up for a whole request: the engine keeps stepping (it never waits for
     the outbox), the outbox stays at its bound, and the outputs past it arrive merged, in order."""
     from engine_utils import greedy, load_tiny, make_engine
+    from ridge.daemon.config import defaults
     from ridge.daemon.engine_loop import OUTBOX_STEPS, EngineLoop
 
     loaded = load_tiny(tmp_path_factory, "outbox")
-    loop = EngineLoop(lambda: make_engine(loaded))
+    loop = EngineLoop(lambda: make_engine(loaded), defaults()["stats_interval"])
     engine = loop.start_engine()
     try:
         loop.add("held up", [5, 6, 7], greedy(400))

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from ridge.daemon import protocol as P
-from ridge.daemon.config import add_serve_args, resolve
+from ridge.daemon.config import add_serve_args, defaults, resolve
 from ridge.daemon.endpoint import (EndpointError, EndpointLock, check_tcp, client_candidates, is_loopback, load_curve,
                                    prepare_dir, pub_endpoint_for, secure_curve_socket, socket_alive, tcp_host,
                                    user_dir)
@@ -102,7 +102,9 @@ def validator(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     write_tokenizer_files(d)
     tok = Tokenizer.from_hf_dir(d)
-    return Validator(tok, tok.vocab_size, 64, 16, 8, P.Limits(max_prompt_tokens=63, max_tokens=64))
+    from ridge.daemon.serve import limits
+
+    return Validator(tok, tok.vocab_size, 64, 16, 8, limits(defaults(), 64))  # prompts <= 63, max_tokens <= 64
 
 
 def gen(**body):

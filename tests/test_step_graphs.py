@@ -69,7 +69,7 @@ def test_padding_changes_nothing(loaded, triton):
         assert shape == GraphShape("mixed", 32)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         _same_cache(got_cache, ref_cache)
-        eng.scheduler.update(out, eng.runner.execute(out)[0])
+        eng.scheduler.update(out, eng.runner.launch(out).read()[0])
         out = eng.scheduler.schedule()  # three decodes, padded to 4
         ref, ref_cache, _ = _forward(eng, out, graph=False)
         got, got_cache, shape = _forward(eng, out, graph=True)

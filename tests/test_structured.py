@@ -117,7 +117,7 @@ def test_a_constraint_that_does_not_compile_is_refused_at_admission(loaded, ps):
                       ({"type": "grammar", "grammar": "start: (\"a\""}, "the grammar does not compile")]:
         with pytest.raises(InvalidRequest, match=re.escape(f"response_format: {says}")):
             eng.add_request("bad", ps[0], params(fmt))
-    assert not eng.has_unfinished() and not eng.scheduler.num_unfinished
+    assert not eng.has_unfinished() and not (eng.scheduler.waiting or eng.scheduler.running or eng.scheduler.loading)
 
 
 def test_compiled_constraints_are_cached_per_constraint(loaded, ps):

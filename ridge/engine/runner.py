@@ -3,7 +3,10 @@
 It plans the step's inputs on the host (step_batch.py), runs the model once
 over every scheduled token of every request (a CUDA graph on a GPU), and
 samples from the rows that end a request's known tokens. Drafted tokens are
-simply more scheduled tokens; their rows are verified.
+simply more scheduled tokens; their rows are verified. Between the forward and
+the samples it calls two hooks the engine gives it: the constraints' masks
+(structured.Constraints.mask) and the speculator's verification
+(speculative.Speculator.verify).
 
 launch() queues a step and returns without waiting for the device; the
 step's tokens are read with StepHandle.read(). A request whose last input is
@@ -22,11 +25,10 @@ from ridge.cache.kv_cache import KVCache
 from ridge.kernels.timing import section
 
 from .graphs import StepGraphs
-from .sampler import SampledRows, Sampler, SampleResult, apply_token_bitmask
+from .sampler import SampledRows, Sampler, SampleResult
 from .scheduler import SchedulerOutput
-from .speculative.verify import Verified, verify_batch
+from .speculative.verify import Verified
 from .step_batch import StepBatch, StepBuffers, plan_step
-from .structured.step import step_masks
 
 
 class StepHandle:
@@ -57,9 +59,9 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, cuda_graph: bool | None = None,
-                 max_num_batched_tokens: int | None = None):
+    def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int | None,
+                 cuda_graph: bool | None, max_num_batched_tokens: int | None):
+        # The values come from EngineConfig (through LLMEngine), their one declaration.
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -79,6 +81,10 @@ class ModelRunner:
             if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
                 self.graphs.capture()
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next
+        # The hooks between the forward and the samples, set by LLMEngine (which builds the
+        # speculator after this runner: its proposer shares this sampler). None: none to call.
+        self.constraints = None  # structured.Constraints
+        self.speculator = None  # speculative.Speculator
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
@@ -108,11 +114,10 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> StepHandle:
         started = time.perf_counter()
         batch, raw = self.forward_logits(out)
-        logits = raw
-        with section("constraints"):
-            masks = step_masks(out.scheduled, batch.sample_spans, raw.shape[0], raw.shape[-1], self.device)
-            if masks is not None:  # every constrained row of the step, plain and verified, at once
-                logits = apply_token_bitmask(raw, masks.bitmask, masks.rows)
+        logits, masked = raw, False
+        if self.constraints is not None:
+            with section("constraints"):  # every constrained row of the step, plain and verified, at once
+                logits, masked = self.constraints.mask(out.scheduled, batch.sample_spans, raw)
         plain_rows, plain, spec = [], [], []
         for s, (first, k) in zip(out.scheduled, batch.sample_spans):
             if k == 1:
@@ -123,7 +128,7 @@ class ModelRunner:
         verified = None
         if spec:
             with section("verify"):
-                verified = verify_batch(logits, spec, self.sampler)
+                verified = self.speculator.verify(logits, spec, self.sampler)
         sampled = None
         extra = verified.values if verified is not None else None
         with section("sample"):
@@ -133,12 +138,8 @@ class ModelRunner:
             elif plain:
                 idx = torch.tensor(plain_rows, device=self.device)
                 sampled = self.sampler.sample(logits.index_select(0, idx), reqs,
-                                              raw.index_select(0, idx) if masks is not None else None, extra)
+                                              raw.index_select(0, idx) if masked else None, extra)
             elif verified is not None:
                 sampled = SampledRows(torch.empty(0, dtype=torch.int64, device=self.device), [], None, extra)
         self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], verified, started)
         return self.last
-
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, SampleResult]]:
-        """launch() and read(): one step, synchronously."""
-        return self.launch(out).read()

@@ -38,6 +38,7 @@ class ScheduledRequest:
     start: int = -1  # num_computed_tokens when scheduled
     samples: bool = False  # the step reaches the end of the known tokens, so the next one is sampled
     block_row: object = None  # block_ids as the manager's int32 array, for the block table's memcpy
+    group_rows: tuple = ()  # the same for KV groups 1.. (sliding layers' own tables; cache/manager.py)
 
     def __post_init__(self):
         r = self.request
@@ -58,11 +59,12 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # the token budget of one step
-    long_prefill_token_threshold: int = 512  # the largest prefill chunk of one request per step
-    block_size: int = 16
-    max_model_len: int = 1 << 30
+    """Built by LLMEngine from its EngineConfig and the step budget: no defaults of its own."""
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the token budget of one step
+    long_prefill_token_threshold: int  # the largest prefill chunk of one request per step
+    block_size: int
+    max_model_len: int
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -70,10 +72,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, spec_policy=None):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, speculator=None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.spec_policy = spec_policy  # None: no speculation
+        self.speculator = speculator  # speculative.Speculator, None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, tier hits being copied into their blocks
@@ -81,10 +83,6 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.loading)
 
     @property
     def num_preempted_waiting(self) -> int:
@@ -107,16 +105,14 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _num_drafts(self, req: Request, budget: int, spec_so_far: int) -> int:
-        """Drafts to reserve for a request about to decode one token; 0 = plain decode."""
-        p = req.params
-        if (self.spec_policy is None or not p.speculative or p.repetition_penalty != 1.0 or p.logprobs
-                or req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1):
+        """Drafts to reserve for a request about to decode one token whose last token is on the
+        host; 0 = plain decode. How many is the Speculator's choice (draft_slots)."""
+        if (self.speculator is None or req.num_output_placeholders
+                or req.num_computed_tokens != req.num_tokens - 1):
             return 0
-        room = min(p.max_tokens - len(req.output_token_ids) - 1,
+        room = min(req.params.max_tokens - len(req.output_token_ids) - 1,
                    self.config.max_model_len - req.num_tokens - 1, budget - 1)
-        if room <= 0:
-            return 0
-        return min(room, self.spec_policy.choose_k(req.request_id, len(self.running) + spec_so_far))
+        return self.speculator.draft_slots(req, room, len(self.running) + spec_so_far)
 
     def _awaiting_last_token(self, req: Request) -> bool:
         """Its unread sample is its last (max_tokens or the context): nothing more to compute."""
@@ -144,7 +140,8 @@ class Scheduler:
                 break
             kv = self.kv_cache_manager
             blocks = kv.allocate(req.request_id, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, n, blocks, k, block_row=kv.block_row(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, n, blocks, k, block_row=kv.block_row(req.request_id),
+                                                  group_rows=kv.group_rows(req.request_id)))
             budget -= n
             i += 1
         return budget
@@ -185,7 +182,8 @@ class Scheduler:
                 continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, blocks, block_row=kv.block_row(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, n, blocks, block_row=kv.block_row(req.request_id),
+                                                  group_rows=kv.group_rows(req.request_id)))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
@@ -249,8 +247,8 @@ class Scheduler:
             live = req.status == RequestStatus.RUNNING  # not preempted since the step was planned
             if s.num_spec_tokens:
                 num_accepted = max(0, len(accepted) - 1)
-                if self.spec_policy is not None:
-                    self.spec_policy.record(req.request_id, s.num_spec_tokens, num_accepted, req.draft_source)
+                if self.speculator is not None:
+                    self.speculator.on_verified(req, s.num_spec_tokens, num_accepted)
                 if live:  # drafted tokens that were rejected were never really computed
                     req.num_computed_tokens -= s.num_spec_tokens - num_accepted
             req.spec_token_ids = []
@@ -263,9 +261,10 @@ class Scheduler:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
-                self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids,
-                                                   min(req.num_computed_tokens, req.num_known_tokens),
+                done = min(req.num_computed_tokens, req.num_known_tokens)
+                self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids, done,
                                                    salt=req.cache_salt, chain=req.block_chain)
+                self.kv_cache_manager.free_behind_window(req.request_id, done)
             if req.is_finished:
                 finished.append(req)
         for req in finished:
@@ -294,5 +293,5 @@ class Scheduler:
         elif req in self.loading:
             self.loading.remove(req)
         self.kv_cache_manager.free(req.request_id)
-        if self.spec_policy is not None:
-            self.spec_policy.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.on_finish(req.request_id)

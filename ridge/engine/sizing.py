@@ -59,9 +59,9 @@ def measure_activation_peak(run_once, device: torch.device) -> int:
 
 
 def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weight_bytes: int,
-                activation_bytes: int, *, gpu_reserve_gib: float = 1.0, cpu_kv_cap_gib: float = 4.0,
-                kv_memory_gib: float | None = None, num_blocks: int | None = None,
-                max_model_len: int = 0, extra_bytes_per_token: int = 0) -> MemoryPlan:
+                activation_bytes: int, *, gpu_reserve_gib: float, cpu_kv_cap_gib: float,
+                kv_memory_gib: float | None, num_blocks: int | None,
+                max_model_len: int, extra_bytes_per_token: int = 0) -> MemoryPlan:
     bpt = kv_bytes_per_token(cfg, kv_dtype) + extra_bytes_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

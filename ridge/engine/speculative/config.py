@@ -9,14 +9,16 @@ METHODS = ("off", "ngram", "self", "auto", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # one of METHODS
+    """Made by parse() from EngineConfig.speculative and num_speculative_tokens, the options'
+    one declaration: no defaults of its own."""
+    method: str  # one of METHODS
+    max_k: int  # the most drafts per request per step
     num_layers: int = 0  # self:L: the target's first L layers draft
     draft_path: str | None = None  # draft:PATH: a smaller model with the same tokenizer
-    max_k: int = 8  # the most drafts per request per step
 
     @classmethod
-    def parse(cls, text: str | None, max_k: int = 8) -> "SpeculativeConfig":
-        text = (text or "off").strip()
+    def parse(cls, text: str, max_k: int) -> "SpeculativeConfig":
+        text = text.strip()
         if max_k < 1:
             raise ValueError(f"--num-speculative-tokens {max_k}: must be at least 1")
         if text in ("off", "ngram", "auto"):
