@@ -125,7 +125,14 @@ def _read_granite(c: HFConfig, kw: dict) -> dict:
     return dict(**_biases(c, mlp=True), **rope_fields(c, kw["head_dim"]),
                 embedding_multiplier=c.number("embedding_multiplier"),
                 residual_multiplier=c.number("residual_multiplier"),
-                softmax_scale=c.number("attention_multiplier"), logits_scaling=c.number("logits_scaling"))
+                softmax_scale=c.number("attention_multiplier"), logits_scaling=_divisor(c, "logits_scaling"))
+
+
+def _divisor(c: HFConfig, key: str) -> float:
+    v = c.number(key)
+    if v == 0:
+        c.refuse(key, v, "the logits are divided by it")
+    return v
 
 
 register(Family("phi3", "phi3", dict(_LLAMA_DEFAULTS, vocab_size=32064, hidden_size=3072, intermediate_size=8192,

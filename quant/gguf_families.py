@@ -31,6 +31,28 @@ LAYER_NAMES = {  # per architecture, over llama's names
     "granite": _BIASES,
 }
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config
+# The {arch}.* keys read for llama, qwen2, qwen3 and these three; any other key under the
+# architecture may change the math (an expert count, a yarn multiplier, a window) and is refused.
+KNOWN_KEYS = {
+    "common": {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+               "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+               "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
+               "rope.scaling.factor", "rope.scaling.original_context_length"},
+    "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
+    "olmo2": {"rope.scaling.attn_factor"},
+    "granite": {"attention.scale", "embedding_scale", "residual_scale", "logit_scale"},
+}
+
+
+def check_keys(arch: str, keys, head_dim: int, rotary: int | None, path) -> None:
+    """keys: the file's metadata keys. rotary: rope.dimension_count, which only phi3 may set below
+    head_dim (partial rotary)."""
+    known = KNOWN_KEYS["common"] | KNOWN_KEYS.get(arch, set())
+    for key in keys:
+        if key.startswith(arch + ".") and key[len(arch) + 1:] not in known:
+            raise ModelLoadError(path, f"{key}: a key ridge's {arch} reader does not honour")
+    if arch != "phi3" and rotary is not None and int(rotary) != head_dim:
+        raise ModelLoadError(path, f"{arch}.rope.dimension_count={rotary}: partial rotary, which {arch} does not have")
 
 
 def _tensor(reader, name: str) -> list[float]:

@@ -13,7 +13,8 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
-from .gguf_families import CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, family_fields
+from .gguf_families import (CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, check_keys,
+                            family_fields)
 from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
 from .progress import progress
 
@@ -105,6 +106,8 @@ def read_config(reader, path) -> ModelConfig:
         kw.update(gemma_fields(arch, a, kw, names, path))
     if arch in FAMILY_GGUF:
         kw.update(family_fields(arch, a, kw, names, reader, path))
+    if arch not in GEMMA_GGUF:  # quant/gguf_gemma.py reads its own keys
+        check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
     return ModelConfig(**kw)
 
 

@@ -243,6 +243,7 @@ REFUSED = [  # (model_type, fields, what the message names)
     ("mistral", dict(sliding_window=0), "sliding_window=0"),
     ("llama", dict(attention_bias="yes"), "attention_bias='yes'"),
     ("granite", dict(logits_scaling="four"), "logits_scaling='four'"),
+    ("granite", dict(logits_scaling=0), "logits_scaling=0"),
     ("llama", dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config.quant_method='gptq'"),
     ("llama", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "quantization_config.weight_block_size"),
@@ -291,3 +292,29 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
     with pytest.raises(ModelLoadError, match=r"missing tensor model\.layers\.0\.mlp\.gate_proj\.bias"):
         load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("llama.expert_count", 8, "llama.expert_count"),
+    ("llama.rope.dimension_count", 8, "llama.rope.dimension_count=8"),
+    ("olmo2.attention.sliding_window", 16, "olmo2.attention.sliding_window=16"),
+], ids=["unknown-key", "partial-rotary-outside-phi3", "olmo3-window"])
+def test_gguf_keys_ridge_does_not_honour_are_refused(tmp_path, key, value, named):
+    """The GGUF side of the rule: a metadata key under the architecture that no reader honours."""
+    import gguf
+
+    from ridge.quant.gguf_loader import open_gguf, read_config
+
+    arch = key.split(".")[0]
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 96),
+                 ("attention.head_count", 4), ("vocab_size", V), (key[len(arch) + 1:], value)):
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_tensor("token_embd.weight", torch.zeros(V, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=named.replace(".", r"\.")):
+        read_config(open_gguf(path), path)
