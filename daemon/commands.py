@@ -223,12 +223,24 @@ def _tier_lines(t: dict | None) -> list[str]:
     return out
 
 
+def weights_label(m: dict) -> str:
+    """FP8 where the device holds FP8; else the dtype held, and the numbers in it where they are
+    rounded ones (FP8 or bf16 values upcast on CPU)."""
+    if m["fp8_weights"]:
+        return "FP8"
+    held, kind = m["weight_dtype"], m.get("weights") or ("fp8" if m["quantized"] else None)
+    if kind == "fp8":
+        return f"{held} (FP8-quantized)"
+    if kind == "bf16" and held != "bfloat16":
+        return f"{held} (bf16 values)"
+    return held
+
+
 def format_status(endpoint: str, reply: dict) -> str:
     m, s, d = reply["model"], reply["stats"], reply["daemon"]
     mem, tot = s["memory"], s["totals"]
     used = s["kv_blocks_used"] / max(1, s["kv_blocks_total"])
-    weights = "FP8" if m["fp8_weights"] else (f"{m['weight_dtype']} (FP8-quantized)" if m["quantized"]
-                                              else m["weight_dtype"])
+    weights = weights_label(m)
     lines = [
         f"ridge daemon at {endpoint}: {d['state']}, pid {d['pid']}, up {s['uptime']:.0f} s",
         f"model     {m['name']}  ({m['arch']}, {m['num_layers']} layers, context {m['max_model_len']}, "

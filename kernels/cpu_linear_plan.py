@@ -288,7 +288,7 @@ def _choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: 
     if mode == "fp32" or not layers or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         return 0
     if mode == "auto" and not any(m.scale is not None for m in layers):
-        # An unquantized model (--no-quantize) asked for its own weights: a bf16 copy would round
+        # An unquantized model (--weights fp32 or bf16) asked for its own weights: a bf16 copy would round
         # them. FP8 weights fit bf16 exactly; the head's rounding is measured (docs/benchmarks.md).
         return 0
     if mode != "auto":

@@ -13,6 +13,11 @@ def _read_model_shape(path):
     return read_config(path).shape()
 
 
+def _weights_option():
+    from ridge.engine.config import engine_options
+    return next(o for o in engine_options() if o.name == "weights")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ridge.bench.command import add_bench_parser
     from ridge.bench.daemon import add_bench_daemon_parser
@@ -26,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    add_plan_parser(sub, _read_model_shape)
+    add_plan_parser(sub, _read_model_shape, _weights_option())
     add_daemon_parsers(sub)
     add_bench_parser(sub)
     add_bench_daemon_parser(sub)

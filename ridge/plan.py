@@ -9,8 +9,12 @@ import sys
 from dataclasses import dataclass, replace
 
 from ridge.config import ModelShape, kv_bytes_per_token
+from ridge.options import Option
 
 GIB = 2**30
+# Bytes per parameter of each `--weights` (EngineConfig.weights, the option's one declaration):
+# e4m3 (its per-channel scales are negligible), or the source's values in bf16 or fp32.
+WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,7 @@ class Plan:
     ridge: dict[str, float]  # math dtype -> FLOP/byte
     knees: dict[str, float]  # "weights, math" -> T*
     notes: list[str]
+    weights: str  # what the weights are held in (WEIGHT_BYTES)
 
 
 def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float | None, list[str]]:
@@ -190,17 +195,19 @@ def _ridge_and_knees(spec: GPUSpec) -> tuple[dict[str, float], dict[str, float]]
 
 def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
               gpu: GPUSpec | str | None = None, context_len: int = 4096,
-              weight_bytes: float | None = None) -> Plan:
+              weight_bytes: float | None = None, *, weights: str) -> Plan:
+    """weights: what `--weights` holds (WEIGHT_BYTES), which sizes the weights from the parameter
+    count unless weight_bytes gives their size."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if memory_gib is None and spec is not None:
         memory_gib = spec.memory_gib
     memory = memory_gib * GIB if memory_gib is not None else None
     if weight_bytes is None and model_shape.num_params is not None:
-        weight_bytes = float(model_shape.num_params)  # FP8 weights; per-channel scales are negligible
+        weight_bytes = float(model_shape.num_params * WEIGHT_BYTES[weights])
     kv_memory, notes = _kv_budget(memory, weight_bytes)
     ridge, knees = _ridge_and_knees(spec) if spec else ({}, {})
     rows = _kv_rows(model_shape, kv_memory, context_len)
-    return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes)
+    return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes, weights)
 
 
 def format_plan(plan: Plan) -> str:
@@ -213,7 +220,7 @@ def format_plan(plan: Plan) -> str:
     if plan.kv_memory_bytes is not None:
         w = f"{plan.weight_bytes / GIB:.1f}" if plan.weight_bytes is not None else "?"
         kv = max(plan.kv_memory_bytes, 0) / GIB
-        out.append(f"memory {plan.memory_bytes / GIB:.1f} GiB - weights {w} GiB = KV {kv:.1f} GiB")
+        out.append(f"memory {plan.memory_bytes / GIB:.1f} GiB - {plan.weights} weights {w} GiB = KV {kv:.1f} GiB")
     out.append("")
     reqs_at = f"reqs @{plan.context_len}"
     out.append(f"{'KV dtype':<10} {'bytes/token':>12} {'KiB/token':>10} {'tokens fit':>12} {reqs_at:>11}")
@@ -247,9 +254,9 @@ def _count(text: str) -> int:
     return int(float(t.rstrip("bm")) * scale)
 
 
-def add_plan_parser(subparsers, read_model_shape=None) -> None:
-    """read_model_shape(path) -> ModelShape reads a model file's metadata. It is passed in
-    because it needs ridge's loaders, which sit above this module (and bring torch)."""
+def add_plan_parser(subparsers, read_model_shape, weights: Option) -> None:
+    """read_model_shape(path) -> ModelShape reads a model file's metadata; weights is the engine's
+    `--weights` option. Both are passed in because they live above this module (and bring torch)."""
     p = subparsers.add_parser("plan", help="KV-cache and ridge-point arithmetic for a model on a GPU")
     p.add_argument("model_path", nargs="?", help="a .gguf file or a Hugging Face model directory")
     p.add_argument("--layers", type=int)
@@ -260,6 +267,7 @@ def add_plan_parser(subparsers, read_model_shape=None) -> None:
     p.add_argument("--memory-gib", type=float)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--list-gpus", action="store_true")
+    weights.add_to(p)  # the weights' bytes per parameter, as `ridge serve --weights` would hold them
     p.set_defaults(func=run_plan, read_model_shape=read_model_shape)
 
 
@@ -295,5 +303,5 @@ def run_plan(args) -> int:
     except (ValueError, OSError) as e:  # bad flags, unknown GPU, unreadable model path
         print(f"ridge plan: error: {e}", file=sys.stderr)
         return 2
-    print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context)))
+    print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context, weights=args.weights)))
     return 0

@@ -117,7 +117,7 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
 
 
 def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
-    """--no-quantize: no bf16 copy (it would round the weights the user asked for), however
+    """--weights fp32: no bf16 copy (it would round the weights the user asked for), however
     large the model; a quantized one gets its copy where it measures faster."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 

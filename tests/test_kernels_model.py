@@ -14,7 +14,7 @@ from ridge.models.loader import load_model
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path, cfg, _ = make_tiny(tmp_path_factory.mktemp("tiny"))
-    return load_model(path, device="cpu", quantize=True, use_cache=False, show_progress=False).model
+    return load_model(path, device="cpu", weights="fp8", use_cache=False, show_progress=False).model
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp32"])

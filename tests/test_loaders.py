@@ -38,14 +38,14 @@ def tiny(request, tmp_path_factory):
 
 def test_gguf_matches_transformers(tiny):
     arch, cfg, sd, hf, gguf_path, ref = tiny
-    lm = load_model(gguf_path, device="cpu", quantize=False, use_cache=False)
+    lm = load_model(gguf_path, device="cpu", weights="fp32", use_cache=False)
     assert lm.config.arch == arch and lm.config.tie_word_embeddings == cfg.tie_word_embeddings
     torch.testing.assert_close(prompt_logits(lm.model, PROMPT), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_hf_dir_matches_transformers(tiny):
     arch, cfg, sd, hf, gguf_path, ref = tiny
-    lm = load_model(hf, device="cpu", quantize=False, use_cache=False)
+    lm = load_model(hf, device="cpu", weights="fp32", use_cache=False)
     torch.testing.assert_close(prompt_logits(lm.model, PROMPT), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -87,7 +87,7 @@ def test_tied_embeddings_share_the_table(tmp_path):
 def test_untied_head_is_its_own_weight(tmp_path):
     path, cfg, sd = make_tiny(tmp_path, "qwen2")
     assert not cfg.tie_word_embeddings
-    lm = load_model(path, device="cpu", quantize=False, use_cache=False)
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False)
     torch.testing.assert_close(lm.model.lm_head.weight, sd["lm_head.weight"])
 
 

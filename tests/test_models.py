@@ -32,7 +32,7 @@ def test_rope_scaling_matches_transformers(tmp_path, kind):
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    lm = load_model(d, device="cpu", quantize=False, use_cache=False)
+    lm = load_model(d, device="cpu", weights="fp32", use_cache=False)
     assert lm.config.rope_scaling["rope_type"] == kind
     torch.testing.assert_close(prompt_logits(lm.model, ids), ref, atol=2e-4, rtol=2e-4)
 

@@ -51,7 +51,7 @@ def test_fp8_scale_overhead_is_counted_and_still_nearly_doubles_capacity():
 
 def test_make_plan_reproduces_the_seed_80gb_fp8_weights_case():
     shape = ModelShape("70b", **SEED, num_params=70_000_000_000)
-    plan = make_plan(shape, memory_gib=80e9 / GIB)  # 80 GB minus 70 GB of FP8 weights = 10 GB
+    plan = make_plan(shape, memory_gib=80e9 / GIB, weights="fp8")  # 80 GB minus 70 GB of FP8 weights = 10 GB
     fp16, fp8 = plan.rows
     assert plan.kv_memory_bytes == pytest.approx(10e9)
     assert (fp16.bytes_per_token, fp16.tokens, fp16.requests) == (SEED_BPT, 30_517, 7)
@@ -133,7 +133,7 @@ def test_token_budget_knee():
 
 def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
     shape = ModelShape("8b", 32, 8, 128, num_params=8_000_000_000)
-    plan = make_plan(shape, gpu="h100")
+    plan = make_plan(shape, gpu="h100", weights="fp8")
     assert plan.memory_bytes == 80 * GIB
     assert plan.ridge["bf16"] == pytest.approx(295.3, abs=0.1)
     assert plan.ridge["fp8"] == pytest.approx(590.7, abs=0.1)
@@ -143,19 +143,19 @@ def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
 
 
 def test_ampere_knee_is_weight_only_fp8():
-    plan = make_plan(ModelShape("8b", **SEED), gpu="3090")
+    plan = make_plan(ModelShape("8b", **SEED), gpu="3090", weights="fp8")
     assert "fp8 weights, bf16 math" in plan.knees and "fp8" not in plan.ridge
 
 
 def test_weights_that_do_not_fit_give_zero_tokens():
-    plan = make_plan(ModelShape("70b", **SEED, num_params=70_000_000_000), gpu="4090")
+    plan = make_plan(ModelShape("70b", **SEED, num_params=70_000_000_000), gpu="4090", weights="fp8")
     assert all(r.tokens == 0 and r.requests == 0 for r in plan.rows)
     assert any("do not fit" in n for n in plan.notes)
 
 
 def test_explicit_weight_bytes_override_params():
     shape = ModelShape("x", **SEED, num_params=70_000_000_000)
-    plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2)  # e.g. 8-bit + overhead
+    plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2, weights="fp8")  # e.g. 8-bit + overhead
     assert plan.weight_bytes == 70e9
     assert plan.kv_memory_bytes == pytest.approx(100 * GIB - 70e9)
 
@@ -175,6 +175,20 @@ def test_cli_with_gpu_and_params(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "H100 SXM" in out and "ridge point" in out and "reqs @8192" in out
+
+
+@pytest.mark.parametrize("weights, gib", [("fp8", 65.2), ("bf16", 130.4), ("fp32", 260.8)])
+def test_cli_weights_size_the_weights_as_the_engine_holds_them(capsys, weights, gib):
+    """`ridge plan --weights` is the engine's option: 70B parameters at 1, 2 or 4 bytes each."""
+    rc = _run(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--params", "70B",
+               "--memory-gib", "300", "--weights", weights])
+    assert rc == 0 and f"- {weights} weights {gib} GiB" in capsys.readouterr().out
+
+
+def test_cli_unknown_weights_are_refused_naming_the_option(capsys):
+    with pytest.raises(SystemExit):
+        _run(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--weights", "int4"])
+    assert "--weights" in capsys.readouterr().err
 
 
 def test_cli_unknown_gpu_is_an_error(capsys):

@@ -32,7 +32,7 @@ def engine():
 
 
 def _engine():
-    loaded = load_model(None, device="cpu", quantize=False, use_cache=False, show_progress=False)
+    loaded = load_model(None, device="cpu", weights="fp32", use_cache=False, show_progress=False)
     # fp32 weights: the packed bf16 copy is exact only for e4m3 weights, and rounding these
     # turned "The capital of France is Paris." into "L'Étoile, la Marseillaise, ...".
     return LLMEngine(EngineConfig(device="cpu", kv_dtype="fp32", max_num_seqs=128, num_kv_blocks=1024,

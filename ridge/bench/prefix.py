@@ -117,7 +117,7 @@ def run_prefix(args, rep) -> None:
     from ridge.engine.engine import LLMEngine
     from ridge.models.loader import load_model
 
-    loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
+    loaded = load_model(args.model, device=args.device, weights=args.weights, max_model_len=args.max_model_len)
     tok = loaded.tokenizer
     systems, qs = system_prompts(tok, args.system_tokens), questions(tok, args.questions)
     prompts = [systems[i % 2] + q for i, q in enumerate(qs)]

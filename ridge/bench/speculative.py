@@ -192,7 +192,7 @@ def _print_steps(rows, rep) -> None:
 def run_spec(args, rep) -> None:
     from ridge.models.loader import load_model
 
-    loaded = load_model(args.model, device=args.device, max_model_len=args.max_model_len)
+    loaded = load_model(args.model, device=args.device, weights=args.weights, max_model_len=args.max_model_len)
     from ridge.engine.engine import LLMEngine
     from ridge.engine.config import engine_config
     rep.set_env(LLMEngine(engine_config(args), loaded=loaded))

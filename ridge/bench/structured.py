@@ -142,7 +142,8 @@ def run_library(name: str, loaded, args) -> dict:
 def part_libraries(rep, args) -> None:
     from ridge.models.loader import load_model
 
-    loaded = load_model(args.model, device=args.device or "cpu", max_model_len=4096, show_progress=False)
+    loaded = load_model(args.model, device=args.device or "cpu", weights=args.weights, max_model_len=4096,
+                        show_progress=False)
     rows = [run_library(n, loaded, args) for n in args.libraries.split(",")]
     rep.add("libraries", rows)
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731

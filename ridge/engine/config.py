@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ridge.options import Option, add_options, fill, options_of
+from ridge.plan import WEIGHT_BYTES
 
 
 def _opt(default, help: str, **meta):
@@ -49,7 +50,9 @@ class EngineConfig:
     adaptive_threads: bool = _opt(True, "on CPU keep the thread count fixed, even while other processes hold "
                                         "cores (default: the team shrinks to the cores left free)",
                                   flag="--fixed-threads")
-    quantize: bool = True
+    weights: str = _opt("fp8", "weights in memory: fp8 (e4m3, a scale per output channel; upcast at load on CPU), "
+                        "or the source's values unquantized in bf16 (on CPU held in fp32) or fp32",
+                        choices=tuple(WEIGHT_BYTES))
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
                                      example=295.0)
     speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off")
@@ -61,7 +64,10 @@ class EngineConfig:
                                           "(bf16 for steps of <= N tokens)")
 
     def __post_init__(self):
-        self.speculative_config  # parsed here, so that a bad value fails before any model loads
+        # Checked here, so that a bad value fails before any model loads.
+        if self.weights not in WEIGHT_BYTES:
+            raise ValueError(f"--weights {self.weights!r}: choose {', '.join(WEIGHT_BYTES)}")
+        self.speculative_config
 
     @property
     def speculative_config(self):

@@ -50,7 +50,7 @@ class LLMEngine:
         if device == "cpu":
             native.start_build()  # ridge's CPU kernels compile (first start) while the model loads
         self.loaded = loaded or load_model(config.model, device=config.device, max_model_len=config.max_model_len,
-                                           quantize=config.quantize)
+                                           weights=config.weights)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.device = self.loaded.device
         if self.device.type == "cuda" and not config.num_threads:
@@ -69,7 +69,7 @@ class LLMEngine:
                                                  budget, head_rows)
         self.fp8_max_tokens = fp8_max_tokens(self.model)
         spec = config.speculative_config
-        draft = load_draft(spec, self.device, config.quantize, self.max_model_len, self.tokenizer)
+        draft = load_draft(spec, self.device, config.weights, self.max_model_len, self.tokenizer)
         self.spec_policy = build_policy(spec, self.budget_info["knee_tokens"], self.model, draft)
         if self.spec_policy is None:
             draft = None
@@ -127,7 +127,7 @@ class LLMEngine:
     # -- set-up -----------------------------------------------------------------
     def _plan_budget(self) -> None:
         c = self.config
-        fp8 = ops.keeps_fp8(self.device) and c.quantize
+        fp8 = ops.keeps_fp8(self.device) and self.loaded.weights == "fp8"
         b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
         chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point)
         chunk = c.prefill_chunk or chunk

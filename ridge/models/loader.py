@@ -9,7 +9,11 @@ import torch
 
 from ridge.config import ModelConfig
 from ridge.kernels import ops
+from ridge.plan import WEIGHT_BYTES
 from ridge.quant.convert import convert
+from ridge.quant.errors import ModelLoadError
+from ridge.quant.fp8 import FP8
+from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
 
 from .families import model_class
@@ -25,7 +29,8 @@ class LoadedModel:
     device: torch.device
     load_seconds: float
     from_cache: bool
-    identity: str = ""  # what the weights are (quant/convert.py): the KV tiers' disk key starts from it
+    weights: str  # what they hold (`--weights`): fp8, or the source's values in bf16 or fp32
+    identity: str = ""  # what the weights are (quant/convert.py, and weights): the KV tiers' disk key starts from it
 
     @property
     def weight_bytes(self) -> int:
@@ -36,15 +41,45 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(path=None, *, device=None, dtype=None, max_model_len=None, quantize=True,
-               use_cache=True, show_progress=True, rule="mse") -> LoadedModel:
+def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use_cache=True,
+               show_progress=True, rule="mse") -> LoadedModel:
+    """weights: fp8 (e4m3 with a scale per output channel, chosen by `rule`), or bf16 / fp32 (the
+    source's values unquantized in that dtype). The engine passes its `--weights`; this default
+    is for callers without options (tests, tools)."""
+    if weights not in WEIGHT_BYTES:
+        raise ValueError(f"--weights {weights!r}: choose {', '.join(WEIGHT_BYTES)}")
     t0 = time.perf_counter()
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or ops.compute_dtype(device)
-    conv = convert(path, quantize=quantize, rule=rule, use_cache=use_cache, show_progress=show_progress)
+    dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
+    conv = convert(path, quantize=weights == "fp8", rule=rule, use_cache=use_cache, show_progress=show_progress)
+    if weights != "fp8":
+        _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
         model = model_class(conv.config)(conv.config, max_model_len)
     model.load_weights(conv.state_dict, device, dtype, conv.freq_factors)
+    if weights == "bf16" and dtype != torch.bfloat16:
+        _round_to_bf16(model)
     model.eval()
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
-                       time.perf_counter() - t0, conv.from_cache, conv.identity)
+                       time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}")
+
+
+def _refuse_fp8_source(sd: dict, weights: str, path) -> None:
+    """An FP8 checkpoint has no unquantized values: bf16 cannot hold e4m3 * scale exactly, and fp32
+    would hold the numbers --weights fp8 holds, in four times the memory."""
+    name = next((n for n, t in sd.items() if t.dtype == FP8), None)
+    if name is not None:
+        raise ModelLoadError(path, f"its weights are FP8 already ({name}); --weights {weights} needs unquantized "
+                                   "weights: use --weights fp8")
+
+
+@torch.no_grad()
+def _round_to_bf16(model) -> None:
+    """bf16 weights computed in fp32 (CPU): the numbers a GPU holds (linear weights, biases,
+    embeddings; norms stay fp32 there too), kept in fp32, which holds them exactly."""
+    tensors = [model.embed_tokens.weight.data]
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            tensors += [t for t in (m.weight, m.bias) if t is not None]
+    for t in {t.data_ptr(): t for t in tensors}.values():  # a tied head is the embedding
+        t.copy_(t.to(torch.bfloat16))

@@ -26,13 +26,13 @@ def _linear_weights(model) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
 
 
-def load_draft(cfg: SpeculativeConfig, device, quantize: bool, max_model_len: int, tokenizer):
+def load_draft(cfg: SpeculativeConfig, device, weights: str, max_model_len: int, tokenizer):
     """-> the draft model's LoadedModel, or None unless cfg names one."""
     if cfg.method != "draft":
         return None
     from ridge.models.loader import load_model
 
-    loaded = load_model(cfg.draft_path, device=device, quantize=quantize, max_model_len=max_model_len)
+    loaded = load_model(cfg.draft_path, device=device, weights=weights, max_model_len=max_model_len)
     check_same_tokenizer(tokenizer, loaded.tokenizer, cfg.draft_path)
     return loaded
 
