@@ -13,7 +13,6 @@ import torch
 
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
-from ridge.config import kv_bytes_per_token
 from ridge.errors import internal_error
 from ridge.models.loader import LoadedModel, load_model
 
@@ -31,10 +30,8 @@ from .runner import ModelRunner, StepHandle
 from .sampling_params import InvalidRequest, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
-from .speculative.factory import build_policy, build_proposer, load_draft
-from .step_batch import StepBuffers
-from .structured.grammar import GrammarCompiler
-from .structured.step import prune_drafts
+from .speculative import build_speculator, plan_speculation
+from .structured import Constraints
 
 log = logging.getLogger("ridge.engine")
 CUDA_HOST_THREADS = 4  # torch CPU threads of a GPU engine unless --threads says otherwise
@@ -68,36 +65,31 @@ class LLMEngine:
         self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format,
                                                  budget, head_rows)
         self.fp8_max_tokens = fp8_max_tokens(self.model)
-        spec = config.speculative_config
-        draft = load_draft(spec, self.device, config.weights, self.max_model_len, self.tokenizer)
-        self.spec_policy = build_policy(spec, self.budget_info["knee_tokens"], self.model, draft)
-        if self.spec_policy is None:
-            draft = None
+        spec = plan_speculation(config.speculative_config, self.device, config.weights, self.max_model_len,
+                                self.tokenizer, self.budget_info["knee_tokens"], self.model)
+        draft = spec.draft if spec is not None else None
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)
-        # A draft model's KV lives in the same blocks as the target's: one pool accounts for both.
-        extra = kv_bytes_per_token(draft.config, self.kv_dtype) if draft else 0
         self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
-                                  self.loaded.weight_bytes + (draft.weight_bytes if draft else 0), act,
+                                  self.loaded.weight_bytes + (spec.weight_bytes if spec else 0), act,
                                   gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
                                   kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
-                                  max_model_len=self.max_model_len, extra_bytes_per_token=extra)
+                                  max_model_len=self.max_model_len,
+                                  extra_bytes_per_token=spec.kv_bytes_per_token(self.kv_dtype) if spec else 0)
         self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
         self.kv_cache_manager = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.spec_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                   config.cuda_graph, self.sched_config.max_num_batched_tokens)
-        self.proposer = None
-        caches = [self.kv_cache]  # every cache the block ids index: the tiers move all of them
-        if self.spec_policy is not None:
-            draft_cache = draft and KVCache(draft.config, self.memory.num_blocks, config.block_size, self.kv_dtype,
-                                            self.device)
-            bufs = draft and StepBuffers(self.sched_config.max_num_batched_tokens, config.max_num_seqs,
-                                         self.runner.bufs.width, self.device)
-            self.proposer = build_proposer(spec, self.spec_policy, self.model, self.kv_cache, self.runner.sampler,
-                                           draft, draft_cache, bufs)
-            caches += [draft_cache] if draft_cache else []
+        # The two concerns the engine calls at named points (speculative/__init__.py,
+        # structured/__init__.py), and nowhere else.
+        self.speculator = build_speculator(spec, self.model, self.kv_cache, self.runner.sampler,
+                                           self.sched_config.max_num_batched_tokens, config.max_num_seqs,
+                                           self.runner.bufs.width) if spec is not None else None
+        self.constraints = Constraints(self.tokenizer, self.loaded.config.vocab_size)
+        self.runner.speculator, self.runner.constraints = self.speculator, self.constraints
+        self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.speculator)
+        caches = [self.kv_cache] + (self.speculator.caches if self.speculator else [])  # what the block ids index
         self.tiers = build_tiers(config, self.loaded, draft, caches, self.kv_dtype)
         if self.tiers is not None:
             self.kv_cache_manager.attach_tiers(self.tiers)
@@ -106,14 +98,13 @@ class LLMEngine:
         # Overlap needs the device to run apart from the host: on CPU both are the same
         # cores, so a step would only finish later. Drafting reads the last token on the host.
         overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self.async_scheduling = overlap and self.proposer is None
+        self.async_scheduling = overlap and self.speculator is None
         self.in_flight: StepHandle | None = None  # the launched step not yet read
         # Called with (the step's plan, seconds from its launch to its tokens read) for each
         # step read: the explicit hook benchmarks time steps with.
         self.step_observers: list = []
-        self.proposer_name = self.proposer.name if self.proposer is not None else "off"
-        # Compiled response formats, cached for this tokenizer; the daemon's validator shares it.
-        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
+        self.proposer_name = self.speculator.name if self.speculator is not None else "off"
+        self.grammars = self.constraints.grammars  # the daemon's validator compiles with the same compiler
         self.requests: dict[str, Request] = {}  # internal id -> request
         self.groups: dict[str, list[Request]] = {}  # client id -> its samples
         self.texts: dict[str, TextState] = {}
@@ -169,11 +160,14 @@ class LLMEngine:
                                  "it can never fit (lower max_tokens)")
         return params
 
+    @property
+    def proposer(self):
+        """The speculator's proposer (None without speculation): a draft model's cache is its."""
+        return self.speculator.proposer if self.speculator is not None else None
+
     def compile_constraint(self, params: SamplingParams):
-        """-> the request's compiled response_format, or None. Raises InvalidRequest at
-        admission for one that does not compile, so that no step ever meets it."""
-        c = params.constraint()
-        return None if c is None else self.grammars.compile(c)
+        """-> the request's compiled response_format, or None (Constraints.compile)."""
+        return self.constraints.compile(params)
 
     def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None,
                     cache_salt: str = "", checked: bool = False) -> str:
@@ -200,7 +194,7 @@ class LLMEngine:
             req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
                           group_id=request_id if params.n > 1 else None, client_id=request_id, index=i,
                           cache_salt=cache_salt,
-                          matcher=compiled.matcher() if compiled is not None else None)  # one per sample
+                          matcher=self.constraints.matcher(compiled))  # one per sample
             self.requests[iid] = req
             self.texts[iid] = TextState(self.tokenizer, req)
             self.scheduler.add_request(req)
@@ -271,7 +265,8 @@ class LLMEngine:
     def _needs_host_history(self) -> bool:
         # A repetition penalty reads every earlier token on the host, the latest included;
         # a constraint's next mask needs its matcher advanced by the latest token.
-        return any(r.params.repetition_penalty != 1.0 or r.matcher is not None for r in self.scheduler.running)
+        running = self.scheduler.running
+        return any(r.params.repetition_penalty != 1.0 for r in running) or self.constraints.needs_last_token(running)
 
     def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> StepHandle | None:
         now = time.monotonic()
@@ -279,8 +274,9 @@ class LLMEngine:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now
         try:
-            if self.proposer is not None:  # drafts first: the scheduler fits the plan to them
-                self.scheduler.accept_drafts(out, prune_drafts(out.scheduled, self.proposer.propose(out)))
+            if self.speculator is not None:  # drafts first: the constraints, then the scheduler fit them
+                drafts = self.constraints.fit_drafts(out.scheduled, self.speculator.propose(out))
+                self.scheduler.accept_drafts(out, drafts)
             return self.runner.launch(out)
         except Exception as e:  # fail this step's requests; keep serving the rest
             outputs += self._fail(out, internal_error(log, "step failed", e))
@@ -297,13 +293,13 @@ class LLMEngine:
             return self._fail(out, internal_error(log, "step failed", e))
         with section("sched_update"):
             self.scheduler.update(out, tokens)
+        self.constraints.advance(out)
         self._account(out, tokens)
         with section("outputs"):
             outputs = self._postprocess(out, tokens, samples)
-        seconds = time.perf_counter() - handle.t0
-        if self.spec_policy is not None and all(s.start >= s.request.num_prompt_tokens for s in out.scheduled):
-            # The whole step but its drafting: what a verified token costs against a plain one.
-            self.spec_policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled), seconds)
+        seconds = time.perf_counter() - handle.t0  # the whole step but its drafting
+        if self.speculator is not None:
+            self.speculator.on_step(out, seconds)
         for observe in self.step_observers:
             observe(out, seconds)
         return outputs
@@ -338,6 +334,7 @@ class LLMEngine:
     def _forget(self, req: Request) -> None:
         if self.requests.pop(req.request_id, None) is not None:
             self.metrics.observe(req)
+            self.constraints.on_finish(req)
         self.texts.pop(req.request_id, None)
         self.runner.sampler.forget(req.request_id)
         group = self.groups.get(req.client_id)

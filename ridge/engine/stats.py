@@ -77,7 +77,7 @@ def engine_stats(engine) -> dict:
         **engine.metrics.as_dict(),
         "budget": dict(engine.budget_info),
         "speculative": {"proposer": engine.proposer_name,
-                        **(engine.spec_policy.stats() if engine.spec_policy is not None else {})},
+                        **(engine.speculator.stats() if engine.speculator is not None else {})},
         "memory": memory_stats(engine),
         "requests": [
             {"id": r.client_id, "index": r.index, "state": RequestStatus(r.status).name.lower(),

@@ -1,13 +1,20 @@
-"""From a SpeculativeConfig to what the engine runs, in the engine's build order:
-the draft model first (its weights and KV count against memory), the policy
-once the knee is known, the proposer once the KV cache exists."""
+"""From a SpeculativeConfig to the Speculator the engine runs, in the engine's build order:
+plan_speculation before the KV cache is sized (the draft model's weights and KV count against
+memory; the policy once the knee is known), build_speculator once the KV cache exists (the
+proposer, the draft model's cache and step buffers)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+from ridge.cache.kv_cache import KVCache
+from ridge.config import kv_bytes_per_token
+
+from ..step_batch import StepBuffers
 from .config import SpeculativeConfig
 from .policy import SpecPolicy
 from .proposers import AutoProposer, DraftModelProposer, NgramProposer, SelfDraftProposer
+from .speculator import Speculator
 
 log = logging.getLogger("ridge.engine")
 
@@ -78,3 +85,43 @@ def build_proposer(cfg: SpeculativeConfig, policy: SpecPolicy | None, model, kv_
         selfdraft = SelfDraftProposer(auto_layers(len(model.layers)), model, kv_cache, sampler)
         return AutoProposer(NgramProposer(), selfdraft, policy)
     return DraftModelProposer(draft, draft_cache, sampler, step_buffers)
+
+
+@dataclass
+class SpeculationPlan:
+    """What speculation settles before the KV cache is sized: its policy, and the draft model
+    whose weights and KV count against memory (None unless --speculative names one)."""
+    config: SpeculativeConfig
+    policy: SpecPolicy
+    draft: object = None  # the draft model's LoadedModel
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.draft.weight_bytes if self.draft is not None else 0
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """The draft's KV per token: it lives in the target's blocks, so one pool accounts for both."""
+        return kv_bytes_per_token(self.draft.config, kv_dtype) if self.draft is not None else 0
+
+
+def plan_speculation(cfg: SpeculativeConfig, device, weights, max_model_len: int, tokenizer, knee_tokens: float,
+                     target_model) -> SpeculationPlan | None:
+    """None: no speculation (off, or a draft model that can never pay)."""
+    draft = load_draft(cfg, device, weights, max_model_len, tokenizer)
+    policy = build_policy(cfg, knee_tokens, target_model, draft)
+    return None if policy is None else SpeculationPlan(cfg, policy, draft)
+
+
+def build_speculator(plan: SpeculationPlan, model, kv_cache: KVCache, sampler, max_tokens: int, max_seqs: int,
+                     max_blocks_per_seq: int) -> Speculator:
+    """Once the target's KV cache exists: a draft model's own cache, indexed by the target's block
+    ids, and its own step buffers (it plans every step's known tokens); then the proposer, which
+    shares the runner's sampler (a seeded request draws from one generator)."""
+    device = model.cos_sin.device
+    draft_cache = bufs = None
+    if plan.draft is not None:
+        draft_cache = KVCache(plan.draft.config, kv_cache.num_blocks, kv_cache.block_size, kv_cache.dtype_name,
+                              device)
+        bufs = StepBuffers(max_tokens, max_seqs, max_blocks_per_seq, device)
+    proposer = build_proposer(plan.config, plan.policy, model, kv_cache, sampler, plan.draft, draft_cache, bufs)
+    return Speculator(plan.policy, proposer, [draft_cache] if draft_cache is not None else [])

@@ -1,0 +1,17 @@
+"""Structured output: params.response_format enforced by masking the logits.
+
+The engine reaches this folder through one object, Constraints (constraints.py), called
+at these points:
+
+  add     LLMEngine.add_request   compile(params): refused at admission if it does not
+                                  compile; matcher(compiled): one per sample, on Request.matcher
+  plan    LLMEngine.step          needs_last_token(running): read the step in flight first
+  draft   LLMEngine._launch       fit_drafts(scheduled, drafts): deterministic drafts cut to
+                                  what the constraint allows, before the plan is fitted to them
+  sample  ModelRunner.launch      mask(scheduled, spans, logits): every constrained row of the
+                                  step, plain and verified, in one operation before sampling
+  read    LLMEngine._complete     advance(out): the matchers consume the step's tokens
+  finish  LLMEngine._forget       on_finish(req): the matcher holds the whole output"""
+from .constraints import Constraints
+
+__all__ = ["Constraints"]
