@@ -165,9 +165,9 @@ KERNEL_ENTRIES = {
 }
 
 
-def kernel_uses(name: str) -> set[tuple[str, str]]:
-    """(kernels module, name) for every name `name` takes from ridge.kernels: imported from a
-    module, or read as an attribute of a module it imported."""
+def kernel_uses(name: str, prefix: str = "ridge.kernels") -> set[tuple[str, str]]:
+    """(module, name) for every name `name` takes from the package `prefix` (ridge.kernels):
+    imported from a module, or read as an attribute of a module it imported."""
     path = modules()[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
@@ -176,13 +176,13 @@ def kernel_uses(name: str) -> set[tuple[str, str]]:
         if isinstance(n, ast.ImportFrom):
             base = from_base(n, package)
             for a in n.names:
-                if f"{base}.{a.name}" in modules() and base.startswith("ridge.kernels"):
+                if f"{base}.{a.name}" in modules() and base.startswith(prefix):
                     aliases[a.asname or a.name] = f"{base}.{a.name}"
-                elif base.startswith("ridge.kernels"):
+                elif base.startswith(prefix):
                     uses.add((base, a.name))
         elif isinstance(n, ast.Import):
             for a in n.names:
-                if a.name.startswith("ridge.kernels."):
+                if a.name.startswith(prefix + "."):
                     if a.asname:
                         aliases[a.asname] = a.name
                     else:
@@ -325,3 +325,49 @@ def test_the_kernels_rule_sees_a_module_choosing_its_backend():
     assert _predicate_calls(tree) == 1
     assert _device_tests(ast.parse("a = x.is_cuda\nb = d.type != 'cpu'\nc = torch.cuda.is_available()\n"
                                    "d = x.type == 'gguf'\n")) == 3
+
+
+# Speculative decoding and structured output are one folder each: code outside the folder takes
+# only these names from it, its hook interface (the package docstrings, docs/architecture.md).
+# ridge.bench is exempt: benchmarks time the pieces on their own.
+SEAMS = {
+    "ridge.engine.speculative": {
+        "Speculator", "SpeculationPlan", "plan_speculation", "build_speculator",
+        "SpeculativeConfig",  # EngineConfig parses --speculative when it is built
+        "Verified",  # the verify hook's result, held by the step it belongs to until it is read
+    },
+    "ridge.engine.structured": {
+        "Constraints",
+        "parse_response_format",  # SamplingParams checks a response_format's shape when it is built
+        "GrammarCompiler",  # the daemon's validator compiles with the engine's compiler (engine.grammars)
+    },
+}
+
+
+def test_speculation_and_constraints_are_reached_through_their_hooks():
+    """Nothing outside engine/speculative/ reads its policy, proposers or verification, and
+    nothing outside engine/structured/ its masks or matchers' rules: a new hook point is a new
+    method of the Speculator or of Constraints, called by name."""
+    bad = sorted(f"{m} -> {mod}.{attr}" for folder, allowed in SEAMS.items() for m in modules()
+                 if not m.startswith(folder) and node(m) != "ridge.bench"
+                 for mod, attr in kernel_uses(m, folder) if attr not in allowed)
+    assert not bad, "reached past the hook interface:\n" + "\n".join(bad)
+
+
+def test_the_hook_rule_sees_a_concern_reached_past_its_interface(tmp_path):
+    """The scan itself, on the wiring the hooks replaced: the scheduler holding the policy, the
+    runner calling the mask function, relative imports resolved."""
+    src = ("from .speculative.policy import SpecPolicy\n"
+           "from .structured import step\n"
+           "from .structured import Constraints\n"
+           "def f(out):\n    return step.step_masks(out), SpecPolicy\n")
+    fake = "ridge.engine._hook_probe"
+    path = tmp_path / "probe.py"
+    path.write_text(src)
+    modules()[fake] = path
+    try:
+        assert kernel_uses(fake, "ridge.engine.speculative") == {("ridge.engine.speculative.policy", "SpecPolicy")}
+        assert kernel_uses(fake, "ridge.engine.structured") == {("ridge.engine.structured", "Constraints"),
+                                                                ("ridge.engine.structured.step", "step_masks")}
+    finally:
+        del modules()[fake]

@@ -13,7 +13,7 @@ step's tokens are read with StepHandle.read(). A request whose last input is
 the previous step's sample gets it on the device (the feed), so the engine can
 plan and launch step N+1 before it reads step N. Drafting and verification
 read tokens on the host, so the engine does not overlap steps that speculate
-(the engine asks the proposer for drafts before it launches a step). Every
+(the engine asks the Speculator for drafts before it launches a step). Every
 speculating request is verified in one batched pass, read with the samples."""
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ fitted to the matchers before they are verified.
 Rule: a constrained request's matcher has consumed the request's whole output
 before its next mask is computed. The engine keeps it true by reading the step
 in flight before it plans one with a constrained request running
-(LLMEngine._needs_host_history), so every token is on the host here.
+(Constraints.needs_last_token) and syncing the matchers as it reads a step
+(Constraints.advance), so every token is on the host here and the syncs below
+find nothing new.
 
 Masks are bitmasks, 32 tokens to an int32 word (bit j of word w allows token
 32w + j), computed on the host by the library for every constrained row at
