@@ -10,6 +10,7 @@ reaches torch; nothing outside tui imports textual. The HTTP gateway
 from __future__ import annotations
 
 import ast
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -206,21 +207,27 @@ def test_only_kernels_decides_an_implementation():
     assert not triton, f"triton outside kernels/: {triton}"
 
 
+@contextmanager
+def probe_module(tmp_path, name: str, src: str):
+    """A module of ours, for the scans, that exists only within the block."""
+    path = tmp_path / "probe.py"
+    path.write_text(src)
+    modules()[name] = path
+    try:
+        yield name
+    finally:
+        del modules()[name]
+
+
 def test_the_seam_rule_sees_a_backend_reached_from_outside(tmp_path):
     """The scan itself: a product module taking a CPU backend or the C library by either import form."""
     src = ("from ridge.kernels.attention import paged_attention_ref\n"
            "from ridge.kernels import native, ops\n"
            "def f(x):\n    return native.library(), ops.rms_norm, native.start_build\n")
-    fake = "ridge.models._seam_probe"
-    path = tmp_path / "probe.py"
-    path.write_text(src)
-    modules()[fake] = path
-    try:
+    with probe_module(tmp_path, "ridge.models._seam_probe", src) as fake:
         assert kernel_uses(fake) == {("ridge.kernels.attention", "paged_attention_ref"),
                                      ("ridge.kernels.native", "library"), ("ridge.kernels.native", "start_build"),
                                      ("ridge.kernels.ops", "rms_norm")}
-    finally:
-        del modules()[fake]
 
 
 def _device_tests(tree: ast.AST) -> int:
@@ -361,13 +368,7 @@ def test_the_hook_rule_sees_a_concern_reached_past_its_interface(tmp_path):
            "from .structured import step\n"
            "from .structured import Constraints\n"
            "def f(out):\n    return step.step_masks(out), SpecPolicy\n")
-    fake = "ridge.engine._hook_probe"
-    path = tmp_path / "probe.py"
-    path.write_text(src)
-    modules()[fake] = path
-    try:
+    with probe_module(tmp_path, "ridge.engine._hook_probe", src) as fake:
         assert kernel_uses(fake, "ridge.engine.speculative") == {("ridge.engine.speculative.policy", "SpecPolicy")}
         assert kernel_uses(fake, "ridge.engine.structured") == {("ridge.engine.structured", "Constraints"),
                                                                 ("ridge.engine.structured.step", "step_masks")}
-    finally:
-        del modules()[fake]
