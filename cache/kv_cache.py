@@ -3,6 +3,9 @@
 Layout (what every attention implementation reads):
   k, v:             [num_blocks, block_size, num_kv_heads, head_dim]
   k_scale, v_scale: [num_blocks, block_size, num_kv_heads] float16, FP8 only
+
+A layer's num_blocks is its KV group's (ModelConfig.kv_groups(): full-attention layers, or
+sliding layers of a window, each group over its own pool; cache/manager.py).
 """
 from __future__ import annotations
 
@@ -47,18 +50,26 @@ class LayerKV:
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype_name: str,
+    def __init__(self, cfg: ModelConfig, num_blocks: int | list[int], block_size: int, dtype_name: str,
                  device: torch.device | str = "cpu"):
-        self.num_blocks, self.block_size, self.dtype_name = num_blocks, block_size, dtype_name
+        """num_blocks: each KV group's (as cfg.kv_groups() orders them), or one count for all."""
+        groups = cfg.kv_groups()
+        self.group_blocks = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * len(groups)
+        assert len(self.group_blocks) == len(groups), "one block count per KV group"
+        self.num_blocks, self.block_size, self.dtype_name = self.group_blocks[0], block_size, dtype_name
+        self.num_groups = len(groups)
         dt = kv_dtype(dtype_name)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         fp8 = dt == torch.float8_e4m3fn
+        of_layer = {i: n for spec, n in zip(groups, self.group_blocks) for i in spec.layers}
         self.layers = []
-        for _ in range(cfg.num_layers):
+        for i in range(cfg.num_layers):
+            shape = (of_layer[i], block_size, cfg.num_kv_heads, cfg.head_dim)
             scales = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(2)] if fp8 else [None, None]
             self.layers.append(LayerKV(zeros(shape, dt, device), zeros(shape, dt, device), *scales))
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype_name)
+        self._total = sum(kv_bytes_per_token(cfg, dtype_name, len(spec.layers)) * n * block_size
+                          for spec, n in zip(groups, self.group_blocks))
 
     @property
     def total_bytes(self) -> int:
-        return self.bytes_per_token * self.num_blocks * self.block_size
+        return self._total

@@ -11,7 +11,14 @@ With KV tiers (tiers.py) the chain goes on past the device: a block the pool
 evicted may still be in host RAM or on disk. Admission then asks
 `get_offloaded_blocks` after `get_computed_blocks`, allocates device blocks for
 those too, and `load_offloaded` copies them in while the request waits;
-`poll_loads` reports it ready, with the loaded blocks published."""
+`poll_loads` reports it ready, with the loaded blocks published.
+
+KV cache groups (kv_group.py, vLLM's hybrid allocator): a model whose layers slide over
+a window beside full-attention ones keeps one block table per group and request, each
+group over its own pool (engine/sizing.py sizes them). A hit must hold in every group,
+and a sliding group gives back the blocks behind its window as the request advances
+(`free_behind_window`). A model of full-attention layers alone has one group, with the
+block ids of one shared table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .block_hash import BlockChain, BlockHasher, HashFn, keyed_blake2b
-from .block_pool import BlockPool
+from .kv_group import NULL, KVGroup
 from .tiers import KVTiers, TierBlock
 
 
@@ -32,18 +39,27 @@ class Offloaded:
     chain: BlockChain
 
 
+class ComputedBlocks(list):
+    """A prefix hit over several KV groups: group 0's blocks (the list itself, what the
+    scheduler counts and hands back), the other groups' in `others` (NULL where a sliding
+    group needs no block)."""
+    others: list
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn: HashFn | None = None):
+    def __init__(self, num_blocks: int | None, block_size: int, enable_caching: bool = True,
+                 hash_fn: HashFn | None = None, groups: list[tuple[int | None, int]] | None = None):
+        """groups: each KV group's (window, number of blocks), group 0 first, as
+        ModelConfig.kv_groups() orders them and engine/sizing.py sizes them; None: one
+        full-attention group of num_blocks (every layer shares one block table)."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.groups = [KVGroup(w, n, block_size, enable_caching) for w, n in (groups or [(None, num_blocks)])]
+        self.main = self.groups[0]
+        self.pool = self.main.pool  # group 0's: the figures below and the tiers are its
+        self.sliding = [g for g in self.groups if g.window is not None]
         self.hasher = BlockHasher(hash_fn)
         self._hash_given = hash_fn is not None
         self.enable_caching = enable_caching
-        self.req_blocks: dict[str, list[int]] = {}
-        # The same block ids as int32 arrays (capacity doubling; the list's length is the row's):
-        # a step copies each request's row into the block table with one memcpy.
-        self.req_rows: dict[str, np.ndarray] = {}
-        self._mirrored: dict[str, int] = {}  # how many leading entries of each row match the list
         # Each request's chain (its own, kept on the request, or one made for a caller that
         # passes none), and how many of its blocks are published.
         self.req_chains: dict[str, BlockChain] = {}
@@ -57,9 +73,15 @@ class KVCacheManager:
         self.tiers: KVTiers | None = None
         self.offloaded: dict[str, Offloaded] = {}
 
+    @property
+    def req_blocks(self) -> dict[str, list[int]]:
+        return self.main.req_blocks
+
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Before any request. A disk tier's blocks are named by hashes under its key, so the
-        chain is hashed with that key (unless a test gave its own hash function)."""
+        chain is hashed with that key (unless a test gave its own hash function). Only a
+        manager of one full-attention group keeps tiers (engine/kv_tiers.py)."""
+        assert len(self.groups) == 1 and not self.sliding, "the KV tiers hold full-attention blocks only"
         if self.enable_caching and tiers.enabled:
             self.tiers = tiers
             self.pool.on_evict = tiers.evict
@@ -100,14 +122,28 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         chain, usable = self._lookup_blocks(req_id, token_ids, salt, chain)
-        hits = []
-        for i in range(usable):
-            block = self.pool.get_cached_block(chain.hashes[i], chain.parent(i), chain.tokens[i])
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.main.longest_hit(chain, usable) if len(self.groups) == 1 else self._group_hits(chain, usable)
         self.lookups[req_id] = (len(token_ids), len(hits), len(hits) < usable)
         return hits, len(hits) * self.block_size
+
+    def _group_hits(self, chain: BlockChain, usable: int) -> ComputedBlocks:
+        """The longest prefix every group can take (vLLM's HybridKVCacheCoordinator): a full
+        group's hit is any prefix of its cached blocks, a sliding group's must end on a window
+        of cached blocks, so the sliding groups look only as far as the full ones reach and
+        are looked up again while one of them falls short of the others."""
+        hits = [g.longest_hit(chain, usable) if g.window is None else None for g in self.groups]
+        n = min((len(h) for h in hits if h is not None), default=usable)
+        while True:
+            for i, g in enumerate(self.groups):
+                if g.window is not None and (hits[i] is None or len(hits[i]) > n):
+                    hits[i] = g.longest_hit(chain, n)
+            m = min(len(h) for h in hits)
+            if m == n:
+                break
+            n = m
+        out = ComputedBlocks(hits[0][:n])
+        out.others = [h[:n] for h in hits[1:]]
+        return out
 
     def _count_lookup(self, req_id: str) -> None:
         queries, hits, missed = self.lookups.pop(req_id, (0, 0, False))
@@ -159,53 +195,49 @@ class KVCacheManager:
             self.tiers.wait(timeout)
 
     # -- allocation ---------------------------------------------------------
-    def _blocks_needed(self, req_id: str, num_tokens: int, computed: list[int]) -> int:
-        have = len(self.req_blocks.get(req_id, ())) + len(computed)
-        need = -(-num_tokens // self.block_size) - have
-        revived = sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0)
-        return max(need, 0) + revived
+    def _per_group(self, computed) -> list[list[int]]:
+        if not computed:
+            return [[] for _ in self.groups]
+        assert len(self.groups) == 1 or isinstance(computed, ComputedBlocks), "hits come from get_computed_blocks"
+        return [list(computed)] + (computed.others if len(self.groups) > 1 else [])
 
     def can_allocate(self, req_id: str, num_tokens: int, computed: list[int] = ()) -> bool:
-        """Room for the request to hold num_tokens tokens in all?"""
-        return self._blocks_needed(req_id, num_tokens, list(computed)) <= self.pool.num_free_blocks
+        """Room for the request to hold num_tokens tokens in all, in every group?"""
+        if len(self.groups) == 1:
+            return self.main.blocks_needed(req_id, num_tokens, list(computed)) <= self.pool.num_free_blocks
+        return all(g.blocks_needed(req_id, num_tokens, c) <= g.pool.num_free_blocks
+                   for g, c in zip(self.groups, self._per_group(computed)))
 
     def allocate(self, req_id: str, num_tokens: int, computed: list[int] = ()) -> list[int]:
-        """Blocks for num_tokens tokens in all; refused before anything is touched when
-        can_allocate says no, so a caller that did not ask first still leaks nothing."""
-        computed = list(computed)
+        """Blocks for num_tokens tokens in all -> group 0's; refused before anything is touched
+        when can_allocate says no, so a caller that did not ask first still leaks nothing."""
         if not self.can_allocate(req_id, num_tokens, computed):
             raise ValueError(f"no room for {num_tokens} tokens of {req_id}: {self.pool.num_free_blocks} blocks free")
-        blocks = self.req_blocks.setdefault(req_id, [])
         if req_id in self.lookups:
             self._count_lookup(req_id)
         if computed:
-            assert not blocks, "prefix hits only at admission"
-            self.pool.touch(computed)
-            blocks.extend(computed)
             self.req_published[req_id] = 0  # the hits are published again by cache_blocks: a no-op each
-        need = -(-num_tokens // self.block_size) - len(blocks)
-        if need > 0:
-            blocks.extend(self.pool.allocate(need))
-        if self._mirrored.get(req_id, -1) != len(blocks):  # most decode steps add no block
-            self._mirror(req_id, blocks)
-        return blocks
-
-    def _mirror(self, req_id: str, blocks: list[int]) -> None:
-        row, n = self.req_rows.get(req_id), len(blocks)
-        have = 0 if row is None else row.shape[0]
-        if n > have:
-            grown = np.empty(max(n, 2 * have, 16), dtype=np.int32)
-            if row is not None:
-                grown[:have] = row
-            self.req_rows[req_id] = row = grown
-        # Rows past a truncation hold stale ids: rewrite from the first block that may differ.
-        start = min(self._mirrored.get(req_id, 0), n)
-        row[start:n] = blocks[start:]
-        self._mirrored[req_id] = n
+        if len(self.groups) == 1:
+            return self.main.allocate(req_id, num_tokens, list(computed))
+        per = self._per_group(computed)
+        for g, c in zip(self.groups[1:], per[1:]):
+            g.allocate(req_id, num_tokens, c)
+        return self.main.allocate(req_id, num_tokens, per[0])
 
     def block_row(self, req_id: str) -> np.ndarray:
-        """The request's block ids as an int32 array (a view: valid until its next allocation)."""
-        return self.req_rows[req_id][:len(self.req_blocks[req_id])]
+        """Group 0's block ids as an int32 array (a view: valid until its next allocation)."""
+        return self.main.row(req_id)
+
+    def group_rows(self, req_id: str) -> tuple:
+        """The other groups' rows, as block_row (empty with one group)."""
+        return () if len(self.groups) == 1 else tuple(g.row(req_id) for g in self.groups[1:])
+
+    def free_behind_window(self, req_id: str, num_computed_tokens: int) -> None:
+        """Give back each sliding group's blocks that the request's next query (at
+        num_computed_tokens) and every later one can no longer read; after cache_blocks,
+        so that they go back published."""
+        for g in self.sliding:  # none for a model of full-attention layers
+            g.free_behind(req_id, num_computed_tokens)
 
     def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int, copy: bool = True,
                      salt: str = "", chain: BlockChain | None = None) -> None:
@@ -223,8 +255,13 @@ class KVCacheManager:
         published = []
         for i in range(done, full):
             h, parent, tokens = chain.hashes[i], chain.parent(i), chain.tokens[i]
-            if self.pool.cache_block(blocks[i], h, parent, tokens) and self.tiers is not None:
+            if blocks[i] != NULL and self.pool.cache_block(blocks[i], h, parent, tokens) and self.tiers is not None:
                 published.append(TierBlock(h, parent, tokens, blocks[i]))
+        for g in self.groups[1:]:
+            own = g.req_blocks[req_id]
+            for i in range(done, full):
+                if own[i] != NULL:
+                    g.pool.cache_block(own[i], chain.hashes[i], chain.parent(i), chain.tokens[i])
         self.req_published[req_id] = full
         if published:
             self.tiers.store(published, copy)
@@ -235,22 +272,17 @@ class KVCacheManager:
         request's prefix hit, and the tokens recomputed in its place would differ."""
         published = self.req_published.get(req_id, 0) * self.block_size
         assert num_tokens >= published, f"{req_id}: truncating to {num_tokens} tokens cuts published blocks"
-        blocks = self.req_blocks.get(req_id, [])
         keep = -(-num_tokens // self.block_size)
-        if len(blocks) > keep:
-            self.pool.free(blocks[keep:][::-1])
-            del blocks[keep:]
-            self._mirrored[req_id] = min(self._mirrored.get(req_id, 0), keep)
+        for g in self.groups:
+            g.truncate(req_id, keep)
 
     def free(self, req_id: str) -> None:
         self.abandon_offloaded(req_id)  # a load into its blocks finishes first
         self.lookups.pop(req_id, None)
-        blocks = self.req_blocks.pop(req_id, [])
-        self.req_rows.pop(req_id, None)
-        self._mirrored.pop(req_id, None)
         self.req_chains.pop(req_id, None)
         self.req_published.pop(req_id, None)
-        self.pool.free(blocks[::-1])
+        for g in self.groups:
+            g.free(req_id)
 
     def block_ids(self, req_id: str) -> list[int]:
         return self.req_blocks.get(req_id, [])
@@ -267,6 +299,10 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
+
+    def num_held_blocks(self, req_id: str) -> list[int]:
+        """Blocks the request holds in each group."""
+        return [g.num_held(req_id) for g in self.groups]
 
     @property
     def prefix_hit_rate(self) -> float:

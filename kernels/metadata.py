@@ -21,6 +21,14 @@ class AttentionMetadata:
     # Each backend's own state for this step, keyed by its builder (state_for): what it derives
     # from the step's batch once and every layer then reuses. No backend reads another's.
     states: dict = field(default_factory=dict)
+    # The same batch over the block tables of KV groups 1.. (ModelConfig.kv_groups(): sliding
+    # layers hold their own blocks): each its own slot mapping, block table and states, the
+    # lengths shared. Empty: one table serves every group.
+    groups: tuple = ()
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """The metadata a layer of KV group g reads and writes through."""
+        return self.groups[g - 1] if g and self.groups else self
 
     @property
     def num_seqs(self) -> int:
@@ -49,7 +57,7 @@ class AttentionMetadata:
         width = max((len(b) for b in block_tables), default=0)
         table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
         for i, blocks in enumerate(block_tables):
-            if blocks:
+            if len(blocks):
                 table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         starts = [0]
         for n in query_lens:

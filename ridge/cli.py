@@ -13,9 +13,9 @@ def _read_model_shape(path):
     return read_config(path).shape()
 
 
-def _weights_option():
+def _engine_option(name: str):
     from ridge.engine.config import engine_options
-    return next(o for o in engine_options() if o.name == "weights")
+    return next(o for o in engine_options() if o.name == name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    add_plan_parser(sub, _read_model_shape, _weights_option())
+    add_plan_parser(sub, _read_model_shape, _engine_option("weights"), _engine_option("block_size"))
     add_daemon_parsers(sub)
     add_bench_parser(sub)
     add_bench_daemon_parser(sub)

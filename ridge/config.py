@@ -61,6 +61,19 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def kv_groups(self) -> list["KVGroupSpec"]:
+        """The layers that share a block table (cache/manager.py): the full-attention layers
+        first, then the sliding layers of each window."""
+        by_window: dict = {}
+        for i in range(self.num_layers):
+            by_window.setdefault(self.layer_window(i), []).append(i)
+        order = sorted(by_window, key=lambda w: -1 if w is None else w)
+        return [KVGroupSpec(w, tuple(by_window[w])) for w in order]
+
+    def kv_group_of(self, i: int) -> int:
+        """The KV group of layer i (an index into kv_groups())."""
+        return next(g for g, spec in enumerate(self.kv_groups()) if i in spec.layers)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -81,18 +94,44 @@ class ModelConfig:
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None)
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
-                          self.num_layers * (attn + mlp) + embeddings)
+                          self.num_layers * (attn + mlp) + embeddings,
+                          self.sliding_window if sliding else None, sliding)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroupSpec:
+    """Layers whose KV shares one block table per request: full attention (window None) or
+    sliding layers of one window, which hold only the blocks their window reaches."""
+    window: int | None
+    layers: tuple[int, ...]
 
 
 @dataclass
 class ModelShape:
-    """What sizes the KV cache and the weights: a ModelConfig's subset, or the flags of `ridge plan`."""
+    """What sizes the KV cache and the weights: a ModelConfig's subset, or the flags of `ridge plan`.
+    sliding_layers of the num_layers attend within sliding_window (None: every layer is full)."""
     name: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     num_params: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+
+
+def draft_table_mismatch(target: ModelConfig, draft: ModelConfig) -> str | None:
+    """Why a draft model cannot keep its KV in the target's blocks, or None. A draft layer of
+    KV group g reads the target's table of group g (group 0's where the target has one):
+    a full-attention table serves any layer, a sliding one only layers of its window."""
+    windows = [g.window for g in target.kv_groups()]
+    for g, spec in enumerate(draft.kv_groups()):
+        have = windows[g] if g < len(windows) else windows[0]
+        if have is not None and have != spec.window:
+            return (f"its layers {list(spec.layers)} attend {'fully' if spec.window is None else f'within {spec.window}'}"
+                    f" and the target's blocks of that group slide over {have}: the draft's KV would be freed under it")
+    return None
 
 
 # Pure Python on purpose: `ridge plan` sizes caches on machines without torch.
@@ -101,9 +140,28 @@ KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 FP8_SCALE_BYTES = 2  # our FP8 KV cache keeps one float16 scale per token per KV head, for K and for V
 
 
-def kv_bytes_per_token(shape: ModelConfig | ModelShape, kv_dtype: str) -> int:
-    """The seed's formula, 2 (K and V) x layers x KV heads x head_dim x bytes, plus FP8's scales."""
+def kv_bytes_per_token(shape: ModelConfig | ModelShape, kv_dtype: str, num_layers: int | None = None) -> int:
+    """The seed's formula, 2 (K and V) x layers x KV heads x head_dim x bytes, plus FP8's scales;
+    num_layers: of that many layers (one KV group's), every layer by default."""
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
     per_head = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (FP8_SCALE_BYTES if kv_dtype == "fp8" else 0)
-    return 2 * shape.num_layers * shape.num_kv_heads * per_head
+    return 2 * (shape.num_layers if num_layers is None else num_layers) * shape.num_kv_heads * per_head
+
+
+def sliding_blocks_held(window: int, block_size: int) -> int:
+    """The most blocks a sliding layer holds for a request between steps: the query at p reads
+    keys p - window < j <= p, so the blocks of keys p - window + 1 .. p - 1 and p's own."""
+    return -(-(window - 1) // block_size) + 1
+
+
+def kv_bytes_per_request(shape: ModelShape, kv_dtype: str, context: int, block_size: int) -> int:
+    """One request's KV at `context` tokens: a full layer holds every token, a sliding layer
+    only the blocks its next query's window reaches (those wholly behind it are freed:
+    cache/manager.py), cdiv(window - 1, block) + 1 blocks: min(window + block, context) tokens
+    where the window is a whole number of blocks."""
+    full = kv_bytes_per_token(shape, kv_dtype, shape.num_layers - shape.sliding_layers) * context
+    if not shape.sliding_layers:
+        return full
+    held = min(sliding_blocks_held(shape.sliding_window, block_size) * block_size, context)
+    return full + kv_bytes_per_token(shape, kv_dtype, shape.sliding_layers) * held

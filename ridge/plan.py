@@ -8,7 +8,7 @@ import re
 import sys
 from dataclasses import dataclass, replace
 
-from ridge.config import ModelShape, kv_bytes_per_token
+from ridge.config import ModelShape, kv_bytes_per_request, kv_bytes_per_token, sliding_blocks_held
 from ridge.options import Option
 
 GIB = 2**30
@@ -138,9 +138,10 @@ def token_budget_knee(ridge_point: float, bytes_per_weight: float) -> float:
 @dataclass
 class KVRow:
     dtype: str
-    bytes_per_token: int
-    tokens: int | None
+    bytes_per_token: int  # every layer's (the seed's formula)
+    tokens: int | None  # of context, at the plan's context length
     requests: int | None
+    bytes_per_request: int  # at the plan's context: a sliding layer's KV at most its window's blocks
 
     @property
     def kib_per_token(self) -> float:
@@ -160,6 +161,7 @@ class Plan:
     knees: dict[str, float]  # "weights, math" -> T*
     notes: list[str]
     weights: str  # what the weights are held in (WEIGHT_BYTES)
+    block_size: int  # the KV block (`--block-size`), the unit a sliding layer holds its window in
 
 
 def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float | None, list[str]]:
@@ -172,13 +174,19 @@ def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float 
     return kv_memory, notes + ["upper bound: activations and runtime overhead not reserved"]
 
 
-def _kv_rows(m: ModelShape, kv_memory: float | None, context_len: int) -> list[KVRow]:
+def _kv_rows(m: ModelShape, kv_memory: float | None, context_len: int, block_size: int) -> list[KVRow]:
+    """Requests at context_len that fit, each holding every full layer's KV for its context and
+    each sliding layer's for its window (kv_bytes_per_request); for a model of full layers,
+    tokens // context_len."""
     rows = []
     for label, kv_dtype in (("fp16/bf16", "bf16"), ("fp8", "fp8")):
         bpt = kv_bytes_per_token(m, kv_dtype)
-        tokens = kv_tokens_that_fit(kv_memory, bpt) if kv_memory is not None else None
-        reqs = concurrent_requests(tokens, context_len) if tokens is not None else None
-        rows.append(KVRow(label, bpt, tokens, reqs))
+        per_request = kv_bytes_per_request(m, kv_dtype, context_len, block_size)
+        tokens = reqs = None
+        if kv_memory is not None:
+            tokens = kv_tokens_that_fit(kv_memory * context_len, per_request)
+            reqs = concurrent_requests(tokens, context_len)
+        rows.append(KVRow(label, bpt, tokens, reqs, per_request))
     return rows
 
 
@@ -195,9 +203,9 @@ def _ridge_and_knees(spec: GPUSpec) -> tuple[dict[str, float], dict[str, float]]
 
 def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
               gpu: GPUSpec | str | None = None, context_len: int = 4096,
-              weight_bytes: float | None = None, *, weights: str) -> Plan:
+              weight_bytes: float | None = None, *, weights: str, block_size: int) -> Plan:
     """weights: what `--weights` holds (WEIGHT_BYTES), which sizes the weights from the parameter
-    count unless weight_bytes gives their size."""
+    count unless weight_bytes gives their size; block_size: the engine's KV block."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if memory_gib is None and spec is not None:
         memory_gib = spec.memory_gib
@@ -206,14 +214,21 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
         weight_bytes = float(model_shape.num_params * WEIGHT_BYTES[weights])
     kv_memory, notes = _kv_budget(memory, weight_bytes)
     ridge, knees = _ridge_and_knees(spec) if spec else ({}, {})
-    rows = _kv_rows(model_shape, kv_memory, context_len)
-    return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes, weights)
+    rows = _kv_rows(model_shape, kv_memory, context_len, block_size)
+    m = model_shape
+    if m.sliding_layers:
+        held = min(sliding_blocks_held(m.sliding_window, block_size) * block_size, context_len)
+        notes.append(f"{m.sliding_layers} sliding layers (window {m.sliding_window}) hold {held} tokens of KV each "
+                     f"at context {context_len}: min(window + block, context); bytes/token counts every layer")
+    return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes, weights,
+                block_size)
 
 
 def format_plan(plan: Plan) -> str:
     m = plan.model
     params = f", {m.num_params / 1e9:.1f}B params" if m.num_params else ""
-    out = [f"model {m.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}{params}"]
+    sliding = f" ({m.sliding_layers} sliding over {m.sliding_window})" if m.sliding_layers else ""
+    out = [f"model {m.name}: {m.num_layers} layers{sliding}, {m.num_kv_heads} KV heads, head_dim {m.head_dim}{params}"]
     if g := plan.gpu:
         out.append(f"gpu   {g.name}: {g.memory_gib:g} GiB, {g.bandwidth_gbs:g} GB/s, "
                    f"{g.bf16_tflops:g} TFLOPS bf16")
@@ -254,20 +269,24 @@ def _count(text: str) -> int:
     return int(float(t.rstrip("bm")) * scale)
 
 
-def add_plan_parser(subparsers, read_model_shape, weights: Option) -> None:
-    """read_model_shape(path) -> ModelShape reads a model file's metadata; weights is the engine's
-    `--weights` option. Both are passed in because they live above this module (and bring torch)."""
+def add_plan_parser(subparsers, read_model_shape, weights: Option, block_size: Option) -> None:
+    """read_model_shape(path) -> ModelShape reads a model file's metadata; weights and block_size
+    are the engine's `--weights` and `--block-size` options. They are passed in because they live
+    above this module (and bring torch)."""
     p = subparsers.add_parser("plan", help="KV-cache and ridge-point arithmetic for a model on a GPU")
     p.add_argument("model_path", nargs="?", help="a .gguf file or a Hugging Face model directory")
     p.add_argument("--layers", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
     p.add_argument("--params", type=_count, help="parameter count, e.g. 70e9 or 70B")
+    p.add_argument("--sliding-window", type=int, help="the sliding layers' window (with --sliding-layers)")
+    p.add_argument("--sliding-layers", type=int, help="how many of the layers slide over --sliding-window")
     p.add_argument("--gpu", help="a name from --list-gpus, or 'local' for CUDA device 0")
     p.add_argument("--memory-gib", type=float)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--list-gpus", action="store_true")
     weights.add_to(p)  # the weights' bytes per parameter, as `ridge serve --weights` would hold them
+    block_size.add_to(p)  # the unit a sliding layer's window is held in
     p.set_defaults(func=run_plan, read_model_shape=read_model_shape)
 
 
@@ -281,8 +300,12 @@ def _shape_from_args(args) -> ModelShape:
     else:
         shape = ModelShape("custom", args.layers, args.kv_heads, args.head_dim)
     overrides = {"num_layers": args.layers, "num_kv_heads": args.kv_heads,
-                 "head_dim": args.head_dim, "num_params": args.params}
-    return replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+                 "head_dim": args.head_dim, "num_params": args.params,
+                 "sliding_window": args.sliding_window, "sliding_layers": args.sliding_layers}
+    shape = replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+    if shape.sliding_layers and (shape.sliding_window is None or shape.sliding_layers > shape.num_layers):
+        raise ValueError("--sliding-layers needs --sliding-window, and at most --layers of them")
+    return shape
 
 
 def _gpu_from_args(args) -> GPUSpec | None:
@@ -303,5 +326,6 @@ def run_plan(args) -> int:
     except (ValueError, OSError) as e:  # bad flags, unknown GPU, unreadable model path
         print(f"ridge plan: error: {e}", file=sys.stderr)
         return 2
-    print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context, weights=args.weights)))
+    print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context, weights=args.weights,
+                                block_size=args.block_size)))
     return 0

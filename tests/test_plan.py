@@ -51,7 +51,7 @@ def test_fp8_scale_overhead_is_counted_and_still_nearly_doubles_capacity():
 
 def test_make_plan_reproduces_the_seed_80gb_fp8_weights_case():
     shape = ModelShape("70b", **SEED, num_params=70_000_000_000)
-    plan = make_plan(shape, memory_gib=80e9 / GIB, weights="fp8")  # 80 GB minus 70 GB of FP8 weights = 10 GB
+    plan = make_plan(shape, memory_gib=80e9 / GIB, weights="fp8", block_size=16)  # 80 GB minus 70 GB of FP8 weights = 10 GB
     fp16, fp8 = plan.rows
     assert plan.kv_memory_bytes == pytest.approx(10e9)
     assert (fp16.bytes_per_token, fp16.tokens, fp16.requests) == (SEED_BPT, 30_517, 7)
@@ -133,7 +133,7 @@ def test_token_budget_knee():
 
 def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
     shape = ModelShape("8b", 32, 8, 128, num_params=8_000_000_000)
-    plan = make_plan(shape, gpu="h100", weights="fp8")
+    plan = make_plan(shape, gpu="h100", weights="fp8", block_size=16)
     assert plan.memory_bytes == 80 * GIB
     assert plan.ridge["bf16"] == pytest.approx(295.3, abs=0.1)
     assert plan.ridge["fp8"] == pytest.approx(590.7, abs=0.1)
@@ -143,19 +143,19 @@ def test_make_plan_with_gpu_defaults_memory_and_reports_ridge():
 
 
 def test_ampere_knee_is_weight_only_fp8():
-    plan = make_plan(ModelShape("8b", **SEED), gpu="3090", weights="fp8")
+    plan = make_plan(ModelShape("8b", **SEED), gpu="3090", weights="fp8", block_size=16)
     assert "fp8 weights, bf16 math" in plan.knees and "fp8" not in plan.ridge
 
 
 def test_weights_that_do_not_fit_give_zero_tokens():
-    plan = make_plan(ModelShape("70b", **SEED, num_params=70_000_000_000), gpu="4090", weights="fp8")
+    plan = make_plan(ModelShape("70b", **SEED, num_params=70_000_000_000), gpu="4090", weights="fp8", block_size=16)
     assert all(r.tokens == 0 and r.requests == 0 for r in plan.rows)
     assert any("do not fit" in n for n in plan.notes)
 
 
 def test_explicit_weight_bytes_override_params():
     shape = ModelShape("x", **SEED, num_params=70_000_000_000)
-    plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2, weights="fp8")  # e.g. 8-bit + overhead
+    plan = make_plan(shape, memory_gib=100, weight_bytes=140e9 / 2, weights="fp8", block_size=16)  # e.g. 8-bit + overhead
     assert plan.weight_bytes == 70e9
     assert plan.kv_memory_bytes == pytest.approx(100 * GIB - 70e9)
 

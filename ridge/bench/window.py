@@ -7,8 +7,9 @@ default, built from transformers' Gemma3TextConfig and written as safetensors wi
 tokenizer; it loads through ridge's loader like any HF directory. Each context is a fixture of
 `batch` requests sharing one long prompt (bench/host.py), timed step by step in pure decode,
 one context after the other on one engine; the attention section is the engine's own
-(bench/profile.py). Freeing the KV blocks behind the window is separate work: this measures
-the attention's cost, not the pool's."""
+(bench/profile.py). Each row also gives the KV blocks a request holds in each KV group
+(cache/manager.py): a sliding group's stay at its window's, cdiv(window - 1, 16) + 1 blocks,
+while the full group's grow with the context."""
 from __future__ import annotations
 
 import json
@@ -86,15 +87,21 @@ def run_contexts(engine, batch: int, contexts: list[int], steps: int, retries: i
                 return times
             times, util, tries = _uncontended(timed, retries)
             bd, _, _ = _uncontended(lambda: _breakdown(fx, 3), retries)
+            held = [statistics.mean(n) for n in zip(*(engine.kv_cache_manager.num_held_blocks(i) for i in fx.ids))]
         finally:
             fx.close()
         rows.append({"context": ctx, "mean_context": fx.context, "batch": batch, "step_ms": 1e3 * statistics.median(times),
-                     "attention_ms": bd.get("attention"), "cpu_util": util, "tries": tries})
+                     "attention_ms": bd.get("attention"), "cpu_util": util, "tries": tries,
+                     "kv_blocks_held": dict(zip(_group_names(engine), held))})
     first = rows[0]
     for r in rows:
         r["step_vs_first"] = r["step_ms"] / first["step_ms"]
         r["attention_vs_first"] = r["attention_ms"] / first["attention_ms"] if first["attention_ms"] else None
     return rows
+
+
+def _group_names(engine) -> list[str]:
+    return ["full" if g.window is None else f"sliding {g.window}" for g in engine.kv_cache_manager.groups]
 
 
 def run_window(args, rep) -> None:
@@ -118,9 +125,11 @@ def run_window(args, rep) -> None:
         rep.add(f"window_{pattern}", {"pattern": pattern, "window": args.window, "layers": args.layers, "rows": rows})
         rep.table(f"decode step against context, window {args.window}, {pattern} layers, batch {args.batch} "
                   "(medians, ms)",
-                  ["context", "windows", "step ms", "x 1 window", "attention ms", "x 1 window", "cpu util"],
+                  ["context", "windows", "step ms", "x 1 window", "attention ms", "x 1 window", "cpu util",
+                   "KV blocks/request"],
                   [[r["context"], m, f"{r['step_ms']:.1f}", f"{r['step_vs_first']:.2f}",
                     f"{r['attention_ms']:.2f}" if r["attention_ms"] is not None else "-",
                     f"{r['attention_vs_first']:.2f}" if r["attention_vs_first"] is not None else "-",
-                    f"{r['cpu_util']:.2f}"] for m, r in zip(multiples, rows)],
-                  note="x 1 window: against the first context; a sliding layer's attention should stay flat")
+                    f"{r['cpu_util']:.2f}",
+                    ", ".join(f"{k} {v:.0f}" for k, v in r["kv_blocks_held"].items())] for m, r in zip(multiples, rows)],
+                  note="x 1 window: against the first context; a sliding layer's attention and KV should stay flat")

@@ -13,6 +13,7 @@ import torch
 
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
+from ridge.config import draft_table_mismatch
 from ridge.errors import internal_error
 from ridge.models.loader import LoadedModel, load_model
 
@@ -71,14 +72,19 @@ class LLMEngine:
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)
+        if draft is not None and (why := draft_table_mismatch(self.loaded.config, draft.config)):
+            raise ValueError(f"the draft model {draft.path.name}: {why}")
         self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
                                   self.loaded.weight_bytes + (spec.weight_bytes if spec else 0), act,
                                   gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
                                   kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
-                                  max_model_len=self.max_model_len,
+                                  max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=self.sched_config.max_num_batched_tokens,
                                   extra_bytes_per_token=spec.kv_bytes_per_token(self.kv_dtype) if spec else 0)
-        self.kv_cache = KVCache(self.loaded.config, self.memory.num_blocks, config.block_size, self.kv_dtype, self.device)
-        self.kv_cache_manager = KVCacheManager(self.memory.num_blocks, config.block_size, config.enable_prefix_caching)
+        blocks = self.memory.group_blocks  # one pool per KV group (cache/manager.py)
+        self.kv_cache = KVCache(self.loaded.config, blocks, config.block_size, self.kv_dtype, self.device)
+        self.kv_cache_manager = KVCacheManager(None, config.block_size, config.enable_prefix_caching, groups=[
+            (g.window, n) for g, n in zip(self.loaded.config.kv_groups(), blocks)])
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                   config.cuda_graph, self.sched_config.max_num_batched_tokens)
         # The two concerns the engine calls at named points (speculative/__init__.py,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ridge.kernels.cuda_graph import GraphPool, GraphShape, ladder
-from ridge.kernels.metadata import AttentionMetadata
 
 from .step_batch import StepBatch, StepBuffers
 
@@ -60,17 +59,16 @@ class StepGraphs:
         else:
             T = shape.size
             host_q = [T] + [0] * (S - 1)
-        meta = AttentionMetadata(d["slot_mapping"][:T], d["block_table"][:S], d["seq_lens"][:S],
-                                 d["query_start_loc"][:S + 1], [self.max_seq_len] * S, host_q)
-        return d["input_ids"][:T], d["positions"][:T], meta
+        return d["input_ids"][:T], d["positions"][:T], self.bufs.meta(T, S, [self.max_seq_len] * S, host_q)
 
     def _warm(self, shape: GraphShape) -> None:
         """Valid inputs at the largest context for an eager warm-up that writes nothing."""
         d, bs = self.bufs.dev, self.block_size
         width = self.bufs.width
         blocks = torch.arange(width, dtype=torch.int32, device=self.device) % self.num_kv_blocks
-        d["block_table"].copy_(blocks.expand_as(d["block_table"]))
-        d["slot_mapping"].fill_(-1)
+        for slots, table in self.bufs.groups:
+            d[table].copy_(blocks.expand_as(d[table]))
+            d[slots].fill_(-1)
         d["input_ids"].zero_()
         d["positions"].zero_()
         S = self.bufs.max_seqs

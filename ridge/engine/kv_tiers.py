@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ridge.cache.block_io import BlockLayout
 from ridge.cache.disk_tier import VERSION, DiskTier, kv_root
 from ridge.cache.tiers import KVTiers
 
+log = logging.getLogger("ridge.engine")
 GIB = 1 << 30
 HOST_FRACTION, HOST_CAP_GIB = 0.25, 8.0  # of the free RAM at start
 DISK_FRACTION, DISK_CAP_GIB = 0.10, 32.0  # of the free space where the tier lives
@@ -50,8 +52,14 @@ def disk_key(loaded, draft, kv_dtype: str, block_size: int, block_bytes: int) ->
 
 
 def build_tiers(config, loaded, draft, caches: list, kv_dtype: str) -> KVTiers | None:
-    """None when prefix caching is off, or both tiers are."""
+    """None when prefix caching is off, or both tiers are, or the model has sliding layers:
+    a sliding group's blocks leave the device behind the window, long before the full
+    group's, so a tier block of the full layers alone could never serve a hit; the prefix
+    cache of such a model lives on the device (cache/manager.py)."""
     if not config.enable_prefix_caching:
+        return None
+    if any(g.window is not None for g in loaded.config.kv_groups()):
+        log.info("KV tiers off: the model has sliding-window layers, whose prefix cache stays on the device")
         return None
     disk = None
     if config.kv_disk:

@@ -71,13 +71,14 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens or max_num_seqs, max_num_seqs)
         # Drafts and the padded graph shapes never exceed the step budget; a draft model's
         # own plan (include_spec=False) is smaller still.
-        self.bufs = StepBuffers(max_tokens, max_num_seqs, -(-max_len // self.block_size), self.device)
+        self.bufs = StepBuffers(max_tokens, max_num_seqs, -(-max_len // self.block_size), self.device,
+                                kv_cache.num_groups)
         self.graphs = None
         if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
             # On CPU (tests) the same padded buffers run eagerly.
             self.graphs = StepGraphs(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
                                      self.bufs, self.block_size, max_num_seqs, max_tokens, max_len, enabled=True,
-                                     num_kv_blocks=kv_cache.num_blocks)
+                                     num_kv_blocks=min(kv_cache.group_blocks))
             if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
                 self.graphs.capture()
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next

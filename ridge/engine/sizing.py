@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ridge.config import kv_bytes_per_token
+from ridge.config import kv_bytes_per_token, sliding_blocks_held
 
 log = logging.getLogger("ridge.engine")
 GIB = 1 << 30
@@ -23,21 +23,30 @@ class MemoryPlan:
     activation_bytes: int  # measured peak of one forward at the step's token budget
     reserve_bytes: int
     kv_bytes_per_token: int
-    num_blocks: int
+    num_blocks: int  # group 0's (the full-attention layers', where the model has any)
     block_size: int
+    # Per KV group (ModelConfig.kv_groups()): its blocks and the bytes one token takes in its layers.
+    group_blocks: list[int] | None = None
+    group_bytes_per_token: list[int] | None = None
+
+    def __post_init__(self):
+        if self.group_blocks is None:
+            self.group_blocks, self.group_bytes_per_token = [self.num_blocks], [self.kv_bytes_per_token]
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+        return sum(n * b for n, b in zip(self.group_blocks, self.group_bytes_per_token)) * self.block_size
 
     @property
     def tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     def summary(self, context: int = 4096) -> str:
+        groups = "" if len(self.group_blocks) == 1 else " (sliding layers: " + ", ".join(
+            f"{n} blocks at {b} B/token" for n, b in zip(self.group_blocks[1:], self.group_bytes_per_token[1:])) + ")"
         return (f"weights {self.weight_bytes / GIB:.2f} GiB, activations {self.activation_bytes / GIB:.2f} GiB, "
                 f"KV pool {self.kv_pool_bytes / GIB:.2f} GiB = {self.num_blocks} blocks x {self.block_size} tokens "
-                f"at {self.kv_bytes_per_token} B/token = {self.tokens} tokens, "
+                f"at {self.group_bytes_per_token[0]} B/token{groups} = {self.tokens} tokens, "
                 f"{self.tokens // context} concurrent requests at {context // 1024}K context")
 
 
@@ -58,11 +67,47 @@ def measure_activation_peak(run_once, device: torch.device) -> int:
     return max(after - max(before, rss), 0)
 
 
+def sliding_pool_cap(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a sliding group's running requests ever hold together: between steps
+    each holds its window's blocks (sliding_blocks_held), and a step adds at most
+    cdiv(n, block) + 1 for its n tokens, twice over when the host plans a step ahead."""
+    per_step = -(-max_num_batched_tokens // block_size) + max_num_seqs
+    return max_num_seqs * sliding_blocks_held(window, block_size) + 2 * per_step
+
+
+def split_pool(groups, group_bpt: list[int], block_size: int, budget: int, num_blocks: int | None,
+               max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """Blocks for each KV group, each group over its own pool. A sliding group gets what
+    one shared table would give it (the budget over every group's bytes per block), or
+    less where its running requests can never hold that many (sliding_pool_cap): past
+    that its blocks would only keep prefix-cache windows, and the full group's context is
+    worth more. The full-attention group gets the rest. num_blocks (--num-kv-blocks): each group's,
+    a sliding group's at most its cap; a model of sliding layers alone gets the whole
+    budget (or num_blocks) in its one group."""
+    caps = [None if g.window is None else sliding_pool_cap(g.window, block_size, max_num_seqs, max_num_batched_tokens)
+            for g in groups]
+    has_full = None in caps
+    if num_blocks is not None:
+        return [num_blocks if cap is None or not has_full else min(num_blocks, cap) for cap in caps]
+    per_block = [b * block_size for b in group_bpt]
+    even = max(budget, 0) // sum(per_block)
+    if not has_full:
+        return [even] * len(groups)
+    out = [even if cap is None else min(even, cap) for cap in caps]
+    left = max(budget, 0) - sum(n * p for n, p, cap in zip(out, per_block, caps) if cap is not None)
+    full_bytes = sum(p for p, cap in zip(per_block, caps) if cap is None)
+    return [left // full_bytes if cap is None else n for n, cap in zip(out, caps)]
+
+
 def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weight_bytes: int,
                 activation_bytes: int, *, gpu_reserve_gib: float, cpu_kv_cap_gib: float,
                 kv_memory_gib: float | None, num_blocks: int | None,
-                max_model_len: int, extra_bytes_per_token: int = 0) -> MemoryPlan:
-    bpt = kv_bytes_per_token(cfg, kv_dtype) + extra_bytes_per_token
+                max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                extra_bytes_per_token: int = 0) -> MemoryPlan:
+    """extra_bytes_per_token: a draft model's KV, which lives in group 0's blocks."""
+    groups = cfg.kv_groups()
+    group_bpt = [kv_bytes_per_token(cfg, kv_dtype, len(g.layers)) for g in groups]
+    group_bpt[0] += extra_bytes_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserve = int(gpu_reserve_gib * GIB)  # the desktop and other processes on a consumer card
@@ -73,13 +118,15 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
         budget = min(psutil.virtual_memory().available - activation_bytes - reserve, int(cpu_kv_cap_gib * GIB))
     if kv_memory_gib is not None:
         budget = min(budget, int(kv_memory_gib * GIB))
-    blocks = num_blocks if num_blocks is not None else max(budget, 0) // (bpt * block_size)
-    if blocks < 1:
+    counts = split_pool(groups, group_bpt, block_size, budget, num_blocks, max_num_seqs, max_num_batched_tokens)
+    if min(counts) < 1:
         raise MemoryError(f"only {max(budget, 0) / GIB:.2f} GiB left for the KV cache, not one block; "
                           "lower --max-model-len or the reserve, or free memory")
-    if blocks * block_size < max_model_len:
+    blocks = counts[0]
+    if groups[0].window is None and blocks * block_size < max_model_len:  # a sliding group never holds a context
         log.warning("the KV pool (%d tokens) cannot hold one request of --max-model-len %d",
                     blocks * block_size, max_model_len)
-    plan = MemoryPlan(device.type, total, weight_bytes, activation_bytes, reserve, bpt, int(blocks), block_size)
+    plan = MemoryPlan(device.type, total, weight_bytes, activation_bytes, reserve, sum(group_bpt), int(blocks),
+                      block_size, [int(n) for n in counts], group_bpt)
     log.info("memory: %s", plan.summary())
     return plan

@@ -14,7 +14,10 @@ orders it after N's copy.
 
 Padding (for a captured graph of a fixed size) must change nothing real:
 padded tokens have slot -1 (the KV write skips them) and belong to one extra
-padding sequence; padded sequences past it have no query tokens."""
+padding sequence; padded sequences past it have no query tokens.
+
+A model with several KV groups (sliding layers beside full ones: cache/manager.py)
+gets a slot mapping and a block table per group past the first, the tables last."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,15 +40,29 @@ _FIELDS = (  # name, dtype, shape in (tokens, seqs, width) capacities; the block
 )
 
 
+def _fields(num_groups: int) -> tuple:
+    """_FIELDS with each further group's slot mapping before the tables and its table after them."""
+    extra = range(1, num_groups)
+    return (_FIELDS[:-1] + tuple((f"slot_mapping{g}", np.int64, _FIELDS[2][2]) for g in extra)
+            + _FIELDS[-1:] + tuple((f"block_table{g}", np.int32, _FIELDS[-1][2]) for g in extra))
+
+
+def _group_names(num_groups: int) -> list[tuple[str, str]]:
+    """(slot mapping, block table) field names of each KV group."""
+    return [("slot_mapping", "block_table")] + [(f"slot_mapping{g}", f"block_table{g}") for g in range(1, num_groups)]
+
+
 class StepBuffers:
     """Device buffers at capacity (max tokens per step, max sequences + 1 padding
     sequence, max blocks per sequence) and their pinned host staging twins."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 num_groups: int = 1):
         self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs + 1, max_blocks_per_seq
         self.device = device
+        self.groups = _group_names(num_groups)
         self.layout, off = {}, 0
-        for name, dt, shape in _FIELDS:
+        for name, dt, shape in _fields(num_groups):
             shp = shape(self.max_tokens, self.max_seqs, self.width)
             n = int(np.prod(shp)) * np.dtype(dt).itemsize
             self.layout[name] = (off, n, dt, shp)
@@ -69,12 +86,24 @@ class StepBuffers:
         return self.host[self._turn]
 
     def send(self, num_seqs: int) -> None:
-        """One non-blocking copy of the staging buffer just filled, up to the block table's
-        last used row (the table is the last field and the only large one)."""
+        """One non-blocking copy of the staging buffer just filled, up to the last block table's
+        last used row (the tables are the last fields and the only large ones)."""
         if self.device_buf is not self.staging[self._turn]:
-            off, _, _, _ = self.layout["block_table"]
+            off, _, _, _ = self.layout[self.groups[-1][1]]
             n = off + num_seqs * self.width * 4
             self.device_buf[:n].copy_(self.staging[self._turn][:n], non_blocking=True)
+
+    def meta(self, T: int, S: int, seq_lens_host: list[int], query_lens_host: list[int]) -> AttentionMetadata:
+        """The step's metadata over the device buffers: T tokens, S sequences, a view per group."""
+        d, width = self.dev, self.width
+
+        def one(slots: str, table: str) -> AttentionMetadata:
+            return AttentionMetadata(slot_mapping=d[slots][:T], block_table=d[table][:S, :width],
+                                     seq_lens=d["seq_lens"][:S], query_start_loc=d["query_start_loc"][:S + 1],
+                                     seq_lens_host=seq_lens_host, query_lens_host=query_lens_host)
+        meta = one(*self.groups[0])
+        meta.groups = tuple(one(*names) for names in self.groups[1:])
+        return meta
 
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
@@ -108,6 +137,7 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
     starts = np.empty(nseq, dtype=np.int64)
     ids = h["input_ids"]
     bt = h["block_table"]
+    group_tables = [h[table] for _, table in bufs.groups[1:]]
     feed_dst, feed_src, feed_reqs = [], [], []
     sample_rows, spans = [], []
     row = 0
@@ -127,6 +157,8 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
         qlens[i], starts[i] = n, s.start
         row_ids = s.block_row if s.block_row is not None else s.block_ids
         bt[i, :len(row_ids)] = row_ids
+        for table, g_row in zip(group_tables, s.group_rows):
+            table[i, :len(g_row)] = g_row
         row += n
         k = 1 + s.num_spec_tokens if s.samples else 0
         spans.append((len(sample_rows), k))
@@ -136,7 +168,8 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
     seq_of = np.repeat(np.arange(nseq), qlens)
     pos = np.arange(num_tokens) - np.repeat(cu - qlens, qlens) + starts[seq_of]
     h["positions"][:num_tokens] = pos
-    h["slot_mapping"][:num_tokens] = bt[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    for slots, table in bufs.groups:
+        h[slots][:num_tokens] = h[table][seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
     seq_lens = h["seq_lens"]
     seq_lens[:nseq] = starts + qlens
     qsl = h["query_start_loc"]
@@ -146,42 +179,40 @@ def plan_step(out, block_size: int, bufs: StepBuffers, include_spec: bool = True
     if graph is None:
         T, S = num_tokens, nseq
     elif graph.kind == "decode":
-        T = S = _pad_decode(h, nseq, graph.size, host_q, host_s)
+        T = S = _pad_decode(h, bufs.groups, nseq, graph.size, host_q, host_s)
     else:
         T, S = graph.size, bufs.max_seqs
-        _pad_mixed(h, num_tokens, nseq, T, S, block_size, host_q, host_s)
+        _pad_mixed(h, bufs.groups, num_tokens, nseq, T, S, block_size, host_q, host_s)
     h["sample_rows"][:len(sample_rows)] = sample_rows
     nf = len(feed_dst)
     h["feed_dst"][:nf] = feed_dst
     h["feed_src"][:nf] = feed_src
     bufs.send(S)
     d = bufs.dev
-    width = bufs.width
-    meta = AttentionMetadata(slot_mapping=d["slot_mapping"][:T], block_table=d["block_table"][:S, :width],
-                             seq_lens=d["seq_lens"][:S], query_start_loc=d["query_start_loc"][:S + 1],
-                             seq_lens_host=host_s, query_lens_host=host_q)
+    meta = bufs.meta(T, S, host_s, host_q)
     ends = cu.tolist()
     return StepBatch(d["input_ids"][:T], d["positions"][:T], meta, d["sample_rows"][:len(sample_rows)],
                      num_tokens, {id(s): e - 1 for s, e in zip(scheduled, ends)}, spans,
                      (d["feed_dst"][:nf], d["feed_src"][:nf]) if nf else None, feed_reqs)
 
 
-def _pad_decode(h, nseq: int, size: int, host_q: list, host_s: list) -> int:
+def _pad_decode(h, groups, nseq: int, size: int, host_q: list, host_s: list) -> int:
     """A decode graph of `size` sequences: each padded one is one token over one key in
     block 0 that writes nothing."""
-    ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
-    ids[nseq:size] = 0
-    pos[nseq:size] = 0
-    slots[nseq:size] = -1
+    h["input_ids"][nseq:size] = 0
+    h["positions"][nseq:size] = 0
+    for slots, table in groups:
+        h[slots][nseq:size] = -1
+        h[table][nseq:size, 0] = 0
     h["seq_lens"][nseq:size] = 1
-    h["block_table"][nseq:size, 0] = 0
     h["query_start_loc"][nseq + 1:size + 1] = np.arange(nseq + 1, size + 1)
     host_q += [1] * (size - nseq)
     host_s += [1] * (size - nseq)
     return size
 
 
-def _pad_mixed(h, num_tokens: int, nseq: int, T: int, S: int, block_size: int, host_q: list, host_s: list) -> None:
+def _pad_mixed(h, groups, num_tokens: int, nseq: int, T: int, S: int, block_size: int, host_q: list,
+               host_s: list) -> None:
     """A mixed graph of T tokens over S sequences: the padded tokens form one extra
     sequence over block 0 that writes nothing; the sequences after it have no queries."""
     extra, used = T - num_tokens, nseq
@@ -189,8 +220,9 @@ def _pad_mixed(h, num_tokens: int, nseq: int, T: int, S: int, block_size: int, h
     if extra:
         h["input_ids"][num_tokens:T] = 0
         h["positions"][num_tokens:T] = np.arange(extra)
-        h["slot_mapping"][num_tokens:T] = -1
-        h["block_table"][nseq, : -(-extra // block_size)] = 0
+        for slots, table in groups:
+            h[slots][num_tokens:T] = -1
+            h[table][nseq, : -(-extra // block_size)] = 0
         h["seq_lens"][nseq] = extra
         qsl[nseq + 1] = T
         host_q.append(extra)
@@ -200,3 +232,17 @@ def _pad_mixed(h, num_tokens: int, nseq: int, T: int, S: int, block_size: int, h
     qsl[used + 1:S + 1] = T
     host_q += [0] * (S - used)
     host_s += [0] * (S - used)
+
+
+def token_meta(items, positions: list[int], block_size: int, device) -> AttentionMetadata:
+    """One query token for each scheduled request at its position (a drafting pass), over
+    every KV group's table: group 0's block ids and the others' rows (ScheduledRequest)."""
+    lens, qlens = [p + 1 for p in positions], [1] * len(items)
+
+    def over(tables) -> AttentionMetadata:
+        slots = [int(t[p // block_size]) * block_size + p % block_size for t, p in zip(tables, positions)]
+        return AttentionMetadata.build(qlens, lens, tables, slots, device)
+    meta = over([s.block_ids for s in items])
+    if items and items[0].group_rows:
+        meta.groups = tuple(over([s.group_rows[g] for s in items]) for g in range(len(items[0].group_rows)))
+    return meta

@@ -49,6 +49,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.softmax_scale or cfg.head_dim ** -0.5
         self.window = cfg.layer_window(index)  # None: the layer attends to the whole context
+        self.kv_group = cfg.kv_group_of(index)  # whose block table and slots it uses (meta.group)
         self.softcap = None  # the attention scores' soft-cap (Gemma 2)
 
     def attention(self, h, positions, cos_sin, meta, kv):
@@ -61,8 +62,9 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             q, k = self.norm_qk(q, k)
         q, k = ops.rope(q, k, positions, cos_sin, meta)
-        ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, meta.slot_mapping, meta)
-        o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, meta, self.scale,
+        gm = meta.group(self.kv_group) if self.kv_group else meta
+        ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, gm.slot_mapping, gm)
+        o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, gm, self.scale,
                                 window=self.window, softcap=self.softcap)
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
 

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ridge.kernels.metadata import AttentionMetadata
-
-from ..step_batch import plan_step
+from ..step_batch import plan_step, token_meta
 
 
 @dataclass(slots=True)
@@ -60,10 +58,7 @@ class _ModelDrafter:
 
     def _feed(self, model, kv_layers, items, tokens, positions, num_layers=None) -> torch.Tensor:
         """One token per item at its position: writes their KV -> hidden states."""
-        bs = self.block_size
-        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(items, positions)]
-        meta = AttentionMetadata.build([1] * len(items), [p + 1 for p in positions], [s.block_ids for s in items],
-                                       slots, self.device)
+        meta = token_meta(items, positions, self.block_size, self.device)
         return model(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), meta,
                      kv_layers, num_layers=num_layers)
 
