@@ -139,6 +139,30 @@ def test_tokens_across_windows_in_one_pass_in_chunks_and_after_a_prefix_hit(mode
     assert_no_leak_any_group(eng)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_overlapped_steps_and_padded_graph_buffers(model, graphs):
+    """Step N+1 planned before step N's blocks are published and freed; the padded buffers a
+    CUDA graph replays (run eagerly on CPU) carry every group's table and slots."""
+    _, hf, lm = model
+    eng = engine_for(lm, prefill_chunk=24, async_scheduling=True, cuda_graph=graphs)
+    assert eng.async_scheduling
+    ps = [PROMPT, PROMPT[:70] + [5, 6, 7], prompts(V, [90], seed=4)[0]]
+    for i, p in enumerate(ps):
+        eng.add_request(f"o{i}", p, greedy(16))
+    toks = {f"o{i}": [] for i in range(len(ps))}
+    most = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+        for r in eng.scheduler.running:
+            held = eng.kv_cache_manager.num_held_blocks(r.request_id)
+            most = max([most] + [held[g] for g in sliding_groups(eng)])
+    for i, p in enumerate(ps):
+        assert toks[f"o{i}"] == reference(hf, p, toks[f"o{i}"])
+    assert most <= sliding_blocks_held(W, BS) + 2  # a step ahead: one more step's blocks at most
+    assert_no_leak_any_group(eng)
+
+
 def test_self_draft_speculation_over_the_groups_tables(model):
     name, _, lm = model
     plain, _, _ = run_watching(engine_for(lm, enable_prefix_caching=False), "p", PROMPT, 24)
