@@ -30,6 +30,7 @@ from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
 from .kv_cache import write_kv_native, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
+from .moe import fused_moe_cpu, fused_moe_ref
 from .norm import rms_norm_native, rms_norm_ref, rms_norm_torch
 from .rope import rope_native, rope_ref, rope_torch
 from .timing import section
@@ -193,6 +194,17 @@ def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None)
         if weight.dtype != FP8:
             return fp8_linear_cpu(x, weight, bias, cpu)
         return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
+
+
+def fused_moe(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *, b_gate_up=None,
+              b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None):
+    """A mixture-of-experts layer's experts: x [T, H] through the experts topk_ids [T, k] names,
+    weighted by topk_weights [T, k] and summed (kernels/moe.py states the contract). CPU tensors
+    take the grouped path (one product per active expert, in its CpuExperts' formats: cpu)."""
+    with section("moe"):
+        fn = _pick("fused_moe", fused_moe_ref, x, fused_moe_cpu)
+        return fn(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, b_gate_up=b_gate_up,
+                  b_down=b_down, act=act, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cpu=cpu)
 
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):

@@ -1,0 +1,156 @@
+"""A mixture-of-experts layer's expert computation: each token through the k experts its
+router chose, the outputs summed with the routing weights.
+
+The contract every backend keeps (ops.fused_moe dispatches; the signature is the op's):
+
+    fused_moe(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
+              b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0,
+              cpu=None) -> [T, H] in x's dtype
+
+    x             [T, H]       the layer's normed hidden states (fp32 / bf16)
+    w_gate_up     [E, 2I, H]   each expert's fused gate and up rows, [gate | up] (ridge's dense
+                               gate_up layout; gpt-oss's interleaved columns are split at load);
+                               float8_e4m3fn with w_gate_up_scale [E, 2I] fp32 (one scale per
+                               output channel per expert), or float with w_gate_up_scale None
+    w_down        [E, H, I]    with w_down_scale [E, H] fp32, or float with None
+    topk_ids      [T, k]       int32 or int64, each in [0, E); a token's k ids are distinct
+    topk_weights  [T, k]       fp32, the routing weights (already normalised as the family does)
+    b_gate_up     [E, 2I]      optional biases (gpt-oss), in any float dtype
+    b_down        [E, H]
+    act           "silu" | "gelu" | "gelu_pytorch_tanh": act(gate) * up;
+                  "swigluoai" (gpt-oss): gate clamped above at swiglu_limit, up to
+                  [-swiglu_limit, swiglu_limit], then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    cpu           a CpuExperts (the CPU formats of each expert's two products), or None
+
+    out[t] = sum_j topk_weights[t, j] * (down_e(act(gate_up_e(x[t]) + b_gate_up[e])) + b_down[e]),
+             e = topk_ids[t, j]
+
+The products accumulate in fp32; the routing weight multiplies each expert's output (down's
+epilogue), and a token's k terms are added in ascending expert order (transformers' order).
+
+fused_moe_ref is the oracle: per expert, a mask over the routed slots (transformers' loop).
+fused_moe_cpu is the CPU path: the T * k routed slots sorted by expert once, then one product
+per active expert over its contiguous run of gathered rows (no per-token Python loop), each
+through the format its CpuLinear chose for that many rows (kernels/cpu_linear.py); a GPU
+backend registers as "fused_moe" (ops.register_triton)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
+from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "swigluoai")
+
+
+def swigluoai_and_mul_ref(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """h: [T, 2I] as [gate | up] -> [T, I], gpt-oss's clamped SwiGLU (transformers' order of
+    operations: (up + 1) * (gate * sigmoid(alpha * gate)))."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+_ACT_AND_MUL = {"silu": silu_and_mul_ref, "gelu": gelu_and_mul_ref, "gelu_pytorch_tanh": gelu_tanh_and_mul_ref}
+
+
+def act_and_mul(h: torch.Tensor, act: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    if act == "swigluoai":
+        return swigluoai_and_mul_ref(h, alpha, limit)
+    return _ACT_AND_MUL[act](h)
+
+
+def check_args(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights,
+               b_gate_up=None, b_down=None, act="silu") -> None:
+    """The contract's shapes and dtypes, for every backend's wrapper."""
+    E, I2, H = w_gate_up.shape
+    T, k = topk_ids.shape
+    assert x.dim() == 2 and x.shape[1] == H, (x.shape, w_gate_up.shape)
+    assert I2 % 2 == 0 and w_down.shape == (E, H, I2 // 2), (w_gate_up.shape, w_down.shape)
+    assert topk_weights.shape == (T, k) and x.shape[0] == T and 1 <= k <= E, (topk_ids.shape, topk_weights.shape)
+    assert not topk_ids.dtype.is_floating_point and topk_weights.dtype == torch.float32
+    for w, s, rows in ((w_gate_up, w_gate_up_scale, I2), (w_down, w_down_scale, H)):
+        assert (w.dtype == FP8) == (s is not None), "an FP8 weight needs its scales, a float one none"
+        assert s is None or (s.shape == (E, rows) and s.dtype == torch.float32), (None if s is None else s.shape)
+    assert b_gate_up is None or b_gate_up.shape == (E, I2)
+    assert b_down is None or b_down.shape == (E, H)
+    assert act in ACTIVATIONS, act
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's [out, in] weight in dtype (FP8 times its channel scales: exact in fp32)."""
+    if scale is None:
+        return w[e].to(dtype)
+    return (w[e].float() * scale[e][:, None]).to(dtype)
+
+
+def fused_moe_ref(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
+                  b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None):
+    """The contract (module docstring) the plainest way: for each expert, the slots routed to
+    it found by a mask, its two products in fp32, the weighted output added to its tokens."""
+    check_args(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, b_gate_up, b_down, act)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        h = F.linear(x[token].float(), _expert_weight(w_gate_up, w_gate_up_scale, e, torch.float32),
+                     None if b_gate_up is None else b_gate_up[e].float())
+        h = act_and_mul(h, act, swiglu_alpha, swiglu_limit)
+        y = F.linear(h, _expert_weight(w_down, w_down_scale, e, torch.float32),
+                     None if b_down is None else b_down[e].float())
+        out.index_add_(0, token, y * topk_weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+@dataclass(eq=False)
+class CpuExperts:
+    """One MoE layer's CPU expert products: per expert, the CpuLinear of its gate_up [2I, H] and
+    of its down [H, I] weight (views of the layer's stacked upcast weights), whose formats the
+    start-up measurement chooses per shape and row count like any linear layer's
+    (kernels/cpu_linear_plan.py): an expert's product sees the rows routed to it."""
+    gate_up: list[CpuLinear]
+    down: list[CpuLinear]
+
+    def layers(self) -> list[CpuLinear]:
+        return self.gate_up + self.down
+
+
+def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
+                  b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None):
+    """The contract grouped per expert: the T * k slots sorted by expert (stable, so each
+    token's terms stay in ascending expert order), the rows gathered once, one gate_up and one
+    down product per active expert over its run, the weighted rows added back in one pass.
+    cpu: the layer's CpuExperts (each product in its chosen format); None: F.linear on the
+    stacked weights (an FP8 one upcast per active expert)."""
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots by expert
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    tokens = order // k  # [T * k] the token of each sorted slot
+    xs = x[tokens].float() if x.dtype != torch.float32 else x[tokens]
+    ys = torch.empty((T * k, w_down.shape[1]), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        start += n
+        h = _product(xs[rows], w_gate_up, w_gate_up_scale, b_gate_up, e, None if cpu is None else cpu.gate_up[e])
+        h = act_and_mul(h, act, swiglu_alpha, swiglu_limit)
+        ys[rows] = _product(h, w_down, w_down_scale, b_down, e, None if cpu is None else cpu.down[e])
+    ys.mul_(topk_weights.reshape(-1)[order, None])
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, ys)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _product(x, w, scale, bias, e: int, cpu: CpuLinear | None) -> torch.Tensor:
+    b = None if bias is None else bias[e].float()
+    if cpu is not None:
+        return fp8_linear_cpu(x, cpu.weight, b, cpu)
+    return F.linear(x, _expert_weight(w, scale, e, torch.float32), b)
