@@ -5,9 +5,9 @@ layers all slide should decode at 4 windows of context in the time it takes at 1
 full layers (1 in 6) still grow with the context. The model is random, Gemma-3-270M-shaped by
 default, built from transformers' Gemma3TextConfig and written as safetensors with a byte-level
 tokenizer; it loads through ridge's loader like any HF directory. Each context is a fixture of
-`batch` requests sharing one long prompt (bench/host.py), timed step by step in pure decode,
-one context after the other on one engine; the attention section is the engine's own
-(bench/profile.py). Each row also gives the KV blocks a request holds in each KV group
+`batch` requests sharing one long prompt (bench/host.py) on its own engine (one model, a pool
+each), timed in pure decode with the contexts' steps interleaved; the attention section is the
+engine's own (bench/profile.py). Each row also gives the KV blocks a request holds in each KV group
 (cache/manager.py): a sliding group's stay at its window's, cdiv(window - 1, 16) + 1 blocks,
 while the full group's grow with the context."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # Gemma-3-270M (google/gemma-3-270m config.json), but its 262144-row vocabulary (--vocab).
@@ -66,37 +67,47 @@ def write_model(path: Path, pattern: str, window: int, layers: int, vocab: int, 
     return path
 
 
-def run_contexts(engine, batch: int, contexts: list[int], steps: int, retries: int) -> list[dict]:
-    """Per context: the median decode step and its attention section, in ms."""
-    from .decode import _breakdown, _uncontended
+def run_contexts(engines: dict, batch: int, steps: int, retries: int) -> list[dict]:
+    """engines: context -> an engine (one model, a pool each). Per context: the median
+    decode step and its attention section, in ms. The contexts' steps interleave, one step
+    each in turn, so that drifting machine load hits all of them alike."""
+    from .decode import _uncontended
     from .host import SharedPrefixDecode
+    from .profile import step_breakdown
 
-    rows = []
-    for ctx in contexts:
-        fx = SharedPrefixDecode(engine, batch, ctx, steps * (2 + retries) + 12, f"win{ctx}")
-        try:
-            for _ in range(3):  # warm: the first steps of a new context build its step state
+    fixtures = {ctx: SharedPrefixDecode(e, batch, ctx, steps * (2 + retries) + 16, f"win{ctx}")
+                for ctx, e in engines.items()}
+    try:
+        for _ in range(3):  # warm: the first steps of a new context build its step state
+            for fx in fixtures.values():
                 fx.step()
 
-            def timed():
-                times = []
-                for _ in range(steps):
+        def timed():
+            times = {ctx: [] for ctx in fixtures}
+            for _ in range(steps):
+                for ctx, fx in fixtures.items():
                     t = time.perf_counter()
                     fx.step()
-                    times.append(time.perf_counter() - t)
-                return times
-            times, util, tries = _uncontended(timed, retries)
-            bd, _, _ = _uncontended(lambda: _breakdown(fx, 3), retries)
-            held = [statistics.mean(n) for n in zip(*(engine.kv_cache_manager.num_held_blocks(i) for i in fx.ids))]
-        finally:
+                    times[ctx].append(time.perf_counter() - t)
+            return times
+        times, util, tries = _uncontended(timed, retries)
+        attention = {ctx: [] for ctx in fixtures}
+        for _ in range(3):
+            for ctx, fx in fixtures.items():
+                with step_breakdown(fx.engine) as bd:
+                    bd.step(fx.step)
+                attention[ctx].append(bd.per_step_ms().get("attention", 0.0))
+        held = {ctx: dict(zip(_group_names(fx.engine), (statistics.mean(n) for n in zip(
+            *(fx.engine.kv_cache_manager.num_held_blocks(i) for i in fx.ids))))) for ctx, fx in fixtures.items()}
+    finally:
+        for fx in fixtures.values():
             fx.close()
-        rows.append({"context": ctx, "mean_context": fx.context, "batch": batch, "step_ms": 1e3 * statistics.median(times),
-                     "attention_ms": bd.get("attention"), "cpu_util": util, "tries": tries,
-                     "kv_blocks_held": dict(zip(_group_names(engine), held))})
-    first = rows[0]
+    rows = [{"context": ctx, "mean_context": fx.context, "batch": batch, "step_ms": 1e3 * statistics.median(times[ctx]),
+             "attention_ms": statistics.median(attention[ctx]), "cpu_util": util, "tries": tries,
+             "kv_blocks_held": held[ctx]} for ctx, fx in fixtures.items()]
     for r in rows:
-        r["step_vs_first"] = r["step_ms"] / first["step_ms"]
-        r["attention_vs_first"] = r["attention_ms"] / first["attention_ms"] if first["attention_ms"] else None
+        r["step_vs_first"] = r["step_ms"] / rows[0]["step_ms"]
+        r["attention_vs_first"] = r["attention_ms"] / rows[0]["attention_ms"] if rows[0]["attention_ms"] else None
     return rows
 
 
@@ -105,8 +116,10 @@ def _group_names(engine) -> list[str]:
 
 
 def run_window(args, rep) -> None:
+    from ridge.config import kv_bytes_per_token
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
+    from ridge.quant.source import read_config
 
     from .runs import warm_up
 
@@ -115,13 +128,21 @@ def run_window(args, rep) -> None:
     for pattern in args.patterns.split(","):
         with tempfile.TemporaryDirectory(prefix="ridge-window-") as d:
             write_model(Path(d), pattern, args.window, args.layers, args.vocab, max(contexts) + 4 * args.steps + 256)
-            cfg = engine_config(args)
-            cfg.model, cfg.max_num_seqs, cfg.kv_disk = d, max(cfg.max_num_seqs, args.batch), False
-            engine = LLMEngine(cfg)
-            rep.set_env(engine)
-            warm_up(engine)
-            rows = run_contexts(engine, args.batch, contexts, args.steps, args.retries)
-            del engine
+            # A pool per context, room for its fixture at full attention twice over (the prefix
+            # once, each request's tail and decode); a throwaway model: no KV tier would see it.
+            base = replace(engine_config(args), model=d, max_num_seqs=max(args.batch, 1), kv_disk=False,
+                           kv_host_gib=0)
+            per_token = kv_bytes_per_token(read_config(d), "fp32")
+            engines, loaded = {}, None
+            for ctx in contexts:
+                tokens = ctx + args.batch * (6 * args.steps + 96)
+                gib = max(0.25, 2 * tokens * per_token / 2 ** 30)
+                engines[ctx] = loaded_engine = LLMEngine(replace(base, kv_memory_gib=gib), loaded=loaded)
+                loaded = loaded_engine.loaded
+                warm_up(loaded_engine)
+            rep.set_env(engines[contexts[0]])
+            rows = run_contexts(engines, args.batch, args.steps, args.retries)
+            del engines, loaded, loaded_engine
         rep.add(f"window_{pattern}", {"pattern": pattern, "window": args.window, "layers": args.layers, "rows": rows})
         rep.table(f"decode step against context, window {args.window}, {pattern} layers, batch {args.batch} "
                   "(medians, ms)",
