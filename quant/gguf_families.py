@@ -31,7 +31,7 @@ LAYER_NAMES = {  # per architecture, over llama's names
     "granite": _BIASES,
 }
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config
-# The {arch}.* keys read for llama, qwen2, qwen3 and these three; any other key under the
+# The {arch}.* keys read for llama, qwen2, qwen3, gemma2, gemma3 and these three; any other key under the
 # architecture may change the math (an expert count, a yarn multiplier, a window) and is refused.
 KNOWN_KEYS = {
     "common": {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
@@ -41,6 +41,11 @@ KNOWN_KEYS = {
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
     "olmo2": {"rope.scaling.attn_factor"},
     "granite": {"attention.scale", "embedding_scale", "residual_scale", "logit_scale"},
+    # quant/gguf_gemma.py's
+    "gemma2": {"attention.sliding_window", "attention.sliding_window_pattern", "attn_logit_softcapping",
+               "final_logit_softcapping"},
+    "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "final_logit_softcapping",
+               "rope.freq_base_swa"},
 }
 
 

@@ -106,8 +106,7 @@ def read_config(reader, path) -> ModelConfig:
         kw.update(gemma_fields(arch, a, kw, names, path))
     if arch in FAMILY_GGUF:
         kw.update(family_fields(arch, a, kw, names, reader, path))
-    if arch not in GEMMA_GGUF:  # quant/gguf_gemma.py reads its own keys
-        check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
+    check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
     return ModelConfig(**kw)
 
 

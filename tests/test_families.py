@@ -201,7 +201,8 @@ def test_greedy_through_the_engine(variants, name, weights, chunk):
 
 # -- config fidelity ---------------------------------------------------------------------------
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig"}
+                  "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig",
+                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
 
 
 @pytest.mark.parametrize("model_type", list(CONFIG_CLASSES))
@@ -298,7 +299,11 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tmp_path):
     ("llama.expert_count", 8, "llama.expert_count"),
     ("llama.rope.dimension_count", 8, "llama.rope.dimension_count=8"),
     ("olmo2.attention.sliding_window", 16, "olmo2.attention.sliding_window=16"),
-], ids=["unknown-key", "partial-rotary-outside-phi3", "olmo3-window"])
+    ("gemma2.expert_count", 8, "gemma2.expert_count"),
+    ("gemma3.attn_logit_softcapping", 50, "gemma3.attn_logit_softcapping"),
+    ("gemma3.attention.sliding_window_pattern", 3, "gemma3.attention.sliding_window_pattern=3"),
+], ids=["unknown-key", "partial-rotary-outside-phi3", "olmo3-window", "gemma-unknown-key", "gemma3-attn-softcap",
+        "gemma-pattern"])
 def test_gguf_keys_ridge_does_not_honour_are_refused(tmp_path, key, value, named):
     """The GGUF side of the rule: a metadata key under the architecture that no reader honours."""
     import gguf
