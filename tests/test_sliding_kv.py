@@ -116,6 +116,8 @@ def test_the_sliding_pool_is_sized_to_what_its_requests_can_hold(model):
     assert [g.pool.num_blocks for g in kv.groups] == want
     for i, layer in enumerate(eng.kv_cache.layers):  # each layer's tensors are its group's pool
         assert layer.k.shape[0] == want[cfg.kv_group_of(i)]
+    groups = eng.stats()["kv_groups"]
+    assert [(g["window"], g["blocks"], g["used"]) for g in groups] == [(g.window, n, 0) for g, n in zip(kv.groups, want)]
     if name == "gemma3":
         assert eng.kv_cache.total_bytes == sum(kv_bytes_per_token(cfg, "fp32", len(g.layers)) * n * BS
                                                for g, n in zip(cfg.kv_groups(), want))

@@ -63,6 +63,9 @@ def engine_stats(engine) -> dict:
         "kv_blocks_used": kv.num_used_blocks,
         "kv_blocks_free": kv.num_free_blocks,
         "kv_blocks_cached": kv.pool.num_cached_blocks,
+        "kv_groups": [{"window": g.window, "blocks": g.pool.num_blocks,
+                       "used": g.pool.num_blocks - g.pool.num_free_blocks, "cached": g.pool.num_cached_blocks}
+                      for g in kv.groups],
         "kv_block_size": engine.config.block_size,
         "kv_dtype": engine.kv_dtype,
         "kv_bytes_per_token": engine.memory.kv_bytes_per_token,
