@@ -32,6 +32,7 @@ from .sampling_params import InvalidRequest, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
 from .speculative import build_speculator, plan_speculation
+from .threads import ThreadGovernor
 from .structured import Constraints
 
 log = logging.getLogger("ridge.engine")
@@ -59,6 +60,8 @@ class LLMEngine:
         self.kv_dtype = config.resolved_kv_dtype(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+        self.thread_governor = ThreadGovernor(torch.get_num_threads()) \
+            if self.device.type == "cpu" and config.adaptive_threads else None
         self._plan_budget()
         budget = self.sched_config.max_num_batched_tokens
         head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens
@@ -229,6 +232,8 @@ class LLMEngine:
         Overlapped, the host plans step N+1 while the device runs step N, and turns
         step N's tokens into outputs while the device runs N+1."""
         outputs, self.pending = self.pending, []
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         t0, busy0, waited = time.perf_counter(), self._tier_busy(), 0.0
         read = self.in_flight is not None
         if self.in_flight is not None and (not self.async_scheduling or self._needs_host_history()):
