@@ -121,28 +121,39 @@ class CpuExperts:
 
 
 def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
-                  b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None):
+                  b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None,
+                  act_fn=None):
     """The contract grouped per expert: the T * k slots sorted by expert (stable, so each
     token's terms stay in ascending expert order), the rows gathered once, one gate_up and one
     down product per active expert over its run, the weighted rows added back in one pass.
     cpu: the layer's CpuExperts (each product in its chosen format); None: F.linear on the
-    stacked weights (an FP8 one upcast per active expert)."""
+    stacked weights (an FP8 one upcast per active expert). act_fn: h [n, 2I] -> [n, I], the
+    activation's CPU implementation (ops chooses it; None: act_and_mul). One token (a batch-1
+    decode step) skips the sort, gather and scatter: its k experts run on its row in order."""
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = _product(rows, w_gate_up, w_gate_up_scale, b_gate_up, e, None if cpu is None else cpu.gate_up[e])
+        h = act_fn(h) if act_fn is not None else act_and_mul(h, act, swiglu_alpha, swiglu_limit)
+        return _product(h, w_down, w_down_scale, b_down, e, None if cpu is None else cpu.down[e])
+
+    xf = x if x.dtype == torch.float32 else x.float()
     T, k = topk_ids.shape
+    if T == 1:
+        out = None
+        for e, w in sorted(zip(topk_ids[0].tolist(), topk_weights[0].tolist())):
+            y = expert(e, xf).mul_(w)
+            out = y if out is None else out.add_(y)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots by expert
     counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
     tokens = order // k  # [T * k] the token of each sorted slot
-    xs = x[tokens].float() if x.dtype != torch.float32 else x[tokens]
+    xs = xf[tokens]
     ys = torch.empty((T * k, w_down.shape[1]), dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
-        if not n:
-            continue
-        rows = slice(start, start + n)
-        start += n
-        h = _product(xs[rows], w_gate_up, w_gate_up_scale, b_gate_up, e, None if cpu is None else cpu.gate_up[e])
-        h = act_and_mul(h, act, swiglu_alpha, swiglu_limit)
-        ys[rows] = _product(h, w_down, w_down_scale, b_down, e, None if cpu is None else cpu.down[e])
+        if n:
+            ys[start:start + n] = expert(e, xs[start:start + n])
+            start += n
     ys.mul_(topk_weights.reshape(-1)[order, None])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, ys)

@@ -202,9 +202,19 @@ def fused_moe(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, top
     weighted by topk_weights [T, k] and summed (kernels/moe.py states the contract). CPU tensors
     take the grouped path (one product per active expert, in its CpuExperts' formats: cpu)."""
     with section("moe"):
-        fn = _pick("fused_moe", fused_moe_ref, x, fused_moe_cpu)
+        fn = _pick("fused_moe", fused_moe_ref, x, _fused_moe_cpu)
         return fn(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, b_gate_up=b_gate_up,
                   b_down=b_down, act=act, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, cpu=cpu)
+
+
+def _silu_and_mul_any(h):
+    return _silu_and_mul_cpu(h)(h)
+
+
+def _fused_moe_cpu(*args, act="silu", **kw):
+    """The grouped CPU path, its experts' activation chosen as silu_and_mul's is (the C kernel
+    where it fits)."""
+    return fused_moe_cpu(*args, act=act, act_fn=_silu_and_mul_any if act == "silu" else None, **kw)
 
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):

@@ -12,6 +12,8 @@ from typing import Callable
 
 from .hf_config import HFConfig, common_fields, rope_fields, window_all, window_from_layer_types
 from .hf_gemma import GEMMA2_DEFAULTS, GEMMA3_DEFAULTS, read_gemma
+from .hf_moe import (GPT_OSS_DEFAULTS, MIXTRAL_DEFAULTS, MIXTRAL_IGNORED, MOE_IGNORED, QWEN3_MOE_DEFAULTS, read_gpt_oss,
+                     read_mixtral, read_qwen3_moe)
 
 # PreTrainedConfig's own fields and the keys save_pretrained adds: none changes a causal LM's math.
 BASE_IGNORED = frozenset({
@@ -144,3 +146,6 @@ register(Family("olmo2", "olmo2", dict(_LLAMA_DEFAULTS, vocab_size=50304, rms_no
 register(Family("granite", "granite", dict(_LLAMA_DEFAULTS, attention_bias=False, mlp_bias=False,
                                            embedding_multiplier=1.0, residual_multiplier=1.0,
                                            attention_multiplier=1.0, logits_scaling=1.0), _read_granite))
+register(Family("qwen3_moe", "qwen3_moe", QWEN3_MOE_DEFAULTS, read_qwen3_moe, MOE_IGNORED))
+register(Family("mixtral", "mixtral", MIXTRAL_DEFAULTS, read_mixtral, MIXTRAL_IGNORED))
+register(Family("gpt_oss", "gpt_oss", GPT_OSS_DEFAULTS, read_gpt_oss, MOE_IGNORED))

@@ -31,7 +31,11 @@ def _cast(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(w: torch.Tensor, rule: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] float -> (fp8 [N, K], scale fp32 [N]); w ~= fp8 * scale[:, None]."""
+    """w: [N, K] float -> (fp8 [N, K], scale fp32 [N]); w ~= fp8 * scale[:, None]. Stacked experts
+    [E, N, K] -> (fp8 [E, N, K], scale [E, N]): each expert's rows scaled on their own."""
+    if w.dim() == 3:
+        q, s = quantize_fp8(w.reshape(-1, w.shape[-1]), rule)
+        return q.reshape(w.shape), s.reshape(w.shape[:2])
     w = w.float()
     amax = w.abs().amax(dim=1).clamp(min=1e-12)
     scale = amax / FP8_MAX

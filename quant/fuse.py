@@ -1,6 +1,7 @@
 """Hugging Face names -> the model's fused layout (qkv_proj, gate_up_proj).
 
-Fusing turns seven matrix products per layer into four. FP8 weights fuse too:
+Fusing turns seven matrix products per layer into four; a mixture of experts' layer stacks its
+experts (fuse_experts). FP8 weights fuse too:
 their scales are per output channel, so they concatenate along with the rows
 (a per-tensor scale is first broadcast to its rows)."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
+from .gpt_oss import gpt_oss_experts
 
 FP8 = torch.float8_e4m3fn
 # Each layer's norms, by architecture (Gemma norms both branches' inputs and outputs).
@@ -68,10 +70,97 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="mode
         _cat(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
              path, cfg.attention_bias)
         _cat(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
-        _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
-             path, cfg.mlp_bias)
-        _cat(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
+        if cfg.is_moe_layer(i):
+            fuse_experts(sd, cfg, i, out, path)
+        else:
+            _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
+                 path, cfg.mlp_bias)
+            _cat(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
         if cfg.qk_norm:
             take(a + "q_norm.weight", q + "q_norm.weight")
             take(a + "k_norm.weight", q + "k_norm.weight")
+        if cfg.attention_sinks:
+            take(a + "sinks", q + "sinks")
+    return out
+
+
+# -- mixtures of experts: a sparse layer's tensors -> the model's stacked experts and router.
+# Checkpoints ship experts one tensor per expert and projection (Qwen3-MoE's
+# mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's block_sparse_moe.experts.{e}.w1 /
+# w3 / w2), or, saved by transformers 5 without its conversion reversed, already stacked
+# (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]). Either way the model
+# gets, per layer: experts.gate_up_proj.weight [E, 2I, H] (rows [gate | up] per expert),
+# experts.down_proj.weight [E, H, I], and router.weight [E, H] (its source dtype: the router runs
+# in fp32); from an FP8 checkpoint each weight's _scale [E, rows]. gpt-oss ships its own stacked
+# layouts, with biases (quant/gpt_oss.py).
+# Each family's names under model.layers.{i}.: (the MoE block, router, per-expert gate, up, down).
+EXPERT_NAMES = {
+    "qwen3_moe": [("mlp.", "gate", "gate_proj", "up_proj", "down_proj")],
+    "mixtral": [("block_sparse_moe.", "gate", "w1", "w3", "w2"), ("mlp.", "gate", "w1", "w3", "w2")],
+}
+
+
+def _stack(sd, names: list[list[str]], path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """names[e]: expert e's weights, concatenated along their rows; -> ([E, rows, in], scales)."""
+    try:
+        per_expert = [[sd[n] for n in ns] for ns in names]
+    except KeyError as e:
+        raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
+    w = torch.stack([torch.cat(ws, dim=0) for ws in per_expert])
+    if w.dtype != FP8:
+        return w, None
+    scales = [torch.cat([_row_scale(sd, n.removesuffix(".weight"), t.shape[0]) for n, t in zip(ns, ws)])
+              for ns, ws in zip(names, per_expert)]
+    return w, torch.stack(scales)
+
+
+def _prefix(sd, cfg: ModelConfig, layer: str, path) -> tuple[str, str, str, str, str]:
+    for names in EXPERT_NAMES[cfg.arch]:
+        if layer + names[0] + names[1] + ".weight" in sd:
+            return names
+    block, gate = EXPERT_NAMES[cfg.arch][0][:2]
+    raise ModelLoadError(path, f"missing tensor {layer}{block}{gate}.weight (layer {layer.split('.')[2]}'s router)")
+
+
+def fuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict, path) -> None:
+    """Layer i's experts and router into out (the model's names)."""
+    layer, q = f"model.layers.{i}.", f"layers.{i}."
+    if cfg.arch == "gpt_oss":
+        tensors = gpt_oss_experts(sd, layer + "mlp.", path)
+    else:
+        tensors = _stacked_experts(sd, cfg, layer, path)
+    E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    want = {"experts.gate_up_proj.weight": (E, 2 * inter, H), "experts.down_proj.weight": (E, H, inter),
+            "router.weight": (E, H), "experts.gate_up_proj.bias": (E, 2 * inter), "experts.down_proj.bias": (E, H),
+            "router.bias": (E,)}
+    for name, t in tensors.items():
+        if name in want and tuple(t.shape) != want[name]:
+            raise ModelLoadError(path, f"layer {i}'s {name} is {tuple(t.shape)}; the config makes it {want[name]}")
+        out[q + name] = t
+
+
+def _stacked_experts(sd, cfg: ModelConfig, layer: str, path) -> dict[str, torch.Tensor]:
+    block, gate, g, u, d = _prefix(sd, cfg, layer, path)
+    m = layer + block
+    if m + gate + ".bias" in sd:
+        raise ModelLoadError(path, f"tensor {m}{gate}.bias: {cfg.arch}'s router has no bias")
+    stacked = m + "experts.gate_up_proj"
+    out = {"router.weight": sd[m + gate + ".weight"]}
+    if stacked in sd:  # transformers 5's own layout
+        gate_up, down = sd[stacked], sd.get(m + "experts.down_proj")
+        if down is None:
+            raise ModelLoadError(path, f"missing tensor {m}experts.down_proj")
+        if FP8 in (gate_up.dtype, down.dtype):
+            raise ModelLoadError(path, f"tensor {stacked}: stacked FP8 experts, whose scales ridge does not know")
+        return {**out, "experts.gate_up_proj.weight": gate_up, "experts.down_proj.weight": down}
+    E = cfg.num_experts
+    if f"{m}experts.{E}.{g}.weight" in sd:
+        raise ModelLoadError(path, f"tensor {m}experts.{E}.{g}.weight: more experts than num_experts={E}")
+    e_ = [f"{m}experts.{e}." for e in range(E)]
+    for name, names in (("gate_up_proj", [[p + g + ".weight", p + u + ".weight"] for p in e_]),
+                        ("down_proj", [[p + d + ".weight"] for p in e_])):
+        w, s = _stack(sd, names, path)
+        out[f"experts.{name}.weight"] = w
+        if s is not None:
+            out[f"experts.{name}.weight_scale"] = s
     return out

@@ -19,9 +19,11 @@ import math
 import numpy as np
 
 from .errors import ModelLoadError
+from .gguf_moe import MOE_KEYS
 
 FAMILY_GGUF = ("phi3", "olmo2", "granite")
-PERMUTED_QK = ("llama", "granite")  # llama.cpp's NORM rope: the converter interleaves Q and K rows
+# llama.cpp's NORM rope: the converter interleaves Q and K rows (ModelConfig.arch; Mixtral is written as llama)
+PERMUTED_QK = ("llama", "granite", "mixtral")
 _BIASES = {"attn_output.bias": "self_attn.o_proj.bias", "ffn_gate.bias": "mlp.gate_proj.bias",
            "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias"}
 LAYER_NAMES = {  # per architecture, over llama's names
@@ -41,6 +43,7 @@ KNOWN_KEYS = {
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
     "olmo2": {"rope.scaling.attn_factor"},
     "granite": {"attention.scale", "embedding_scale", "residual_scale", "logit_scale"},
+    **MOE_KEYS,  # quant/gguf_moe.py's: llama's experts (Mixtral) and qwen3moe's
     # quant/gguf_gemma.py's
     "gemma2": {"attention.sliding_window", "attention.sliding_window_pattern", "attn_logit_softcapping",
                "final_logit_softcapping"},

@@ -1,5 +1,5 @@
 """GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py; phi3, olmo2 and
-granite in quant/gguf_families.py) -> ModelConfig
+granite in quant/gguf_families.py; qwen3moe and Mixtral in quant/gguf_moe.py) -> ModelConfig
 + a Hugging Face-named fp32 state dict.
 
 Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
@@ -16,6 +16,7 @@ from .errors import ModelLoadError
 from .gguf_families import (CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, check_keys,
                             family_fields)
 from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
+from .gguf_moe import expert_tensors, moe_arch, moe_fields
 from .progress import progress
 
 _LAYER_NAMES = {
@@ -70,7 +71,7 @@ def _field(reader, key, default=None):
 
 
 # general.architecture values this reader knows (llama.cpp writes Mistral as llama).
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", *GEMMA_GGUF, *FAMILY_GGUF)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", *GEMMA_GGUF, *FAMILY_GGUF)
 
 
 def read_config(reader, path) -> ModelConfig:
@@ -91,7 +92,7 @@ def read_config(reader, path) -> ModelConfig:
         scaling = {"rope_type": a("rope.scaling.type"), "factor": a("rope.scaling.factor", 1.0),
                    "original_max_position_embeddings": a("rope.scaling.original_context_length", 4096)}
     kw = dict(
-        arch=arch, vocab_size=int(vocab), hidden_size=int(hidden),
+        arch=moe_arch(arch, a), vocab_size=int(vocab), hidden_size=int(hidden),
         intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
         num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv", heads)),
         head_dim=int(a("attention.key_length", hidden // heads)),
@@ -106,6 +107,8 @@ def read_config(reader, path) -> ModelConfig:
         kw.update(gemma_fields(arch, a, kw, names, path))
     if arch in FAMILY_GGUF:
         kw.update(family_fields(arch, a, kw, names, reader, path))
+    if kw["arch"] in ("qwen3_moe", "mixtral"):
+        kw.update(moe_fields(kw["arch"], a, kw, names, path))
     check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
     return ModelConfig(**kw)
 
@@ -141,6 +144,10 @@ def load_gguf(path, show_progress: bool = True):
             freq_factors = w
             continue
         if t.name in CONFIG_TENSORS:
+            continue
+        experts = expert_tensors(t.name, w, cfg.arch)
+        if experts is not None:
+            sd.update(experts)
             continue
         name = hf_name(t.name, cfg.arch)
         if name is None:  # a tensor the model would not use: the file is a variant ridge does not know

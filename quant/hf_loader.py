@@ -34,19 +34,22 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(cfg_file, f"unsupported model_type {kind!r}; ridge runs {', '.join(FAMILIES)}")
     family = FAMILIES[kind]
     view = HFConfig(c, cfg_file, family.defaults)
-    _check_quantization(view)
+    _check_quantization(view, kind)
     kw = family.model_config_kwargs(view)
     kw["name"] = path.name
     return ModelConfig(**kw)
 
 
-def _check_quantization(c) -> None:
-    """ridge reads FP8 e4m3 checkpoints with one weight_scale per tensor or per output channel;
-    any other quantization_config would be misread."""
+def _check_quantization(c, kind: str) -> None:
+    """ridge reads FP8 e4m3 checkpoints with one weight_scale per tensor or per output channel,
+    and gpt-oss's MXFP4 experts (dequantized at load: quant/gpt_oss.py); any other
+    quantization_config would be misread."""
     q = c.get("quantization_config")
     if q is None:
         return
     method = q.get("quant_method") if isinstance(q, dict) else q
+    if kind == "gpt_oss" and method == "mxfp4":
+        return
     if not isinstance(q, dict) or method not in ("fp8", "compressed-tensors"):
         c.refuse("quantization_config.quant_method", method, "ridge reads FP8 checkpoints (fp8, compressed-tensors)")
     if q.get("weight_block_size") is not None:

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "gemma2", "gemma3_text",
+                   "qwen3_moe", "mixtral", "gpt_oss")
+# How a mixture-of-experts router turns its logits into the k experts' weights: softmax over
+# all experts then the top k (renormalised over them where norm_topk_prob: qwen3_moe, mixtral),
+# or the top k logits then a softmax over those (gpt-oss).
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(slots=True)
@@ -45,6 +50,23 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
     rope_local_scaling: dict | None = None
+    # Mixture of experts (ridge/models/moe.py): with num_experts > 0 the layers in moe_layers
+    # (None: every layer) replace the dense MLP by a router over num_experts experts, each a
+    # gated MLP of moe_intermediate_size, of which each token takes num_experts_per_tok;
+    # intermediate_size stays the dense layers' (qwen3_moe's mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_router: str = "softmax_topk"  # MOE_ROUTERS
+    norm_topk_prob: bool = False  # softmax_topk: the k weights divided by their sum
+    moe_layers: list[int] | None = None
+    moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
+    # The experts' activation (kernels/moe.py ACTIVATIONS); None: hidden_act. gpt-oss's
+    # "swigluoai" clamps at swiglu_limit and gates with sigmoid(swiglu_alpha * gate).
+    moe_act: str | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -54,6 +76,12 @@ class ModelConfig:
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group evenly over KV heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head_dim"
         assert self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)
+        assert not self.num_experts or (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size
+                                        and self.moe_router in MOE_ROUTERS), "an MoE needs k <= E experts and a router"
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, None where it attends to the whole context."""
@@ -93,11 +121,15 @@ class ModelConfig:
         """The numbers `ridge plan` needs. The parameter count leaves out norms and biases."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        moe = sum(map(self.is_moe_layer, range(self.num_layers)))
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None)
+        mlps = (self.num_layers - moe) * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
-                          self.num_layers * (attn + mlp) + embeddings,
-                          self.sliding_window if sliding else None, sliding)
+                          self.num_layers * attn + mlps + embeddings, self.sliding_window if sliding else None,
+                          sliding, self.num_experts if moe else 0, self.num_experts_per_tok if moe else 0,
+                          expert if moe else 0, moe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +151,33 @@ class ModelShape:
     num_params: int | None = None
     sliding_window: int | None = None
     sliding_layers: int = 0
+    # A mixture of experts: moe_layers of the layers route each token to experts_per_tok of
+    # num_experts experts of expert_params parameters each (num_params counts them all).
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    expert_params: int = 0
+    moe_layers: int = 0
+
+    @property
+    def num_active_params(self) -> int | None:
+        """The parameters one token's forward pass reads: every expert it is not routed to left out."""
+        if self.num_params is None:
+            return None
+        return self.num_params - self.moe_layers * (self.num_experts - self.experts_per_tok) * self.expert_params
+
+    def experts_touched(self, batch: int) -> float:
+        """The expected number of distinct experts a step of `batch` tokens reads per MoE layer,
+        each token taking k of the E uniformly at random: E * (1 - (1 - k/E)^batch)."""
+        E, k = self.num_experts, self.experts_per_tok
+        return E * (1 - (1 - k / E) ** batch) if E else 0.0
+
+    def params_read(self, batch: int) -> float | None:
+        """The parameters a decode step of `batch` tokens reads: every dense one once, and per
+        MoE layer each expert that some token routes to (the expected count)."""
+        if self.num_params is None:
+            return None
+        unrouted = self.num_params - self.moe_layers * self.num_experts * self.expert_params
+        return unrouted + self.moe_layers * self.experts_touched(batch) * self.expert_params
 
 
 def draft_table_mismatch(target: ModelConfig, draft: ModelConfig) -> str | None:

@@ -135,6 +135,45 @@ def token_budget_knee(ridge_point: float, bytes_per_weight: float) -> float:
     return ridge_point * bytes_per_weight / 2
 
 
+def moe_token_budget_knee(shape: ModelShape, ridge_point: float, bytes_per_weight: float) -> float:
+    """T* for a mixture of experts: a step of T tokens does 2*T*P_active FLOPs but reads only the
+    experts its tokens route to (ModelShape.params_read), so its intensity 2*T*P_active /
+    (params_read(T) * b) grows faster than a dense model's at small T and reaches the ridge
+    point later: where it does, found by bisection (params_read tends to every parameter, so it
+    does). For a dense shape this is token_budget_knee."""
+    active = shape.num_active_params
+
+    def intensity(t: float) -> float:
+        return 2 * t * active / (shape.params_read(t) * bytes_per_weight)
+
+    lo, hi = 0.0, 1.0
+    while intensity(hi) < ridge_point:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if intensity(mid) < ridge_point else (lo, mid)
+    return hi
+
+
+@dataclass
+class MoERow:
+    """What a decode step reads from a mixture of experts' weights, at batch 1 and at `batch`."""
+    total_params: int
+    active_params: int
+    batch: int
+    experts_touched: float  # per MoE layer, at `batch` (E * (1 - (1 - k/E)^batch))
+    bytes_per_token_1: float  # weight bytes a one-token step reads
+    bytes_per_token_batch: float  # a `batch`-token step's weight bytes, per token
+
+
+def moe_row(m: ModelShape, weights: str, batch: int) -> MoERow | None:
+    if not m.num_experts or m.num_params is None:
+        return None
+    b = WEIGHT_BYTES[weights]
+    return MoERow(m.num_params, m.num_active_params, batch, m.experts_touched(batch), m.params_read(1) * b,
+                  m.params_read(batch) * b / batch)
+
+
 @dataclass
 class KVRow:
     dtype: str
@@ -162,6 +201,7 @@ class Plan:
     notes: list[str]
     weights: str  # what the weights are held in (WEIGHT_BYTES)
     block_size: int  # the KV block (`--block-size`), the unit a sliding layer holds its window in
+    moe: MoERow | None = None  # a mixture of experts' weight reads per decode token
 
 
 def _kv_budget(memory: float | None, weight_bytes: float | None) -> tuple[float | None, list[str]]:
@@ -190,22 +230,28 @@ def _kv_rows(m: ModelShape, kv_memory: float | None, context_len: int, block_siz
     return rows
 
 
-def _ridge_and_knees(spec: GPUSpec) -> tuple[dict[str, float], dict[str, float]]:
+def _ridge_and_knees(spec: GPUSpec, shape: ModelShape) -> tuple[dict[str, float], dict[str, float]]:
+    moe = shape.num_experts and shape.num_params is not None
+
+    def knee(r: float, b: float) -> float:
+        return moe_token_budget_knee(shape, r, b) if moe else token_budget_knee(r, b)
+
     ridge = {"bf16": spec.ridge_point("bf16")}
-    knees = {"bf16 weights, bf16 math": token_budget_knee(ridge["bf16"], 2)}
+    knees = {"bf16 weights, bf16 math": knee(ridge["bf16"], 2)}
     if spec.fp8_tflops is not None:
         ridge["fp8"] = spec.ridge_point("fp8")
-        knees["fp8 weights, fp8 math"] = token_budget_knee(ridge["fp8"], 1)
+        knees["fp8 weights, fp8 math"] = knee(ridge["fp8"], 1)
     else:  # weight-only FP8: half the bytes, but the math still runs at the bf16 rate
-        knees["fp8 weights, bf16 math"] = token_budget_knee(ridge["bf16"], 1)
+        knees["fp8 weights, bf16 math"] = knee(ridge["bf16"], 1)
     return ridge, knees
 
 
 def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
               gpu: GPUSpec | str | None = None, context_len: int = 4096,
-              weight_bytes: float | None = None, *, weights: str, block_size: int) -> Plan:
+              weight_bytes: float | None = None, *, weights: str, block_size: int, batch: int = 16) -> Plan:
     """weights: what `--weights` holds (WEIGHT_BYTES), which sizes the weights from the parameter
-    count unless weight_bytes gives their size; block_size: the engine's KV block."""
+    count unless weight_bytes gives their size; block_size: the engine's KV block; batch: the
+    decode batch a mixture of experts' weight reads are counted at (beside batch 1)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if memory_gib is None and spec is not None:
         memory_gib = spec.memory_gib
@@ -213,7 +259,7 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
     if weight_bytes is None and model_shape.num_params is not None:
         weight_bytes = float(model_shape.num_params * WEIGHT_BYTES[weights])
     kv_memory, notes = _kv_budget(memory, weight_bytes)
-    ridge, knees = _ridge_and_knees(spec) if spec else ({}, {})
+    ridge, knees = _ridge_and_knees(spec, model_shape) if spec else ({}, {})
     rows = _kv_rows(model_shape, kv_memory, context_len, block_size)
     m = model_shape
     if m.sliding_layers:
@@ -221,7 +267,7 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
         notes.append(f"{m.sliding_layers} sliding layers (window {m.sliding_window}) hold {held} tokens of KV each "
                      f"at context {context_len}: min(window + block, context); bytes/token counts every layer")
     return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes, weights,
-                block_size)
+                block_size, moe_row(m, weights, batch))
 
 
 def format_plan(plan: Plan) -> str:
@@ -236,6 +282,12 @@ def format_plan(plan: Plan) -> str:
         w = f"{plan.weight_bytes / GIB:.1f}" if plan.weight_bytes is not None else "?"
         kv = max(plan.kv_memory_bytes, 0) / GIB
         out.append(f"memory {plan.memory_bytes / GIB:.1f} GiB - {plan.weights} weights {w} GiB = KV {kv:.1f} GiB")
+    if e := plan.moe:
+        out.append(f"moe   {m.num_experts} experts, {m.experts_per_tok} a token, in {m.moe_layers} layers: "
+                   f"{e.total_params / 1e9:.2f}B params, {e.active_params / 1e9:.2f}B active a token")
+        out.append(f"      {plan.weights} weights read per decode token: batch 1 {e.bytes_per_token_1 / GIB:.3f} GiB; "
+                   f"batch {e.batch} {e.bytes_per_token_batch / GIB:.3f} GiB ({e.experts_touched:.1f} of "
+                   f"{m.num_experts} experts a layer touched)")
     out.append("")
     reqs_at = f"reqs @{plan.context_len}"
     out.append(f"{'KV dtype':<10} {'bytes/token':>12} {'KiB/token':>10} {'tokens fit':>12} {reqs_at:>11}")
@@ -281,6 +333,11 @@ def add_plan_parser(subparsers, read_model_shape, weights: Option, block_size: O
     p.add_argument("--params", type=_count, help="parameter count, e.g. 70e9 or 70B")
     p.add_argument("--sliding-window", type=int, help="the sliding layers' window (with --sliding-layers)")
     p.add_argument("--sliding-layers", type=int, help="how many of the layers slide over --sliding-window")
+    p.add_argument("--experts", type=int, help="a mixture of experts: experts per MoE layer")
+    p.add_argument("--experts-per-tok", type=int, help="the experts each token is routed to (with --experts)")
+    p.add_argument("--expert-params", type=_count, help="one expert's parameters (with --experts)")
+    p.add_argument("--moe-layers", type=int, help="how many layers are MoE (default: every layer, with --experts)")
+    p.add_argument("--batch", type=int, default=16, help="the decode batch a mixture of experts' reads are counted at")
     p.add_argument("--gpu", help="a name from --list-gpus, or 'local' for CUDA device 0")
     p.add_argument("--memory-gib", type=float)
     p.add_argument("--context", type=int, default=4096)
@@ -305,6 +362,23 @@ def _shape_from_args(args) -> ModelShape:
     shape = replace(shape, **{k: v for k, v in overrides.items() if v is not None})
     if shape.sliding_layers and (shape.sliding_window is None or shape.sliding_layers > shape.num_layers):
         raise ValueError("--sliding-layers needs --sliding-window, and at most --layers of them")
+    return _moe_from_args(shape, args)
+
+
+def _moe_from_args(shape: ModelShape, args) -> ModelShape:
+    moe = {"num_experts": args.experts, "experts_per_tok": args.experts_per_tok, "expert_params": args.expert_params,
+           "moe_layers": args.moe_layers}
+    shape = replace(shape, **{k: v for k, v in moe.items() if v is not None})
+    if args.experts and not args.moe_layers and not shape.moe_layers:
+        shape = replace(shape, moe_layers=shape.num_layers)
+    if shape.num_experts and not (0 < shape.experts_per_tok <= shape.num_experts and shape.expert_params
+                                  and 0 < shape.moe_layers <= shape.num_layers):
+        raise ValueError("a mixture of experts needs --experts-per-tok (at most --experts), --expert-params and at "
+                         "most --layers MoE layers")
+    if shape.num_experts and shape.num_params is not None and shape.num_active_params <= 0:
+        raise ValueError("--params must count every expert's parameters")
+    if args.batch < 1:
+        raise ValueError("--batch must be at least 1")
     return shape
 
 
@@ -327,5 +401,5 @@ def run_plan(args) -> int:
         print(f"ridge plan: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context, weights=args.weights,
-                                block_size=args.block_size)))
+                                block_size=args.block_size, batch=args.batch)))
     return 0

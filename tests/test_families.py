@@ -67,9 +67,10 @@ GGUF_VARIANTS = ["phi3-partial-window20", "phi3-longrope-long", "olmo2", "olmo2-
 ENGINE_VARIANTS = ["mistral-window16", "qwen2-window20-from-layer1", "phi3-partial-window20", "olmo2", "granite"]
 
 
-def build_hf(tmp, model_type: str, fields: dict, seed: int = 0):
+def build_hf(tmp, model_type: str, fields: dict, seed: int = 0, edit=None):
     """-> (transformers model in fp32, its saved directory). Norm weights and biases drawn away
-    from their init (ones, zeros), so that a misplaced norm or a dropped bias shows."""
+    from their init (ones, zeros), so that a misplaced norm or a dropped bias shows; edit(model)
+    changes more before it is saved (tests/test_moe.py: the routers)."""
     config = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -79,6 +80,8 @@ def build_hf(tmp, model_type: str, fields: dict, seed: int = 0):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+        if edit is not None:
+            edit(model)
     path = tmp / model_type
     model.save_pretrained(path)
     write_tokenizer_files(path)
@@ -123,20 +126,39 @@ def with_ridge_weights(model, lm):
     cfg = lm.config
     with torch.no_grad():
         for ours, theirs in zip(lm.model.layers, hf.model.layers):
-            attn, mlp = theirs.self_attn, theirs.mlp
-            qkv, gate_up = ours.qkv_proj.weight.float(), ours.gate_up_proj.weight.float()
+            attn = theirs.self_attn
+            qkv = ours.qkv_proj.weight.float()
             if hasattr(attn, "qkv_proj"):  # phi3 ships them fused, as ridge keeps them
                 attn.qkv_proj.weight.copy_(qkv)
-                mlp.gate_up_proj.weight.copy_(gate_up)
             else:
                 for proj, w in zip((attn.q_proj, attn.k_proj, attn.v_proj),
                                    qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
                     proj.weight.copy_(w)
-                mlp.gate_proj.weight.copy_(gate_up[: cfg.intermediate_size])
-                mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
             attn.o_proj.weight.copy_(ours.o_proj.weight.float())
-            mlp.down_proj.weight.copy_(ours.down_proj.weight.float())
+            _copy_mlp(ours, theirs.mlp, cfg)
     return hf
+
+
+def _copy_mlp(ours, mlp, cfg) -> None:
+    """ridge's MLP weights into transformers': fused (phi3), gate and up, or a mixture of
+    experts' stacked experts (tests/test_moe.py), whose router stays as shipped."""
+    if hasattr(ours, "experts"):
+        gate_up, down = ours.experts.w_gate_up.float(), ours.experts.w_down.float()  # [E, 2I, H], [E, H, I]
+        if hasattr(mlp, "router"):  # gpt-oss: [E, H, 2I] with gate and up interleaved, [E, I, H]
+            gate, up = gate_up.transpose(1, 2).chunk(2, dim=-1)
+            gate_up, down = torch.stack((gate, up), dim=-1).flatten(-2), down.transpose(1, 2)
+        mlp.experts.gate_up_proj.copy_(gate_up)
+        mlp.experts.down_proj.copy_(down)
+        router = mlp.router if hasattr(mlp, "router") else mlp.gate
+        assert torch.equal(router.weight, ours.router.weight), "the router stays as shipped"
+        return
+    gate_up = ours.gate_up_proj.weight.float()
+    if hasattr(mlp, "gate_up_proj"):
+        mlp.gate_up_proj.weight.copy_(gate_up)
+    else:
+        mlp.gate_proj.weight.copy_(gate_up[: cfg.intermediate_size])
+        mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
+    mlp.down_proj.weight.copy_(ours.down_proj.weight.float())
 
 
 @pytest.mark.parametrize("name", GGUF_VARIANTS)
@@ -182,8 +204,11 @@ def test_greedy_through_the_engine(variants, name, weights, chunk):
     FP8: against transformers on ridge's e4m3 weights."""
     name, model, path, ids, _ = variants(name)
     lm = load_model(path, device="cpu", weights=weights, use_cache=False, show_progress=False)
-    if weights == "fp8":
-        model = with_ridge_weights(model, lm)
+    check_greedy_through_engine(lm, with_ridge_weights(model, lm) if weights == "fp8" else model, ids, chunk)
+
+
+def check_greedy_through_engine(lm, model, ids: list[int], chunk: int) -> None:
+    """ridge's engine (lm) against transformers (model) on two requests of the prompt ids."""
     first, second = ids[:50], ids[:32] + ids[60:78]
     eng = make_engine(lm, prefill_chunk=chunk, max_num_seqs=2)
     got, cached = {}, {}
@@ -202,7 +227,9 @@ def test_greedy_through_the_engine(variants, name, weights, chunk):
 # -- config fidelity ---------------------------------------------------------------------------
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig",
-                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+                  "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+                  "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+                  "gpt_oss": "GptOssConfig"}  # the last three: tests/test_moe.py
 
 
 @pytest.mark.parametrize("model_type", list(CONFIG_CLASSES))
@@ -248,7 +275,7 @@ REFUSED = [  # (model_type, fields, what the message names)
     ("llama", dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config.quant_method='gptq'"),
     ("llama", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "quantization_config.weight_block_size"),
-    ("mixtral", {}, "unsupported model_type 'mixtral'"),
+    ("dbrx", {}, "unsupported model_type 'dbrx'"),
 ]
 
 
@@ -296,7 +323,7 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,named", [
-    ("llama.expert_count", 8, "llama.expert_count"),
+    ("llama.expert_shared_count", 1, "llama.expert_shared_count"),
     ("llama.rope.dimension_count", 8, "llama.rope.dimension_count=8"),
     ("olmo2.attention.sliding_window", 16, "olmo2.attention.sliding_window=16"),
     ("gemma2.expert_count", 8, "gemma2.expert_count"),

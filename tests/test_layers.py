@@ -163,6 +163,7 @@ KERNEL_ENTRIES = {
     "ridge.kernels.native": {"start_build"},  # the C kernels start compiling with the engine
     "ridge.kernels.cpu_linear": {"CpuLinear", "pack_fp8"},  # a layer's CPU weight, its e4m3 bytes packed at load
     "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens"},  # the start-up measurement, and its result
+    "ridge.kernels.moe": {"CpuExperts"},  # a mixture of experts' CpuLinear per expert product, held as FP8Linear's
 }
 
 
@@ -347,6 +348,9 @@ SEAMS = {
         "Constraints",
         "parse_response_format",  # SamplingParams checks a response_format's shape when it is built
         "GrammarCompiler",  # the daemon's validator compiles with the engine's compiler (engine.grammars)
+        # the daemon's chat grammar (daemon/chat_grammar.py) writes JSON as structured output does and
+        # embeds a response_format after the thinking
+        "JSON_WHITESPACE", "named_grammars",
     },
 }
 

@@ -101,7 +101,7 @@ _FAMILY_GGUF_NAMES = {
     "olmo2": {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }
-_PERMUTED = ("llama", "granite")  # the converter interleaves Q and K rows for llama.cpp's NORM rope
+_PERMUTED = ("llama", "granite", "mixtral")  # the converter interleaves Q and K rows for llama.cpp's NORM rope
 
 
 # Gemma's four norms a layer, as llama.cpp's converter names them.
@@ -109,6 +109,32 @@ _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_att
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GEMMA = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # ModelConfig.arch -> general.architecture
+_GGUF_ARCH = {**_GEMMA, "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # llama.cpp writes Mixtral as llama
+
+
+def _moe_metadata(w, cfg: ModelConfig) -> None:
+    """What llama.cpp's converter writes for the experts (Qwen2MoeModel, LlamaModel for Mixtral)."""
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def _moe_gguf_tensors(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    and router (mlp.gate) as the converter stacks them: blk.N.ffn_{gate,up,down}_exps and
+    ffn_gate_inp. Removes them from sd."""
+    out = {}
+    for i in range(cfg.num_layers):
+        m = f"model.layers.{i}.mlp."
+        if m + "experts.gate_up_proj" not in sd:
+            continue
+        gate, up = sd.pop(m + "experts.gate_up_proj").chunk(2, dim=1)
+        out.update({f"blk.{i}.ffn_gate_exps.weight": gate, f"blk.{i}.ffn_up_exps.weight": up,
+                    f"blk.{i}.ffn_down_exps.weight": sd.pop(m + "experts.down_proj"),
+                    f"blk.{i}.ffn_gate_inp.weight": sd.pop(m + "gate.weight")})
+    return out
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
@@ -164,7 +190,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     from gguf.quants import quantize
 
     qt = gguf.GGMLQuantizationType[qtype]
-    w = gguf.GGUFWriter(str(path), _GEMMA.get(cfg.arch, cfg.arch))
+    w = gguf.GGUFWriter(str(path), _GGUF_ARCH.get(cfg.arch, cfg.arch))
     w.add_name(cfg.name)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -180,6 +206,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     if cfg.arch in _GEMMA:
         _gemma_metadata(w, cfg)
     _family_metadata(w, cfg)
+    _moe_metadata(w, cfg)
     if tokenizer:
         tokens, types, merges = tiny_vocab()
         w.add_tokenizer_model("gpt2")
@@ -191,6 +218,9 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
         w.add_chat_template(CHATML)
+    sd = dict(sd)
+    for name, t in _moe_gguf_tensors(cfg, sd).items():
+        w.add_tensor(name, t.float().contiguous().numpy())
     for name, t in sd.items():
         t = t.float()
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -12,6 +12,7 @@
     ridge bench hashing    block identity's cost: hashing and hit checks per prompt and per decode step
     ridge bench contention throughput beside another CPU-heavy process, adaptive vs fixed threads
     ridge bench window     a sliding-window model's decode step at 1, 2 and 4 windows of context
+    ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -106,6 +107,7 @@ def add_bench_parser(subparsers) -> None:
     from .prefix import add_prefix_parser
     from .speculative import add_spec_parser
     from .structured import add_structured_parser
+    from .moe import add_moe_parser
     from .window import add_window_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
@@ -115,6 +117,7 @@ def add_bench_parser(subparsers) -> None:
     add_hashing_parser(sub, _common)
     add_contention_parser(sub, _common)
     add_window_parser(sub, _common)
+    add_moe_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -344,6 +347,11 @@ def run_bench(args) -> int:
     if name == "window":
         from .window import run_window
         run_window(args, rep)
+        _write_json(rep, args)
+        return 0
+    if name == "moe":
+        from .moe import run_moe
+        run_moe(args, rep)
         _write_json(rep, args)
         return 0
     if name == "structured":

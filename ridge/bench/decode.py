@@ -158,6 +158,23 @@ def _breakdown(fx: DecodeFixture, steps: int) -> dict:
     return bd.per_step_ms()
 
 
+def interleaved_steps(fixtures: dict, steps: int, retries: int, warm: int) -> tuple[dict, float, int]:
+    """fixtures: name -> a DecodeFixture. `warm` untimed steps each, then `steps` timed, one step
+    of each fixture in turn so that drifting machine load hits all alike; -> (name -> step
+    seconds, cpu util, attempts), rerun while another process took the cores (_uncontended)."""
+    for _ in range(warm):
+        for fx in fixtures.values():
+            fx.step()
+
+    def timed():
+        times = {name: [] for name in fixtures}
+        for _ in range(steps):
+            for name, fx in fixtures.items():
+                times[name].append(fx.step())
+        return times
+    return _uncontended(timed, retries)
+
+
 def run_kv_dtypes(engines: dict, batch: int, context: int, steps: int, profile_steps: int = 3,
                   retries: int = 2) -> dict:
     """W1-like decode step time per KV dtype; engines: dtype -> engine (same weights).
@@ -166,16 +183,7 @@ def run_kv_dtypes(engines: dict, batch: int, context: int, steps: int, profile_s
                                   max_tokens=steps * (1 + retries) + 2 * profile_steps + 40)
                 for dt, e in engines.items()}
     try:
-        for fx in fixtures.values():
-            fx.step()
-
-        def timed():
-            times = {dt: [] for dt in fixtures}
-            for _ in range(steps):
-                for dt, fx in fixtures.items():
-                    times[dt].append(fx.step())
-            return times
-        times, util, tries = _uncontended(timed, retries)
+        times, util, tries = interleaved_steps(fixtures, steps, retries, warm=1)
         out = {}
         for dt, fx in fixtures.items():
             bd, _, _ = _uncontended(lambda: _breakdown(fx, profile_steps), retries)

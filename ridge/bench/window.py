@@ -45,7 +45,6 @@ def write_model(path: Path, pattern: str, window: int, layers: int, vocab: int, 
     a byte-level tokenizer with a ChatML template."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     if pattern not in PATTERNS:
         raise ValueError(f"--patterns {pattern!r}: choose from {', '.join(PATTERNS)}")
@@ -55,6 +54,15 @@ def write_model(path: Path, pattern: str, window: int, layers: int, vocab: int, 
                                             max_position_embeddings=max_position, **GEMMA3_270M)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(path))
+    write_byte_tokenizer(path)
+    return path
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (the 256 bytes and ChatML's three specials, no merges) with a ChatML
+    template, as tokenizer.json and tokenizer_config.json: enough for a random model's prompts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + sorted(alphabet))}, merges=[]))
@@ -64,7 +72,6 @@ def write_model(path: Path, pattern: str, window: int, layers: int, vocab: int, 
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": _CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
-    return path
 
 
 def run_contexts(engines: dict, batch: int, steps: int, retries: int) -> list[dict]:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from ridge.kernels import cpu_linear_plan
 from ridge.kernels.cpu_linear import CpuLinear
+from ridge.quant.experts import FP8Experts
 from ridge.quant.linear import FP8Linear
 
 
 def cpu_layers(model) -> list[CpuLinear]:
-    """Every linear layer's CPU weight, the tied head's too (its weight is the embedding's)."""
-    return [m.cpu_weights() for m in model.modules() if isinstance(m, FP8Linear) and m.weight.numel()]
+    """Every linear layer's CPU weight, the tied head's too (its weight is the embedding's), and
+    each expert's two products in a mixture of experts (an expert's product sees the rows routed
+    to it, so its formats are chosen by row count as a dense layer's are by step size)."""
+    return [m.cpu_weights() for m in model.modules() if isinstance(m, FP8Linear) and m.weight.numel()] + \
+        [c for m in model.modules() if isinstance(m, FP8Experts) for c in m.cpu_weights()]
 
 
 def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: int = 64,

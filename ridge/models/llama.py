@@ -51,6 +51,7 @@ class DecoderLayer(nn.Module):
         self.window = cfg.layer_window(index)  # None: the layer attends to the whole context
         self.kv_group = cfg.kv_group_of(index)  # whose block table and slots it uses (meta.group)
         self.softcap = None  # the attention scores' soft-cap (Gemma 2)
+        self.sinks = None  # [num_heads] fp32: a logit per head in the softmax's denominator (gpt-oss)
 
     def attention(self, h, positions, cos_sin, meta, kv):
         cfg = self.cfg
@@ -64,8 +65,9 @@ class DecoderLayer(nn.Module):
         q, k = ops.rope(q, k, positions, cos_sin, meta)
         gm = meta.group(self.kv_group) if self.kv_group else meta
         ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, gm.slot_mapping, gm)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, gm, self.scale,
-                                window=self.window, softcap=self.softcap)
+                                window=self.window, softcap=self.softcap, **sinks)
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
 
     def norm_qk(self, q, k):

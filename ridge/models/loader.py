@@ -12,6 +12,7 @@ from ridge.kernels import ops
 from ridge.plan import WEIGHT_BYTES
 from ridge.quant.convert import convert
 from ridge.quant.errors import ModelLoadError
+from ridge.quant.experts import FP8Experts
 from ridge.quant.fp8 import FP8
 from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
@@ -81,5 +82,7 @@ def _round_to_bf16(model) -> None:
     for m in model.modules():
         if isinstance(m, FP8Linear):
             tensors += [t for t in (m.weight, m.bias) if t is not None]
+        elif isinstance(m, FP8Experts):
+            tensors += [t for t in (m.w_gate_up, m.w_down, m.b_gate_up, m.b_down) if t is not None]
     for t in {t.data_ptr(): t for t in tensors}.values():  # a tied head is the embedding
         t.copy_(t.to(torch.bfloat16))

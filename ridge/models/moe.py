@@ -1,0 +1,83 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, gpt-oss): llama's layer with its MLP
+replaced, in the layers ModelConfig.is_moe_layer names, by a router and stacked FP8 experts
+(gpt-oss: biases on the router and the experts, the clamped SwiGLU, and attention sinks).
+
+The router's logits are computed in fp32 from fp32 weights, whatever the activations' dtype,
+and each family's rule turns them into k experts and their weights (ModelConfig.moe_router).
+Ties among the logits go as torch.topk breaks them, which is what transformers runs. The
+experts run through ops.fused_moe (kernels/moe.py): grouped per expert on CPU, the grouped
+kernel on a GPU."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ridge.config import ModelConfig
+from ridge.kernels.timing import section
+from ridge.quant.experts import FP8Experts
+
+from .llama import CausalLM, DecoderLayer
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k, self.kind, self.norm = cfg.num_experts_per_tok, cfg.moe_router, cfg.norm_topk_prob
+        self.register_buffer("weight", torch.empty(0))  # [E, H] fp32
+        self.register_buffer("bias", None)  # [E] fp32 (gpt-oss)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        with section("router"):
+            logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
+            if self.kind == "softmax_topk":
+                weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.k, dim=-1)
+                if self.norm:
+                    weights /= weights.sum(dim=-1, keepdim=True)
+            else:  # topk_softmax
+                top, ids = torch.topk(logits, self.k, dim=-1)
+                weights = torch.softmax(top, dim=-1)
+            return ids, weights
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A sparse layer: attention as llama's, then router -> experts in place of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        super().__init__(cfg, index)
+        del self.gate_up_proj, self.down_proj  # the dense MLP's, which this layer has not
+        self.router = Router(cfg)
+        self.experts = FP8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  cfg.moe_act or cfg.hidden_act, cfg.moe_bias, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    def mlp(self, h):
+        ids, weights = self.router.forward(h)
+        return self.experts.forward(h, ids, weights)
+
+
+class MoeCausalLM(CausalLM):
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MoeDecoderLayer(cfg, index) if cfg.is_moe_layer(index) else DecoderLayer(cfg, index)
+
+    def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                     freq_factors: torch.Tensor | None = None) -> None:
+        super().load_weights(sd, device, dtype, freq_factors)
+        for i, layer in enumerate(self.layers):
+            if self.cfg.attention_sinks:
+                layer.sinks = sd[f"layers.{i}.sinks"].float().to(device)
+            if isinstance(layer, MoeDecoderLayer):
+                p = f"layers.{i}."
+                layer.router.weight = sd[p + "router.weight"].float().to(device)
+                if p + "router.bias" in sd:
+                    layer.router.bias = sd[p + "router.bias"].float().to(device)
+                layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")},
+                                   device, dtype)
+
+    def expert_modules(self) -> list[FP8Experts]:
+        return [m for m in self.modules() if isinstance(m, FP8Experts)]
+
+    def weight_bytes(self) -> int:
+        """The buffers (llama's count covers the stacked experts and routers) and the experts' CPU copies."""
+        copies = [t for m in self.expert_modules() for t in m.cpu_copies()]
+        return super().weight_bytes() + sum(t.numel() * t.element_size() for t in copies)
