@@ -30,26 +30,41 @@ def check_window_softcap(window: int | None, softcap: float | None) -> None:
         raise ValueError(f"paged_attention: softcap must be a positive finite number or None, got {softcap!r}")
 
 
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sinks (gpt-oss): None, or one float logit per query head on q's device."""
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point
+                              or sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(f"paged_attention: sinks must be a float tensor of shape ({q.shape[1]},) on {q.device} "
+                         f"or None, got {sinks if not isinstance(sinks, torch.Tensor) else (sinks.shape, sinks.dtype)}")
+
+
 def _first_key(pos: int, window: int | None) -> int:
     """The first key a query at position `pos` sees: transformers' sliding window keeps keys j
     with pos - window < j <= pos."""
     return 0 if window is None else max(0, pos - window + 1)
 
 
-def _attend(q, k, v, mask, scale, softcap=None):
-    # q: [B, H, Tq, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Tq, L] bool (True = attend)
-    if softcap is None:
+def _attend(q, k, v, mask, scale, softcap=None, sinks=None):
+    # q: [B, H, Tq, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Tq, L] bool (True = attend); sinks: [H]
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
-    # SDPA cannot cap the scores: they are formed here, in fp32 (Gemma 2's s = c * tanh(s / c),
-    # on the scaled scores, before the mask). Head h reads KV head h // group, as enable_gqa does.
+    # SDPA can neither cap the scores nor add a sink: they are formed here, in fp32 (Gemma 2's
+    # s = c * tanh(s / c), on the scaled scores, before the mask). Head h reads KV head h // group,
+    # as enable_gqa does.
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     qg = q.float().view(b, hkv, h // hkv, tq, d)
     s = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, Tq, L]
-    s = torch.tanh(s / softcap) * softcap
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), v.float().unsqueeze(2))  # [B, Hkv, G, Tq, D]
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:  # gpt-oss: the sink joins the softmax as one more logit (its max included) that carries no value
+        z = sinks.float().view(1, hkv, h // hkv, 1, 1).expand(b, -1, -1, tq, 1)
+        p = torch.softmax(torch.cat([s, z], dim=-1), dim=-1)[..., :-1]
+    o = torch.matmul(p, v.float().unsqueeze(2))  # [B, Hkv, G, Tq, D]
     return o.view(b, h, tq, d).to(q.dtype)
 
 
@@ -130,12 +145,13 @@ def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], blo
     return out
 
 
-def _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap=None) -> None:
+def _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap=None,
+                   sinks=None) -> None:
     for start, n, keys, blocks, mask in chunks:
         k = _gather(k_cache, k_scale, blocks, q.dtype, 1, keys)  # [1, Hkv, keys, D]
         v = _gather(v_cache, v_scale, blocks, q.dtype, 1, keys)
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale, softcap)[0].transpose(0, 1)
+        out[start:start + n] = _attend(qi, k, v, mask, softmax_scale, softcap, sinks)[0].transpose(0, 1)
 
 
 def _gather(cache, scale, blocks, dtype, rows: int, length: int):
@@ -153,12 +169,15 @@ def _gather(cache, scale, blocks, dtype, rows: int, length: int):
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                         meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. Query token j of a sequence with q_len n and
     context length L sits at position p = L - n + j and sees keys 0 .. p, or with a sliding
     window keys p - window < key <= p. softcap: scores s (scaled) become softcap * tanh(s / softcap)
-    before the mask (Gemma 2). All single-token queries (decodes) go through one batched call."""
+    before the mask (Gemma 2). sinks [H]: head h's softmax is over its scores and sinks[h], whose
+    share goes to no value (gpt-oss): out = sum_j e^s_j v_j / (sum_j e^s_j + e^sinks[h]).
+    All single-token queries (decodes) go through one batched call."""
     check_window_softcap(window, softcap)
+    check_sinks(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     assert k_cache.shape[-1] == head_dim and num_heads % k_cache.shape[2] == 0
@@ -170,13 +189,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _gather(k_cache, k_scale, blocks, q.dtype, rows, length)  # [Bd, Hkv, L, D]
         v = _gather(v_cache, v_scale, blocks, q.dtype, rows, length)
         qd = q if plan.all_decode else q[plan.decode_rows]
-        o = _attend(qd.unsqueeze(2), k, v, mask, softmax_scale, softcap).squeeze(2)  # [Bd, H, D]
+        o = _attend(qd.unsqueeze(2), k, v, mask, softmax_scale, softcap, sinks).squeeze(2)  # [Bd, H, D]
         if plan.all_decode:
             return o
     out = torch.empty_like(q)
     if decode is not None:
         out[plan.decode_rows] = o
-    _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap)
+    _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap, sinks)
     return out
 
 
@@ -194,7 +213,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # kernel merges the partial softmaxes. With a sliding window a program's KV loop
 # starts at the tile holding its first query's first key and loads nothing
 # before that key: a block wholly behind the window is never read (it may have
-# been freed and reused).
+# been freed and reused). Attention sinks enter once, after the last tile (or in
+# the merge), as one more key of score sinks[h] and value 0.
 
 from .triton_utils import (capability, cdiv, interpreting, jit, native_fp8, next_pow2, num_sms,  # noqa: E402
                            pick_config, tl)
@@ -251,14 +271,16 @@ def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @jit
 def _paged_attn_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_acc, part_m, part_l,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sinks_ptr, out_ptr, part_acc, part_m, part_l,
         block_table, seq_lens, query_start_loc, num_seqs, num_tokens, num_splits, qk_scale, window, softcap,
         stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+        SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr):
     # window: keys p - window < j <= p (the host passes a bound past any context for none);
-    # softcap: Gemma 2's cap times log2(e), as the scores here are in log2 units.
+    # softcap: Gemma 2's cap times log2(e), as the scores here are in log2 units. SINKS: a
+    # per-head logit joins the denominator (after the merge where the context is split).
     q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q)
     q_start = tl.load(query_start_loc + seq)
@@ -325,6 +347,8 @@ def _paged_attn_kernel(
     row = (q_start + tok).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # (token, head) in [T, H]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
+        if SINKS:
+            acc, l_i = _add_sink(acc, m_i, l_i, sinks_ptr, head, row_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows past a window see no key
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -335,9 +359,20 @@ def _paged_attn_kernel(
 
 
 @jit
-def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                         DIM_P: tl.constexpr, SPLITS_P: tl.constexpr):
-    # One (token, head) row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+def _add_sink(acc, m, l, sinks_ptr, head, ok):
+    # The sink as one more key of score z (log2 units) and value 0: the max moves to max(m, z),
+    # the denominator gains 2^(z - max). No key seen (m = -inf) leaves acc = 0.
+    z = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    top = tl.maximum(m, z)
+    alpha = tl.exp2(m - top)
+    return acc * alpha[:, None], l * alpha + tl.exp2(z - top)
+
+
+@jit
+def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, sinks_ptr, num_splits, num_heads,
+                         HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, SINKS: tl.constexpr):
+    # One (token, head) row: out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s [+ 2^(z - M)]),
+    # M the largest m_s (and sink z).
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS_P)
     s_ok = s < num_splits
@@ -345,10 +380,16 @@ def _merge_splits_kernel(part_acc, part_m, part_l, out_ptr, num_splits, HEAD_DIM
     m = tl.load(part_m + row * num_splits + s, mask=s_ok, other=float("-inf"))
     l = tl.load(part_l + row * num_splits + s, mask=s_ok, other=0.0)
     big = tl.max(m, axis=0)
+    if SINKS:
+        z = tl.load(sinks_ptr + row % num_heads).to(tl.float32) * 1.4426950408889634
+        big = tl.maximum(big, z)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - big))
     acc = tl.load(part_acc + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    denom = tl.sum(l * w, axis=0)
+    if SINKS:
+        denom += tl.exp2(z - big)
+    out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -376,7 +417,7 @@ def _num_splits(q: torch.Tensor, programs: int, max_seq_len: int) -> int:
     return max(1, min(cdiv(target, programs), max_seq_len // 512, 32))
 
 
-def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
+def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta, sinks):
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -390,6 +431,7 @@ def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
     assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
     assert meta.block_table.dtype == torch.int32 and meta.block_table.stride(-1) == 1
     assert meta.query_start_loc.shape == (meta.seq_lens.shape[0] + 1,)
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()), "sinks: contiguous fp32"
     for t in (k_cache, meta.block_table, meta.seq_lens, meta.query_start_loc):
         assert t.device == q.device, "all attention inputs on one device"
 
@@ -397,12 +439,14 @@ def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta):
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
-                           softcap: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None, *,
+                           num_splits: int | None = None) -> torch.Tensor:
     """Same contract as paged_attention_ref. Host lists (max query/seq length) only size
     the grid; lengths, offsets and blocks are read on the device. num_splits overrides
     the flash-decoding heuristic (tests)."""
     check_window_softcap(window, softcap)
-    _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta)
+    check_sinks(sinks, q)
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale, meta, sinks)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -414,6 +458,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     fp8_mode = 0 if not fp8 else (1 if native_fp8(q) else 2)
     kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8_mode == 2 else (k_cache, v_cache)
     ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused pointers still need a tensor
+    sk = q if sinks is None else sinks
     decode = meta.max_query_len <= 1
     cands = _attn_candidates(q, decode, head_dim, group)
     # The keys one query reads: its window at most, plus the chunk's other queries.
@@ -428,18 +473,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_q = cfg["BLOCK_M"] // group
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         _paged_attn_kernel[grid](
-            q, kc, vc, ks, vs, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
+            q, kc, vc, ks, vs, sk, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
             num_seqs, num_tokens, splits, softmax_scale * LOG2E, min(window or 1 << 30, 1 << 30),
             (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             num_kv_heads, group, head_dim, next_pow2(head_dim), cfg["BLOCK_M"], block_q, cfg["BLOCK_N"],
             k_cache.shape[1], splits > 1, fp8_mode, interpreting(q) or q.dtype == torch.float32, softcap is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            sinks is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1,
            softcap is not None)
     launch(pick_config("paged_attention", key, cands, q, launch))
     if splits > 1:
-        _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, splits, head_dim, next_pow2(head_dim),
-                                                        max(2, next_pow2(splits)))
+        _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, sk, splits, num_heads, head_dim,
+                                                        next_pow2(head_dim), max(2, next_pow2(splits)),
+                                                        sinks is not None)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .attention import _attend_chunks, _chunks, _starts, check_window_softcap
+from .attention import _attend_chunks, _chunks, _starts, check_sinks, check_window_softcap
 from .kv_cache import FP8, NATIVE_KV
 from .metadata import AttentionMetadata
 
@@ -21,12 +21,16 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 64
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
          v_scale: torch.Tensor | None, meta: AttentionMetadata, window: int | None = None,
-         softcap: float | None = None) -> bool:
+         softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
     """Whether the C kernel takes this call: the library built, fp32 queries, an fp32, bf16 or FP8
-    cache (FP8 with its fp16 scales), contiguous, and head shapes within its limits. Any window
-    and softcap: the kernel takes both (paged_attention_native checks their values)."""
+    cache (FP8 with its fp16 scales), contiguous, head shapes within its limits, sinks (if any)
+    contiguous fp32. Any window and softcap: the kernel takes both (paged_attention_native checks
+    their values)."""
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.dtype == torch.float32
+                                  and sinks.is_contiguous()):
+        return False
     if (native.library() is None or q.dtype != torch.float32 or NATIVE_KV.get(k_cache.dtype) is None
             or v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or meta.num_seqs >= 1 << 20):
@@ -65,9 +69,10 @@ class _NativePlan:
 def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            meta: AttentionMetadata, softmax_scale: float, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref's contract, for a call that fits()."""
     check_window_softcap(window, softcap)
+    check_sinks(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
     fp8 = k_cache.dtype == FP8
     plan = meta.state_for(_NativePlan, (k_cache.shape[1], k_cache.shape[2], num_tokens), q, k_cache)
@@ -77,11 +82,11 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, NATIVE_KV[k_cache.dtype],
         *plan.batch, softmax_scale, 0 if window is None else min(window, 2 ** 31 - 1), softcap or 0.0,
-        NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
+        None if sinks is None else sinks.data_ptr(), NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
     if rc != 0:
         raise RuntimeError(f"paged_attention: shapes past the C kernel's limits ({q.shape}, {k_cache.shape}); "
                            "fits() should have refused them")
     chunks = plan.chunks(window)
     if chunks:
-        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap)
+        _attend_chunks(q, k_cache, v_cache, k_scale, v_scale, chunks, softmax_scale, out, softcap, sinks)
     return out

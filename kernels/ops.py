@@ -224,21 +224,25 @@ def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta:
         return fn(*args)
 
 
-def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=None, softcap=None):
+def _paged_attention_cpu(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=None, softcap=None,
+                         sinks=None):
     fn = paged_attention_native if attention_native.fits(q, k_cache, v_cache, k_scale, v_scale, meta,
-                                                         window=window, softcap=softcap) \
+                                                         window=window, softcap=softcap, sinks=sinks) \
         else paged_attention_ref
-    return fn(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap)
+    return fn(q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap,
+              sinks=sinks)
 
 
 def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetadata, softmax_scale: float,
-                    window: int | None = None, softcap: float | None = None):
+                    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
     """window: a sliding window (a query at p sees keys p - window < j <= p; None: full causal);
-    softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
-    Every backend takes both and skips the KV blocks wholly behind the window."""
+    softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2);
+    sinks: [num_heads] fp32, one logit per head in its softmax's denominator with no value
+    (gpt-oss). Every backend takes all three and skips the KV blocks wholly behind the window."""
     with section("attention"):
         return _pick("paged_attention", paged_attention_ref, q, _paged_attention_cpu)(
-            q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap)
+            q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap,
+            sinks=sinks)
 
 
 if torch.cuda.is_available():

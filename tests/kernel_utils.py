@@ -113,9 +113,10 @@ def poison_behind_window(batch: PagedBatch, window: int) -> None:
 
 
 def naive_attention(batch: PagedBatch, softmax_scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle of every paged attention: one query at a time, in float64, over the keys its
-    position sees (transformers' rule: p - window < j <= p), each read through the block table."""
+    position sees (transformers' rule: p - window < j <= p), each read through the block table.
+    sinks [H]: transformers' gpt-oss rule, each head's sink a last logit in the softmax, then dropped."""
     q, meta = batch.q, batch.meta
     bs, hkv = batch.k_cache.shape[1], batch.k_cache.shape[2]
     group = q.shape[1] // hkv
@@ -136,6 +137,17 @@ def naive_attention(batch: PagedBatch, softmax_scale: float, window: int | None 
             s = torch.einsum("hd,khd->hk", q[row].double(), k) * softmax_scale
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
-            out[row] = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
+            if sinks is not None:
+                p = torch.softmax(torch.cat([s, sinks.double()[:, None]], dim=-1), dim=-1)[:, :-1]
+            else:
+                p = torch.softmax(s, dim=-1)
+            out[row] = torch.einsum("hk,khd->hd", p, v)
             row += 1
     return out
+
+
+def sink_logits(num_heads: int) -> torch.Tensor:
+    """gpt-oss-like sinks [H] fp32 that exercise every case: one above every score (the softmax's
+    max moves to it), one far below (no share), the rest about the scores' size."""
+    base = torch.tensor([6.0, -30.0, 0.5, -1.5, 2.0, 0.0, 1.0, -0.5])
+    return base.repeat(math.ceil(num_heads / len(base)))[:num_heads].contiguous()

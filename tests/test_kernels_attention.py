@@ -2,7 +2,7 @@
 import pytest
 import torch
 from kernel_utils import (poison_empty, HUGE_NUM_BLOCKS, assert_close, make_paged_batch, naive_attention,
-                          poison_behind_window)
+                          poison_behind_window, sink_logits)
 
 from ridge.kernels.attention import paged_attention_ref, paged_attention_triton
 from ridge.kernels.kv_cache import FP8
@@ -10,13 +10,13 @@ from ridge.kernels.kv_cache import FP8
 pytestmark = pytest.mark.usefixtures(poison_empty.__name__)
 
 
-def check(batch, num_splits=None, atol=None, window=None, softcap=None):
+def check(batch, num_splits=None, atol=None, window=None, softcap=None, sinks=None):
     scale = batch.q.shape[-1] ** -0.5
     args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, scale)
     if window is not None:
         poison_behind_window(batch, window)  # a block read wholly behind the window shows as NaN
-    expected = paged_attention_ref(*args, window=window, softcap=softcap)
-    out = paged_attention_triton(*args, window=window, softcap=softcap, num_splits=num_splits)
+    expected = paged_attention_ref(*args, window=window, softcap=softcap, sinks=sinks)
+    out = paged_attention_triton(*args, window=window, softcap=softcap, sinks=sinks, num_splits=num_splits)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     kw = {} if atol is None else dict(atol=atol, rtol=atol)
     assert_close(out, expected, **kw)
@@ -142,3 +142,31 @@ def test_window_bad_arguments_are_refused():
     b = make_paged_batch([1], [4], num_heads=2, num_kv_heads=1, head_dim=64, kv_dtype=FP8)
     with pytest.raises(ValueError, match="window"):
         paged_attention_triton(b.q, b.k_cache, b.v_cache, b.k_scale, b.v_scale, b.meta, 0.125, window=0)
+
+
+# Attention sinks (gpt-oss): once after the KV loop, or in the merge of split-K partials.
+@pytest.mark.parametrize("window,softcap,kv_dtype", [
+    (None, None, torch.bfloat16), (None, None, FP8), (33, None, FP8), (150, 1.5, torch.bfloat16)])
+def test_sinks_mixed_batch(window, softcap, kv_dtype):
+    check(make_paged_batch(**WINDOWED, num_heads=8, num_kv_heads=2, head_dim=64, kv_dtype=kv_dtype),
+          window=window, softcap=softcap, sinks=sink_logits(8))
+
+
+@pytest.mark.parametrize("window", [None, 150])
+def test_sinks_split_k_decode(window):
+    # The sink enters the merge once, not once per split; a split that sees no key adds nothing.
+    check(make_paged_batch([1, 1, 1], [300, 70, 0], num_heads=8, num_kv_heads=2, head_dim=64, kv_dtype=FP8),
+          num_splits=3, window=window, sinks=sink_logits(8))
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_sinks_fp32_against_naive(window):
+    b = make_paged_batch(**WINDOWED, num_heads=8, num_kv_heads=4, head_dim=64, kv_dtype=torch.float32,
+                         q_dtype=torch.float32)
+    if window is not None:
+        poison_behind_window(b, window)
+    sinks = sink_logits(8)
+    for splits in (1, 2):
+        out = paged_attention_triton(b.q, b.k_cache, b.v_cache, None, None, b.meta, 0.125, window=window,
+                                     sinks=sinks, num_splits=splits)
+        assert_close(out, naive_attention(b, 0.125, window, None, sinks).float(), torch.float32)

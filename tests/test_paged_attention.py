@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_utils import assert_close, make_paged_batch, naive_attention, poison_behind_window
+from kernel_utils import assert_close, make_paged_batch, naive_attention, poison_behind_window, sink_logits
 
 from ridge.kernels import attention_native, native, ops
 from ridge.kernels.attention import paged_attention_ref
@@ -170,3 +170,85 @@ def test_paged_attention_cpu_window_on_long_decodes():
     for softcap in (None, 30.0):
         assert_close(ops.paged_attention(*args, window=100, softcap=softcap),
                      naive_attention(batch, 0.125, 100, softcap).float(), torch.float32)
+
+
+# Attention sinks (gpt-oss): a per-head logit in the softmax's denominator, with windows and without.
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (16, None), (33, 1.5), (None, 1.5)])
+def test_reference_sinks_against_naive(window, softcap, kv_dtype):
+    batch = make_paged_batch(**WINDOWED, num_heads=8, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
+                             q_dtype=torch.float32)
+    if window is not None:
+        poison_behind_window(batch, window)
+    sinks, scale = sink_logits(8), 32 ** -0.5
+    out = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta,
+                              scale, window=window, softcap=softcap, sinks=sinks)
+    assert_close(out, naive_attention(batch, scale, window, softcap, sinks).float(), torch.float32)
+    plain = naive_attention(batch, scale, window, softcap).float()
+    assert not torch.allclose(out[:, 0], plain[:, 0], atol=1e-2)  # a sink above every score takes a share
+    assert_close(out[:, 1], plain[:, 1], torch.float32)  # one far below takes none
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_sinks_match_transformers_gpt_oss(window):
+    """transformers' own gpt-oss attention (eager, its sink rule and sliding mask) on one contiguous
+    sequence, against the paged reference over the same keys written to the cache."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    lengths = [23]
+    seqs, q_all, kc, vc, ks, vs, meta = paged_setup(lengths, lengths)
+    q, k, v = seqs[0]
+    sinks = sink_logits(H)
+    pos = torch.arange(23)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    mask = torch.zeros(1, 1, 23, 23).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=H // HKV, sinks=sinks, training=False)
+    expected, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], mask, D ** -0.5)
+    out = paged_attention_ref(q_all, kc, vc, ks, vs, meta, D ** -0.5, window=window, sinks=sinks)
+    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [torch.zeros(3), torch.zeros(4, dtype=torch.int32), [0.0] * 4],
+                         ids=["shape", "dtype", "list"])
+def test_bad_sinks_are_refused(sinks):
+    batch = make_paged_batch([1], [4], num_heads=4, num_kv_heads=2, head_dim=16, kv_dtype=torch.float32,
+                             q_dtype=torch.float32)
+    with pytest.raises(ValueError, match="sinks"):
+        ops.paged_attention(batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.25, sinks=sinks)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (7, None), (16, 1.5), (33, None), (None, 1.5)])
+def test_paged_attention_cpu_sinks_match_the_reference(window, softcap, dtype):
+    """The C kernel's sinks over decodes and short chunks, and the reference's chunk path past
+    NATIVE_MAX_Q, against the naive oracle; a window of 1 sees only the query's own key."""
+    batch = make_paged_batch([1, 17, NATIVE_MAX_Q + 9, 1, 5, 1], [100, 40, 30, 47, 3, 15], num_heads=8,
+                             num_kv_heads=2, head_dim=32, kv_dtype=dtype, q_dtype=torch.float32)
+    if window is not None:
+        poison_behind_window(batch, window)
+    sinks = sink_logits(8)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, 32 ** -0.5)
+    kw = dict(window=window, softcap=softcap, sinks=sinks)
+    assert attention_native.fits(*args[:6], **kw)
+    out = ops.paged_attention(*args, **kw)
+    assert_close(out, naive_attention(batch, args[-1], window, softcap, sinks).float(), torch.float32)
+    assert_close(out, paged_attention_ref(*args, **kw), torch.float32)
+
+
+@needs_cc
+@pytest.mark.parametrize("window", [128, None])
+def test_paged_attention_cpu_sinks_on_long_decodes(window):
+    batch = make_paged_batch([1, 1, 1], [1000, 257, 64], num_heads=4, num_kv_heads=1, head_dim=64,
+                             kv_dtype=torch.bfloat16, q_dtype=torch.float32, block_size=32)
+    if window is not None:
+        poison_behind_window(batch, window)
+    args = (batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.125)
+    sinks = sink_logits(4)
+    assert_close(ops.paged_attention(*args, window=window, sinks=sinks),
+                 naive_attention(batch, 0.125, window, None, sinks).float(), torch.float32)

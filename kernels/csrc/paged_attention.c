@@ -79,14 +79,15 @@ static inline __attribute__((always_inline)) void softcap_scores(float *s, int n
    of the sequence's blocks (lo > 0: a sliding window; the blocks wholly before lo are never
    read, nor their block-table entries, which may name a freed block). Online softmax a block at
    a time. kc/vc: fp32, bf16 or e4m3 (kind) ([num_blocks][bs][hkv][d]); ks/vs: fp16-bit scales
-   [num_blocks][bs][hkv] for e4m3. softcap > 0: scores capped before the softmax.
-   DC: D / 16, a constant where inlined for the common head sizes. */
+   [num_blocks][bs][hkv] for e4m3. softcap > 0: scores capped before the softmax. sink: the G
+   heads' sink logits (gpt-oss) or NULL: each joins its head's denominator as one more key of
+   value 0, after the last block. DC: D / 16, a constant where inlined for the common head sizes. */
 static int f16c_ready;  /* set once per call of paged_attention, before the threads start */
 
 static inline __attribute__((always_inline)) void attend(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
         const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
-        float softcap, float *out) {
+        float softcap, const float *sink, float *out) {
     const int D = DC * 16;
     const int f16c_rows = kind == KV_FP8 && f16c_ready;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
@@ -155,31 +156,39 @@ static inline __attribute__((always_inline)) void attend(
         }
     }
     for (int h = 0; h < G; h++) {
-        float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        float corr = 1.0f;
+        if (sink) {  /* the max moves to the sink where it is larger, as the softmax over both */
+            float z = sink[h];
+            if (z > m[h]) { corr = exp_neg(m[h] - z); l[h] = l[h] * corr + 1.0f; }
+            else l[h] += exp_neg(z - m[h]);
+        }
+        float inv = l[h] > 0.0f ? corr / l[h] : 0.0f;
         for (int c = 0; c < DC; c++) *(v16u *)(out + h * D + c * 16) = acc[h][c] * inv;
     }
 }
 
 CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
                               int lo, int len, const void *kc, const void *vc, const uint16_t *ks,
-                              const uint16_t *vs, int kind, float scale, float softcap, float *out) {
-    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
-    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
-    else attend(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, out);
+                              const uint16_t *vs, int kind, float scale, float softcap, const float *sink,
+                              float *out) {
+    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+    else attend(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
 }
 
 /* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
    position p = seq_lens[i] - qlen + j and sees keys 0 .. p, or with window > 0 the keys
    p - window < key <= p (transformers' sliding window). softcap > 0: each scaled score s becomes
-   softcap * tanh(s / softcap) (Gemma 2); 0: none. Sequences whose query is
+   softcap * tanh(s / softcap) (Gemma 2); 0: none. sinks: [H] fp32 logits, one per query head, in
+   each head's softmax denominator (gpt-oss), or NULL. Sequences whose query is
    longer than max_q are skipped (their rows of out untouched): a long prefill chunk runs
    faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
    Returns 0, or -1 when a shape is past the kernel's fixed limits. */
 int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
                     const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table,
                     int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
-                    int bs, float scale, int window, float softcap, int max_q, float *out, int64_t *work,
-                    int nthreads) {
+                    int bs, float scale, int window, float softcap, const float *sinks, int max_q, float *out,
+                    int64_t *work, int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
     if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
@@ -195,7 +204,8 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
         int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
         int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && len > window ? len - window : 0;
         attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, lo, len,
-                   kc, vc, ks, vs, kind, scale, softcap, out + (t * H + (int64_t)g * G) * D);
+                   kc, vc, ks, vs, kind, scale, softcap, sinks ? sinks + (int64_t)g * G : NULL,
+                   out + (t * H + (int64_t)g * G) * D);
     }
     return 0;
 }
