@@ -50,7 +50,25 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
 from .triton_utils import cdiv, interpreting, jit, next_pow2, tl  # noqa: E402
 
 
-SILU, GELU, GELU_TANH = 0, 1, 2  # the kernel's ACT (a jit function reads literals, not these names)
+SILU, GELU, GELU_TANH, SWIGLUOAI = 0, 1, 2, 3  # the kernels' ACT (a jit function reads literals, not these names)
+
+
+@jit
+def gated_act(gate, up, alpha, limit, ACT: tl.constexpr):
+    """act(gate) * up in fp32, for every gated MLP's kernel (here, kernels/moe_triton.py).
+    SWIGLUOAI (gpt-oss): gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate); alpha and limit are read only there."""
+    if ACT == 0:  # SILU
+        act = gate * tl.sigmoid(gate)
+    elif ACT == 1:  # GELU
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # 1 / sqrt(2)
+    elif ACT == 2:  # 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): Triton has no tanh
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:  # SWIGLUOAI
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+        act = gate * tl.sigmoid(gate * alpha)
+    return act * up
 
 
 @jit
@@ -62,13 +80,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, num_rows, inter, stride_x, ACT: tl.const
     src = x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :]
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:  # SILU
-        act = gate * tl.sigmoid(gate)
-    elif ACT == 1:  # GELU
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # 1 / sqrt(2)
-    else:  # 0.5 (1 + tanh(u)) = sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): Triton has no tanh
-        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-    out = act * up
+    out = gated_act(gate, up, 0.0, 0.0, ACT)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * inter + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

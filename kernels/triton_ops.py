@@ -13,6 +13,7 @@ from .activation import gelu_and_mul_triton, gelu_tanh_and_mul_triton, silu_and_
 from .attention import paged_attention_triton  # noqa: E402
 from .kv_cache import write_kv_triton  # noqa: E402
 from .linear import fp8_linear_triton  # noqa: E402
+from .moe_triton import fused_moe_triton  # noqa: E402
 from .norm import rms_norm_triton  # noqa: E402
 from .rope import rope_triton  # noqa: E402
 
@@ -25,6 +26,7 @@ KERNELS = {
     "fp8_linear": fp8_linear_triton,
     "write_kv": write_kv_triton,
     "paged_attention": paged_attention_triton,
+    "fused_moe": fused_moe_triton,
 }
 
 for _name, _fn in KERNELS.items():

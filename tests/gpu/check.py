@@ -26,6 +26,8 @@ import types
 from pathlib import Path
 
 TINY = "--tiny" in sys.argv
+# --only=moe,attn: just these sections (small, attn, linear, moe, tiers, e2e), after the ceilings.
+ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
 if TINY:
     os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
 for _absent in ("zmq", "msgpack", "gguf", "textual"):  # the GPU machine lacks these: prove we never need them
@@ -63,6 +65,8 @@ from ridge.kernels.kv_cache import FP8, write_kv_ref, write_kv_triton  # noqa: E
 from ridge.kernels.linear import (_gemm_candidates, fp8_linear_ref, fp8_linear_triton, fp8_scaled_mm,  # noqa: E402
                                   fp8_w8a8_triton)
 from ridge.kernels.metadata import AttentionMetadata  # noqa: E402
+from ridge.kernels.moe import fused_moe_ref  # noqa: E402
+from ridge.kernels.moe_triton import _candidates as moe_candidates, fused_moe_triton  # noqa: E402
 from ridge.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from ridge.kernels.rope import rope_ref, rope_triton  # noqa: E402
 from ridge.kernels.triton_utils import CONFIGS  # noqa: E402
@@ -227,15 +231,16 @@ def paged_inputs(q_lens: list[int], ctx_lens: list[int], kv_dtype, copies: int =
 
 
 def check_attention(name: str, q_lens: list[int], ctx_lens: list[int], kv_dtype, ceil: dict,
-                    splits: int | None = None, window: int | None = None, softcap: float | None = None) -> None:
+                    splits: int | None = None, window: int | None = None, softcap: float | None = None,
+                    sinks: bool = False) -> None:
     """window: bandwidth counts the keys a sliding window reads (at a context of 4 windows a decode
-    must run at the speed of one window's)."""
+    must run at the speed of one window's). sinks: gpt-oss's per-head logits, random."""
     nq, nk, hd = L["heads"], L["kv"], L["hd"]
     read = [c + n if window is None else min(c + n, window + n) for c, n in zip(ctx_lens, q_lens)]
     kv_bytes = sum(read) * nk * (2 * hd * kv_dtype.itemsize + (4 if kv_dtype == FP8 else 0))
     (kc, vc), (ks, vs), metas, qs = paged_inputs(q_lens, ctx_lens, kv_dtype, copies_for(kv_bytes))
     scale = hd ** -0.5
-    kw = dict(window=window, softcap=softcap)
+    kw = dict(window=window, softcap=softcap, sinks=torch.randn(nq, device=DEV) * 2 if sinks else None)
     exp = paged_attention_ref(qs[0], kc, vc, ks, vs, metas[0], scale, **kw)
     err = rel_err(paged_attention_triton(qs[0], kc, vc, ks, vs, metas[0], scale, num_splits=splits, **kw), exp)
     ms = bench([lambda q=q, m=m: paged_attention_triton(q, kc, vc, ks, vs, m, scale, num_splits=splits, **kw)
@@ -275,6 +280,53 @@ def check_linear(name: str, M: int, N: int, K: int, ceil: dict) -> None:
     record(name + " triton dot", shape, err, 2e-2, tri, flops / tri / 1e9, "TFLOP/s", flops / sm / 1e9)
     record(name, shape, err, 2e-2, ms, flops / ms / 1e9, "TFLOP/s", ceil["fp8_TFLOPs"] if not TINY else
            ceil["bf16_TFLOPs"])
+
+
+# ----------------------------------------------------------------------------- MoE experts
+
+def moe_inputs(T: int, E: int, k: int, H: int, copies: int):
+    """`copies` independent (x, topk_ids, topk_weights): each token's k distinct experts at random."""
+    out = []
+    for _ in range(copies):
+        ids = torch.rand(T, E, device=DEV).topk(k, dim=-1).indices.to(torch.int32)
+        out.append((torch.randn(T, H, device=DEV).to(DT), ids, torch.softmax(torch.randn(T, k, device=DEV), dim=-1)))
+    return out
+
+
+def check_moe(name: str, E: int, k: int, H: int, inter: int, act: str, bias: bool, token_counts, ceil: dict) -> None:
+    """One MoE layer's experts (FP8, per-channel scales) at decode sizes (bytes: the distinct
+    experts' weights, against copy bandwidth; each path's best tile) and at prefill sizes
+    (FLOPs against FP8 _scaled_mm); errors against fused_moe_ref (W8A8 rounds activations twice)
+    and, weight-only, against the same reference tightly."""
+    w1, s1 = quantize_fp8(torch.randn(E, 2 * inter, H, device=DEV) * H ** -0.5, "absmax")
+    w2, s2 = quantize_fp8(torch.randn(E, H, inter, device=DEV) * inter ** -0.5, "absmax")
+    kw = dict(act=act, b_gate_up=torch.randn(E, 2 * inter, device=DEV) * 0.1 if bias else None,
+              b_down=torch.randn(E, H, device=DEV) * 0.1 if bias else None)
+    per_expert = 3 * inter * H + 4 * (2 * inter + H)
+    for T in token_counts:
+        sets = moe_inputs(T, E, k, H, copies_for(min(E, T * k) * per_expert) if T <= 64 else 1)
+        x, ids, wts = sets[0]
+        args = (w1, s1, w2, s2)
+        exp = fused_moe_ref(x, *args, ids, wts, **kw)
+        err = rel_err(fused_moe_triton(x, *args, ids, wts, **kw), exp)
+        wo = rel_err(fused_moe_triton(x, *args, ids, wts, **kw, w8a8=False), exp)
+        shape = f"T={T} E={E} k={k} H={H} I={inter} (w-only {wo:.1e})"
+        if wo > 2e-2:
+            FAILED.append(f"{name} weight-only T={T}")
+        if T <= 64:
+            touched = statistics.mean(int(i.unique().numel()) for _, i, _ in sets)
+            moved = touched * per_expert + T * H * 4 + T * k * inter * 4
+            best: dict = {}
+            for c in moe_candidates(x, T):
+                ms = bench([lambda s=s, c=c: fused_moe_triton(s[0], *args, s[1], s[2], **kw, cfg=c) for s in sets])
+                best[c["path"]] = min(best.get(c["path"], float("inf")), ms)
+            for path, ms in sorted(best.items()):
+                record(f"{name} {path}", shape, err, 8e-2, ms, moved / ms / 1e6, "GB/s", ceil["copy_GBps"])
+        else:
+            ms = bench([lambda s=s: fused_moe_triton(s[0], *args, s[1], s[2], **kw) for s in sets], 20)
+            flops = 2 * T * k * 3 * inter * H
+            record(f"{name} sorted", shape, err, 8e-2, ms, flops / ms / 1e9, "TFLOP/s",
+                   ceil["fp8_TFLOPs"] if not TINY else ceil["bf16_TFLOPs"])
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -415,6 +467,47 @@ def print_table() -> None:
               f"{r['unit']:<8} {r['pct']:>6.0f}%  {'ok' if r['ok'] else 'FAIL'}")
 
 
+def wanted(section: str) -> bool:
+    return ONLY is None or section in ONLY
+
+
+def check_attentions(ceil: dict) -> None:
+    ctx, big = L["ctx"], L["tokens"]
+    check_attention("attn decode (split-K)", [1], [ctx], FP8, ceil, splits=2 if TINY else None)
+    check_attention("attn decode", [1] * (4 if TINY else 32), [ctx] * (4 if TINY else 32), FP8, ceil)
+    check_attention("attn decode bf16 KV", [1] * (4 if TINY else 32), [ctx] * (4 if TINY else 32),
+                    torch.bfloat16, ceil)
+    check_attention("attn prefill chunk", [big // 2], [ctx - big // 2], FP8, ceil)
+    check_attention("attn mixed", [1] * 8 + [big // 8], [ctx // 2] * 8 + [ctx // 4], FP8, ceil)
+    for c in (ctx // 4, ctx):  # a window of ctx/4 at 1 and at 4 windows: the same time
+        check_attention("attn decode window+softcap", [1] * (4 if TINY else 32), [c] * (4 if TINY else 32), FP8,
+                        ceil, window=ctx // 4, softcap=50.0)
+    # gpt-oss: sinks on its sliding layers and full ones, decode split or not, and a prefill chunk.
+    check_attention("attn decode sinks+window", [1] * (4 if TINY else 32), [ctx] * (4 if TINY else 32), FP8,
+                    ceil, window=ctx // 4, sinks=True)
+    check_attention("attn decode sinks (split-K)", [1], [ctx], FP8, ceil, splits=2 if TINY else None, sinks=True)
+    check_attention("attn prefill sinks", [big // 2], [ctx - big // 2], FP8, ceil, sinks=True)
+
+
+def check_linears(ceil: dict) -> None:
+    H, I, Q, KV = L["hidden"], L["inter"], L["heads"] * L["hd"], L["kv"] * L["hd"]
+    for M in ((1, 40, 100) if TINY else (1, 16, 4096)):
+        check_linear("fp8 qkv", M, Q + 2 * KV, H, ceil)
+        check_linear("fp8 gate_up", M, 2 * I, H, ceil)
+        check_linear("fp8 down", M, H, I, ceil)
+
+
+def check_moes(ceil: dict) -> None:
+    """Qwen3-30B-A3B's experts (128, top-8, hidden 2048, 768 each) and gpt-oss-20b's (32, top-4,
+    2880 and 2880, clamped SwiGLU with biases); toy ones under the interpreter."""
+    if TINY:
+        check_moe("moe qwen3-like", 8, 2, 64, 32, "silu", False, (1, 3, 80), ceil)
+        check_moe("moe gpt-oss-like", 4, 2, 48, 48, "swigluoai", True, (2, 70), ceil)
+        return
+    check_moe("moe qwen3-30b-a3b", 128, 8, 2048, 768, "silu", False, (1, 16, 4096), ceil)
+    check_moe("moe gpt-oss-20b", 32, 4, 2880, 2880, "swigluoai", True, (1, 16, 2048), ceil)
+
+
 def main() -> int:
     t0 = time.time()
     torch.manual_seed(0)
@@ -423,28 +516,23 @@ def main() -> int:
     ceil = measure_ceilings()
     # Kernels are called directly; on CPU, ops must be told to take Triton (the interpreter).
     with torch.inference_mode(), (ops.use_triton() if TINY else contextlib.nullcontext()):
-        check_small_ops(ceil)
-        check_write_kv(ceil)
-        ctx, big = L["ctx"], L["tokens"]
-        check_attention("attn decode (split-K)", [1], [ctx], FP8, ceil, splits=2 if TINY else None)
-        check_attention("attn decode", [1] * (4 if TINY else 32), [ctx] * (4 if TINY else 32), FP8, ceil)
-        check_attention("attn decode bf16 KV", [1] * (4 if TINY else 32), [ctx] * (4 if TINY else 32),
-                        torch.bfloat16, ceil)
-        check_attention("attn prefill chunk", [big // 2], [ctx - big // 2], FP8, ceil)
-        check_attention("attn mixed", [1] * 8 + [big // 8], [ctx // 2] * 8 + [ctx // 4], FP8, ceil)
-        for c in (ctx // 4, ctx):  # a window of ctx/4 at 1 and at 4 windows: the same time
-            check_attention("attn decode window+softcap", [1] * (4 if TINY else 32), [c] * (4 if TINY else 32), FP8,
-                            ceil, window=ctx // 4, softcap=50.0)
-        H, I, Q, KV = L["hidden"], L["inter"], L["heads"] * L["hd"], L["kv"] * L["hd"]
-        for M in ((1, 40, 100) if TINY else (1, 16, 4096)):
-            check_linear("fp8 qkv", M, Q + 2 * KV, H, ceil)
-            check_linear("fp8 gate_up", M, 2 * I, H, ceil)
-            check_linear("fp8 down", M, H, I, ceil)
-        check_kv_tiers()
+        if wanted("small"):
+            check_small_ops(ceil)
+            check_write_kv(ceil)
+        if wanted("attn"):
+            check_attentions(ceil)
+        if wanted("linear"):
+            check_linears(ceil)
+        if wanted("moe"):
+            check_moes(ceil)
+        if wanted("tiers"):
+            check_kv_tiers()
     print_table()
-    model = random_model(model_config())
-    e2e = [check_decode_step(model, b, c, ceil["copy_GBps"]) for b, c in (((1, 40), (3, 60)) if TINY else
-                                                                          ((1, 1024), (32, 2048)))]
+    e2e = []
+    if wanted("e2e"):
+        model = random_model(model_config())
+        e2e = [check_decode_step(model, b, c, ceil["copy_GBps"]) for b, c in (((1, 40), (3, 60)) if TINY else
+                                                                              ((1, 1024), (32, 2048)))]
     print(f"\ntotal {time.time() - t0:.0f} s; {'all ok' if not FAILED else 'FAILED: ' + ', '.join(FAILED)}")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "gpu_check.json"
