@@ -117,6 +117,8 @@ NOT_THE_OPTION = {
     ("gateway_settings", "system"): "the same; `ridge gateway` runs beside either daemon",
     ("load_model", "weights"): "the loader's default for callers without options (tests, tools); "
                                "the engine and every bench pass theirs",
+    ("Sampling", "max_tokens"): "an OpenAI request body's own limit (not given: None), which the daemon caps",
+    ("Prompted", "system"): "an Anthropic request's system prompt",
 }
 UNSET = (None, (), "")  # "not given": allowed where the declared default is None too
 

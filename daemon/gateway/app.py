@@ -1,6 +1,6 @@
 """The gateway's HTTP application (Starlette): its routes, who it answers (the
 Host, the Origin and JSON bodies: door.py), the API key, CORS, and errors in
-OpenAI's shape."""
+OpenAI's shape (Anthropic's on /v1/messages)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from ridge.errors import internal_error
 
+from . import anthropic_api, openapi, responses_api
 from . import responses as R
 from .door import HostRule, is_json, origin_allowed
 from .generation import ClientGone, generate
@@ -27,11 +28,13 @@ from .openai_api import ApiError
 from .settings import GatewaySettings
 
 log = logging.getLogger("ridge.gateway")
-OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes
+OPEN_PATHS = ("/health", "/openapi.json")  # answered without the API key: liveness probes, the schema
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error shape; key in x-api-key too
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, headers=e.headers())
+def error_response(e: ApiError, path: str = "") -> JSONResponse:
+    body = anthropic_api.error_body(e) if path in ANTHROPIC_PATHS else e.body()
+    return JSONResponse(body, e.status, headers=e.headers())
 
 
 def _headers(scope, name: bytes) -> list[str]:
@@ -57,7 +60,7 @@ class Door:
 
         refused = self.refusal(scope)
         if refused is not None:
-            return await error_response(refused)(scope, receive, counted_send)
+            return await error_response(refused, scope["path"])(scope, receive, counted_send)
         await self.app(scope, receive, counted_send)
 
     def refusal(self, scope) -> ApiError | None:
@@ -82,17 +85,21 @@ class Guard:
     def __init__(self, app, api_key: str | None):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         refused = self.refusal(scope) if scope["type"] == "http" else None
         if refused is not None:
-            return await error_response(refused)(scope, receive, send)
+            return await error_response(refused, scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
     def refusal(self, scope) -> ApiError | None:
         if self.expected is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected) and not (
+                    scope["path"] in ANTHROPIC_PATHS and hmac.compare_digest(headers.get(b"x-api-key", b""),
+                                                                             self.expected_key)):
                 return ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error",
                                 code="invalid_api_key")
         if scope["method"] == "POST" and not is_json((_headers(scope, b"content-type") or [None])[0]):
@@ -144,14 +151,21 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(reply), media_type=CONTENT_TYPE)
 
 
+async def openapi_json(request: Request) -> Response:
+    state = request.app.state
+    if state.openapi is None:  # made on first use: the models' schemas take a moment to generate
+        state.openapi = openapi.document(keyed=state.keyed)
+    return JSONResponse(state.openapi)
+
+
 # -- errors ------------------------------------------------------------------------------------------
 async def _api_error(request: Request, e: ApiError) -> Response:
-    return error_response(e)
+    return error_response(e, request.url.path)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(ApiError(e.status_code, str(e.detail), type_, code=str(e.status_code)))
+    return error_response(ApiError(e.status_code, str(e.detail), type_, code=str(e.status_code)), request.url.path)
 
 
 async def _client_gone(request: Request, e: ClientGone) -> Response:
@@ -160,7 +174,7 @@ async def _client_gone(request: Request, e: ClientGone) -> Response:
 
 async def _internal(request: Request, e: Exception) -> Response:
     message = internal_error(log, f"internal error on {request.method} {request.url.path}", e)
-    return error_response(ApiError(500, message, "server_error", code="internal"))
+    return error_response(ApiError(500, message, "server_error", code="internal"), request.url.path)
 
 
 def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time) -> Starlette:
@@ -178,16 +192,24 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", model),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics)]
+              Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics),
+              Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+              Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
+              Route("/v1/responses", responses_api.create, methods=["POST"]),
+              Route("/v1/responses/{response_id}", responses_api.retrieve, methods=["GET"]),
+              Route("/v1/responses/{response_id}", responses_api.delete, methods=["DELETE"]),
+              Route("/openapi.json", openapi_json)]
     metrics_ = Metrics(gateway_cpu)
     middleware = [Middleware(Door, hosts=HostRule.of(settings.host, settings.allowed_hosts),
                              origins=settings.cors_allow_origins, metrics=metrics_, routes={r.path for r in routes}),
                   Middleware(Guard, api_key=settings.api_key)]
     if settings.cors_allow_origins:  # outside the key check: a browser's preflight carries no key
         middleware.insert(1, Middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
-                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
+                                        allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                                         Exception: _internal})
     app.state.link, app.state.metrics, app.state.started = link, metrics_, int(time.time())
+    app.state.responses = responses_api.ResponseStore(settings.responses_ttl)
+    app.state.openapi, app.state.keyed = None, settings.api_key is not None
     return app

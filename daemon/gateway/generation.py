@@ -38,7 +38,7 @@ async def read_json(request: Request, limit: int) -> dict:
         parts.append(chunk)
     too_deep = bad(f"the body nests deeper than {MAX_DEPTH} levels")
     try:
-        body = json.loads(b"".join(parts))
+        body = json.loads(b"".join(parts), parse_int=_int)
     except ValueError as e:
         raise bad(f"the body is not JSON: {e}") from None
     except RecursionError:
@@ -51,6 +51,14 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 MAX_DEPTH = 100  # arrays and objects within each other
+INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack carries to the daemon
+
+
+def _int(literal: str) -> int:
+    value = int(literal)
+    if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+        raise ValueError(f"the integer {literal[:40]} is outside [-2^63, 2^64)")
+    return value
 
 
 def _depth(value) -> int:

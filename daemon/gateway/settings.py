@@ -15,6 +15,8 @@ from ..endpoint import EndpointError, is_loopback
 
 DEFAULT_HTTP = "127.0.0.1:8000"
 
+RESPONSES_TTL = Option("responses_ttl", float, 3600.0, "seconds a /v1/responses answer is kept in the gateway's "
+                       "memory for previous_response_id and GET (0: none kept)")
 GATEWAY_OPTIONS = [
     Option("http", str, None, f"serve the OpenAI-compatible HTTP API on HOST:PORT (`ridge gateway`: default "
            f"{DEFAULT_HTTP}); a non-loopback HOST needs an API key", example=DEFAULT_HTTP),
@@ -28,6 +30,7 @@ GATEWAY_OPTIONS = [
     Option("allowed_hosts", list, None, "Host names the API answers for, besides localhost, the loopback "
            "addresses and the address it listens on (*.example.com: any name under it; *: any); "
            "other Hosts get 421", example=("ridge.lan",)),
+    RESPONSES_TTL,
 ]
 _BY_NAME = {o.name: o for o in GATEWAY_OPTIONS}
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as a browser's Origin header
@@ -40,6 +43,7 @@ class GatewaySettings:
     api_key: str | None = None
     cors_allow_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    responses_ttl: float = RESPONSES_TTL.default
 
     @property
     def url(self) -> str:
@@ -108,5 +112,7 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP,
                             "RIDGE_API_KEY)")
     if system:
         refuse_keyless_system(addr, key)
-    return GatewaySettings(host, port, key, _origins(values), _listed(values, "allowed_hosts"))
+    ttl = RESPONSES_TTL.convert(values.get("responses_ttl"), "responses_ttl")
+    return GatewaySettings(host, port, key, _origins(values), _listed(values, "allowed_hosts"),
+                           RESPONSES_TTL.default if ttl is None else ttl)
 
