@@ -25,8 +25,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from .client import (VERSION, Completion, Delta, Inbox, RidgeError, generate_message, make_socket, pack,
-                     resolve_endpoint, unpack)
+from .client import (VERSION, Completion, Delta, Inbox, Joined, JoinedStream, RidgeError, generate_message,
+                     make_socket, pack, resolve_endpoint, unpack)
 
 log = logging.getLogger("ridge.client")
 
@@ -253,11 +253,11 @@ class AsyncClient:
         return Completion.from_final(f)
 
 
-class AsyncStream:
+class AsyncStream(JoinedStream):
     def __init__(self, client: AsyncClient, rid: str, msg: dict):
         self.client, self.id, self._msg = client, rid, msg
         self.final: Completion | None = None
-        self.text, self.token_ids = "", []
+        self.joined = Joined()
         self._sent = False
 
     def __aiter__(self):
@@ -277,15 +277,13 @@ class AsyncStream:
             await self.aclose()
             raise
         if msg["type"] == "delta":
-            d = Delta(self.id, msg["index"], msg["token_ids"], msg["text"], msg.get("logprobs"))
-            if d.index == 0:
-                self.text += d.text
-                self.token_ids += d.token_ids
+            d = Delta.from_frame(self.id, msg)
+            self.joined.add(d)
             return d
         c._inboxes.pop(self.id, None)
         if msg["type"] == "error":
             raise RidgeError(msg["code"], msg["message"], self.id, msg)
-        self.final = Completion.from_final(msg, self.text, self.token_ids)
+        self.final = Completion.from_final(msg, self.joined)
         raise StopAsyncIteration
 
     async def aclose(self) -> None:

@@ -19,7 +19,7 @@ import zmq
 
 from .endpoint import find_daemon, ipc_path, probe
 
-VERSION = 1
+VERSION = 2  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3)
 # Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
 # sees a slow reader and merges its deltas (docs/protocol.md §4.4) instead of this process buffering
 # without bound. What a reader has not taken yet is merged per request here too (Inbox).
@@ -42,8 +42,41 @@ class Delta:
     id: str
     index: int
     token_ids: list[int]
-    text: str
+    text: str  # the content
     logprobs: list | None = None
+    reasoning: str = ""  # thinking text (version 2, §3.2.3)
+    tool_calls: list[dict] | None = None  # call pieces: {index, id, name, arguments} first, then {index, arguments}
+
+    @classmethod
+    def from_frame(cls, rid: str, msg: dict) -> "Delta":
+        return cls(rid, msg["index"], msg["token_ids"], msg["text"], msg.get("logprobs"), msg.get("reasoning", ""),
+                   msg.get("tool_calls"))
+
+
+def merge_pieces(held: list, new: list) -> None:
+    """Append call pieces to held ones, each call's consecutive pieces joined: its first piece keeps
+    the id and name, and its arguments grow."""
+    for p in new:
+        last = held[-1] if held else None
+        if last is not None and last["index"] == p["index"] and "id" not in p:
+            last["arguments"] += p["arguments"]
+        else:
+            held.append(dict(p))
+
+
+class Joined:
+    """Sample 0's streamed output, joined, for the Completion that the final makes."""
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls")
+
+    def __init__(self):
+        self.text, self.token_ids, self.reasoning, self.tool_calls = "", [], "", []
+
+    def add(self, d: Delta) -> None:
+        if d.index == 0:
+            self.text += d.text
+            self.token_ids += d.token_ids
+            self.reasoning += d.reasoning
+            merge_pieces(self.tool_calls, d.tool_calls or ())
 
 
 @dataclass
@@ -59,12 +92,17 @@ class Completion:
     error: str | None = None
     detail: str | None = None
     logprobs: list | None = None
+    reasoning: str = ""  # sample 0's (version 2); each choice has its own when not streamed
+    tool_calls: list[dict] = field(default_factory=list)  # sample 0's calls: {index, id, name, arguments}
 
     @classmethod
-    def from_final(cls, f: dict, text: str | None = None, token_ids: list[int] | None = None) -> "Completion":
+    def from_final(cls, f: dict, joined: Joined | None = None) -> "Completion":
+        """joined: what a stream's deltas gave (a non-streaming final carries sample 0's output)."""
+        j = joined or Joined()
+        first = (f.get("choices") or [{}])[0]
         return cls(f["id"], f["finish_reason"], f.get("usage", {}), f.get("timings", {}), f.get("choices", []),
-                   f.get("text", text or ""), f.get("token_ids", token_ids or []), f.get("error"), f.get("detail"),
-                   f.get("logprobs"))
+                   f.get("text", j.text), f.get("token_ids", j.token_ids), f.get("error"), f.get("detail"),
+                   f.get("logprobs"), first.get("reasoning", j.reasoning), first.get("tool_calls", j.tool_calls))
 
 
 class Inbox:
@@ -99,6 +137,10 @@ class Inbox:
         held["token_ids"] += ids
         if "logprobs" in msg:
             held.setdefault("logprobs", []).extend(msg["logprobs"])
+        if "reasoning" in msg:
+            held["reasoning"] = held.get("reasoning", "") + msg["reasoning"]
+        if "tool_calls" in msg:
+            merge_pieces(held.setdefault("tool_calls", []), msg["tool_calls"])
         self.texts.setdefault(i, []).append(text)
 
     def take(self) -> dict | None:
@@ -150,6 +192,9 @@ def resolve_endpoint(endpoint: str | None = None, environ=os.environ) -> str:
     return found
 
 
+BESIDE_PARAMS = ("cache_salt", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+
+
 def generate_message(rid: str, prompt=None, messages=None, token_ids=None, stream=True, params=None) -> dict:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
@@ -162,8 +207,9 @@ def generate_message(rid: str, prompt=None, messages=None, token_ids=None, strea
     else:
         m["prompt_token_ids"] = list(token_ids)
     params = dict(params or {})
-    if (salt := params.pop("cache_salt", None)) is not None:  # beside params, not one of them (§3.2.2)
-        m["cache_salt"] = salt
+    for key in BESIDE_PARAMS:  # fields of the message, not sampling parameters (§3.2.2, §3.2.3)
+        if (value := params.pop(key, None)) is not None:
+            m[key] = value
     if params:
         m["params"] = {k: v for k, v in params.items() if v is not None}
     return m
@@ -289,11 +335,24 @@ class Client:
         return Completion.from_final(f)
 
 
-class Stream:
+class JoinedStream:
+    """A stream's sample 0 so far: its text (the content), token ids, reasoning and calls."""
+    joined: Joined
+
+    @property
+    def text(self) -> str:
+        return self.joined.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.joined.token_ids
+
+
+class Stream(JoinedStream):
     def __init__(self, client: Client, rid: str):
         self.client, self.id = client, rid
         self.final: Completion | None = None
-        self.text, self.token_ids = "", []
+        self.joined = Joined()
 
     def __iter__(self):
         return self
@@ -303,15 +362,13 @@ class Stream:
             raise StopIteration
         msg = self.client._next_for(self.id)
         if msg["type"] == "delta":
-            d = Delta(self.id, msg["index"], msg["token_ids"], msg["text"], msg.get("logprobs"))
-            if d.index == 0:
-                self.text += d.text
-                self.token_ids += d.token_ids
+            d = Delta.from_frame(self.id, msg)
+            self.joined.add(d)
             return d
         self.client._inbox.pop(self.id, None)
         if msg["type"] == "error":
             raise RidgeError(msg["code"], msg["message"], self.id, msg)
-        self.final = Completion.from_final(msg, self.text, self.token_ids)
+        self.final = Completion.from_final(msg, self.joined)
         raise StopIteration
 
     def close(self) -> None:

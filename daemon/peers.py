@@ -8,10 +8,12 @@ from collections import deque
 
 import zmq
 
+from .protocol import SUPPORTED
+
 
 class Peer:
     __slots__ = ("key", "sock", "ident", "identity", "requests", "dirty", "outq", "last_recv", "last_send",
-                 "stalled_since", "gone")
+                 "stalled_since", "gone", "version")
 
     def __init__(self, key, sock: zmq.Socket, ident: bytes, identity: str = ""):
         self.key, self.sock, self.ident = key, sock, ident
@@ -25,6 +27,9 @@ class Peer:
         self.last_send = float("-inf")
         self.stalled_since: float | None = None
         self.gone = False
+        # The protocol version of its last message, which the daemon's frames to it are in; the oldest
+        # until it has sent one, since its errors and heartbeats read the same in every version.
+        self.version = SUPPORTED[0]
 
     def send_pending(self) -> tuple[str | None, int]:
         """Send queued frames until the queue empties or the socket pushes back.

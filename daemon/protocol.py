@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-VERSION = 1
-SUPPORTED = (1,)
+VERSION = 2  # 2: tool calls and reasoning (docs/protocol.md §3.2.3)
+SUPPORTED = (1, 2)
 PUB_TOPIC = b"stats"
 MAX_ID_BYTES = 128
 MAX_MESSAGES = 1024
 MAX_DEPTH = 32
 
 CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat")
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "tool_calls")
 
 # error codes (docs/protocol.md §5)
 BAD_FRAME = "bad_frame"
@@ -66,8 +66,9 @@ def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def message(type_: str, request_id: str | None = None, **fields) -> dict:
-    m = {"v": VERSION, "type": type_}
+def message(type_: str, request_id: str | None = None, *, v: int = VERSION, **fields) -> dict:
+    """v: the version of the message it answers (a reply is in the client's version)."""
+    m = {"v": v, "type": type_}
     if request_id is not None:
         m["id"] = request_id
     m.update(fields)
@@ -200,24 +201,12 @@ def token_list(x, name: str, vocab: int, rid: str | None, max_len: int) -> list[
     return x
 
 
-def chat_messages(x, rid: str | None, max_messages: int) -> list[dict]:
-    if not isinstance(x, list) or not x or len(x) > max_messages:
-        raise fail("messages", f"a non-empty array of at most {max_messages} maps", rid)
-    for i, m in enumerate(x):
-        if not isinstance(m, dict) or set(m) - {"role", "content"}:
-            raise fail(f"messages[{i}]", "a map with exactly the keys role and content", rid)
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise fail(f"messages[{i}].role", "a non-empty string", rid)
-        if not isinstance(m.get("content"), str):
-            raise fail(f"messages[{i}].content", "a string", rid)
-    return x
-
-
 @dataclass(slots=True)
 class Envelope:
     type: str
     id: str | None
     body: dict = field(default_factory=dict)
+    v: int = VERSION  # the version the message speaks
 
 
 def envelope(msg: dict) -> Envelope:
@@ -242,4 +231,4 @@ def envelope(msg: dict) -> Envelope:
     if t in ("generate", "abort") and rid is None:
         raise ProtocolError(MISSING_FIELD, f"id is required on {t}", None)
     body = {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
-    return Envelope(t, rid, body)
+    return Envelope(t, rid, body, msg["v"])

@@ -59,6 +59,7 @@ class Server:
         lim = cfg.limits
         self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
                                    model["block_size"], model["num_kv_blocks"], lim, engine.grammars)
+        self.model = {**model, "chat": self.validator.chat.info()}
         self.admission = Admission()
         self._frame_bytes = 0
         self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame}
@@ -177,6 +178,7 @@ class Server:
             rid = P.reply_id_of(msg)
             P.check_plain(msg, rid)
             env = P.envelope(msg)
+            peer.version = env.v  # what it is answered in, heartbeats too
             self._frame_bytes = len(frames[0])  # what an admission of this message holds (admission.py)
             self.handlers[env.type](peer, env)
         except Exception as e:
@@ -204,6 +206,7 @@ class Server:
             self._send(peer, P.error(P.INTERNAL, internal_error(log, "internal error on a client message", e), rid))
 
     def _send(self, peer: Peer, msg: dict) -> None:
+        msg["v"] = peer.version
         if not peer.gone:
             peer.outq.append(pack(msg))
             self._flush(peer)
@@ -253,7 +256,7 @@ class Server:
             raise ProtocolError(P.BUSY, f"the daemon holds {len(self.inflight)} requests, its limit; retry later",
                                 req.id, retry_after=1.0)
         eid = f"r{next(self._ids)}"
-        inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0)
+        inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0, req.output, req.version)
         peer.requests[req.id] = self.inflight[eid] = inf
         self.loop.add(eid, req.prompt_token_ids, req.params,
                       engine_salt(peer.identity, req.cache_salt, self.cfg.prefix_sharing))

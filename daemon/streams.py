@@ -5,17 +5,24 @@ Outputs that arrive while the client's queue is full stay here, merged per
 sample, so a slow reader costs one pending delta per sample, not a backlog."""
 from __future__ import annotations
 
-from .protocol import message, pack
+from .client import merge_pieces
+from .protocol import VERSION, message, pack
 
 
 class Sample:
     __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "error", "completion_tokens",
-                 "timings", "all_token_ids", "all_text", "all_logprobs")
+                 "timings", "all_token_ids", "all_text", "all_logprobs", "parser", "reasoning", "pieces",
+                 "all_reasoning", "reasoning_tokens")
 
-    def __init__(self, keep_all: bool):
+    def __init__(self, keep_all: bool, parser=None):
         self.token_ids: list[int] = []  # not yet sent
-        self.text = ""
+        self.text = ""  # the content, when a parser reads the output (chat_output.py)
         self.logprobs: list = []
+        self.parser = parser
+        self.reasoning = ""  # not yet sent
+        self.pieces: list = []  # tool call pieces not yet sent
+        self.all_reasoning = ""
+        self.reasoning_tokens = 0
         self.finished = False
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -39,10 +46,13 @@ def _logprobs(raw) -> list:
 
 
 class InFlight:
-    def __init__(self, peer, client_id: str, engine_id: str, stream: bool, n: int, logprobs: bool):
+    def __init__(self, peer, client_id: str, engine_id: str, stream: bool, n: int, logprobs: bool,
+                 output=None, version: int = VERSION):
+        """output: chat_output.OutputSpec, to read each sample's reasoning and calls; version: the
+        request's protocol version, that of its frames."""
         self.peer, self.id, self.engine_id = peer, client_id, engine_id
-        self.stream, self.want_logprobs = stream, logprobs
-        self.samples = [Sample(not stream) for _ in range(n)]
+        self.stream, self.want_logprobs, self.v = stream, logprobs, version
+        self.samples = [Sample(not stream, output.parser() if output else None) for _ in range(n)]
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.orphaned = False  # its client is gone: outputs are dropped, the engine was told to abort
@@ -56,19 +66,34 @@ class InFlight:
     def add(self, o) -> None:
         s = self.samples[o.index]
         lps = _logprobs(o.logprobs) if self.want_logprobs else []
+        text = o.new_text if s.parser is None else self._read(s, o)
         if self.stream:
             s.token_ids += o.new_token_ids
-            s.text += o.new_text
+            s.text += text
             s.logprobs += lps
         else:
             s.all_token_ids += o.new_token_ids
-            s.all_text += o.new_text
+            s.all_text += text
             s.all_logprobs += lps
         s.completion_tokens = o.num_output_tokens
         self.prompt_tokens, self.cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
         if o.finished:
             s.finished, s.finish_reason, s.error = True, o.finish_reason, o.error
             s.timings = dict(o.timings)
+            if s.parser is not None and s.parser.calls and o.finish_reason == "stop":
+                s.finish_reason = "tool_calls"
+
+    @staticmethod
+    def _read(s: Sample, o) -> str:
+        """The output's text split by the sample's parser: -> its content; the reasoning and the
+        call pieces wait in the sample. A step's tokens count as reasoning when it read thinking."""
+        p = s.parser.feed(o.new_text, final=o.finished)
+        if s.parser.thought:
+            s.reasoning_tokens += len(o.new_token_ids)
+        s.reasoning += p.reasoning
+        s.all_reasoning += p.reasoning
+        merge_pieces(s.pieces, p.pieces)
+        return p.content
 
     def force_finish(self, reason: str, detail: str | None = None, error: str | None = None) -> None:
         """Finish every open sample without the engine (shutdown past its grace, engine failure)."""
@@ -76,6 +101,11 @@ class InFlight:
         for s in self.samples:
             if not s.finished:
                 s.finished, s.finish_reason, s.error = True, reason, error
+                if s.parser is not None:  # what it held back goes out
+                    p = s.parser.feed("", final=True)
+                    s.text, s.all_text = s.text + p.content, s.all_text + p.content
+                    s.reasoning, s.all_reasoning = s.reasoning + p.reasoning, s.all_reasoning + p.reasoning
+                    merge_pieces(s.pieces, p.pieces)
 
     def take_frames(self) -> list[dict]:
         return self._frames(take=True)
@@ -88,13 +118,17 @@ class InFlight:
         frames = []
         if self.stream:
             for i, s in enumerate(self.samples):
-                if s.token_ids or s.text:
-                    d = message("delta", self.id, index=i, token_ids=s.token_ids, text=s.text)
+                if s.token_ids or s.text or s.reasoning or s.pieces:
+                    d = message("delta", self.id, v=self.v, index=i, token_ids=s.token_ids, text=s.text)
                     if self.want_logprobs:
                         d["logprobs"] = s.logprobs
+                    if s.reasoning:
+                        d["reasoning"] = s.reasoning
+                    if s.pieces:
+                        d["tool_calls"] = s.pieces
                     frames.append(d)
                     if take:
-                        s.token_ids, s.text, s.logprobs = [], "", []
+                        s.token_ids, s.text, s.logprobs, s.reasoning, s.pieces = [], "", [], "", []
         if self.done and not self.final_sent:
             frames.append(self.final())
             self.final_sent = take
@@ -111,12 +145,17 @@ class InFlight:
                 c["text"], c["token_ids"] = s.all_text, s.all_token_ids
                 if self.want_logprobs:
                     c["logprobs"] = s.all_logprobs
+            if s.parser is not None:
+                c["reasoning_tokens"] = s.reasoning_tokens
+                if not self.stream:
+                    c["reasoning"], c["tool_calls"] = s.all_reasoning, s.parser.tool_calls()
             choices.append(c)
         first = self.samples[0]
-        f = message("final", self.id, finish_reason=first.finish_reason,
-                    usage={"prompt_tokens": self.prompt_tokens,
-                           "completion_tokens": sum(s.completion_tokens for s in self.samples),
-                           "cached_tokens": self.cached_tokens},
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": sum(s.completion_tokens for s in self.samples),
+                 "cached_tokens": self.cached_tokens}
+        if first.parser is not None:
+            usage["reasoning_tokens"] = sum(s.reasoning_tokens for s in self.samples)
+        f = message("final", self.id, v=self.v, finish_reason=first.finish_reason, usage=usage,
                     timings=first.timings, choices=choices)
         if self.detail:
             f["detail"] = self.detail

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.engine.structured.grammar import GrammarCompiler
 
+from .chat_format import chat_format, ridge_tool_messages
+from .chat_grammar import turn_grammar
+from .chat_output import OutputSpec
 from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
-                       Limits, ProtocolError, chat_messages, check_keys, fail, is_int, is_num, token_list)
+                       Limits, ProtocolError, check_keys, fail, is_int, is_num, token_list)
+from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
 _NUM, _INT, _BOOL = "a finite number", "an integer", "a boolean"
 PARAMS = {  # key -> (check, what it must be)
@@ -29,6 +33,7 @@ _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 MAX_SALT_BYTES = 1024
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
+MAX_CALLS = 128  # calls in one sample, parallel_tool_calls true
 
 
 @dataclass(slots=True)
@@ -38,6 +43,8 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     cache_salt: str | None = None  # the client's; the server joins it to the peer's identity (sharing.py)
+    output: OutputSpec | None = None  # how its samples are read into reasoning and calls (chat_output.py)
+    version: int = 2  # the protocol version it was sent in: its frames are in it
 
 
 class Validator:
@@ -47,25 +54,57 @@ class Validator:
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
         # The engine's compiler, so that what compiles here is a cache hit on the engine's thread.
         self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
+        self.chat = chat_format(tokenizer)  # what the chat template says about tools and reasoning
+        self._grammar_tokens: frozenset[str] | None = None
 
     # -- generate ---------------------------------------------------------------
     def generate(self, env: Envelope) -> GenerateRequest:
         rid, body = env.id, env.body
-        check_keys(body, {*PROMPT_KEYS, "params", "stream", "cache_salt"}, rid)
+        version_fields(body, env.v, rid)
+        check_keys(body, {*PROMPT_KEYS, "params", "stream", "cache_salt", *V2_FIELDS}, rid)
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise fail("stream", _BOOL, rid)
         salt = body.get("cache_salt")
         if salt is not None and not (isinstance(salt, str) and salt and len(salt.encode()) <= MAX_SALT_BYTES):
             raise fail("cache_salt", f"a non-empty string of at most {MAX_SALT_BYTES} bytes, or nil", rid)
-        params = self.params(body.get("params", {}), rid)
-        ids = self.prompt(body, rid)
+        d, budget = self.param_fields(body.get("params", {}), env.v, rid)
+        output = None
+        if "messages" in body and env.v >= 2:
+            ids, text, turn = self.chat_prompt(body, rid)
+            d, output = self.chat_output(turn, text, d, budget, rid)
+        else:
+            if given := [k for k in V2_FIELDS if k in body]:
+                raise fail(given[0], "given only with messages", rid)
+            ids = self.prompt(body, rid)
+        params = self.sampling(d, rid)
         self.admissible(ids, params, rid)
         self.compiles(params, rid)
         room = self.max_model_len - len(ids)
         if params.max_tokens > room:  # as the engine does: the output stops at the context's end
             params = params.derive(max_tokens=room)
-        return GenerateRequest(rid, ids, params, stream, salt)
+        return GenerateRequest(rid, ids, params, stream, salt, output, env.v)
+
+    def chat_output(self, turn: ChatTurn, text: str, d: dict, budget: int | None,
+                    rid: str | None) -> tuple[dict, OutputSpec | None]:
+        """The params' grammar (chat_grammar.py) and how the output is read (chat_output.py)."""
+        fmt = self.chat
+        start = fmt.reasoning_start(text)
+        reads = bool(turn.calls) and fmt.tool_format is not None
+        if not reads and start == "content":
+            return d, None
+        thinks = start != "content"
+        rf = self.sampling(d, rid).constraint()
+        d = dict(d)
+        if grammar := turn_grammar(fmt, turn, start, budget, rf, self.grammar_tokens()):
+            d["chat_grammar"] = grammar
+        if budget is not None and thinks:
+            d["speculative"] = False  # llguidance's token budgets cannot roll back a rejected draft
+        markers = {r: m for r, m in fmt.markers.items() if (thinks if r.startswith("think") else reads)}
+        d["keep_special_ids"] = tuple(sorted(m.token_id for m in markers.values() if m.special))
+        spec = OutputSpec(start, fmt.tool_format if reads else None, MAX_CALLS if turn.parallel else 1,
+                          {r: m.text for r, m in markers.items()})
+        return d, spec
 
     def compiles(self, params: SamplingParams, rid: str | None) -> None:
         """A response_format that does not compile is refused here, never at step time."""
@@ -74,11 +113,31 @@ class Validator:
             if c is not None:
                 self.grammars.compile(c)
         except InvalidRequest as e:
+            if params.chat_grammar is not None:  # the tools' schemas, with the response_format
+                raise ProtocolError(INVALID_FIELD, f"tools: {str(e).removeprefix('response_format: ')}", rid) from None
             raise ProtocolError(INVALID_FIELD, f"params.{e}", rid) from None
 
-    def params(self, raw, rid: str | None) -> SamplingParams:
+    def grammar_tokens(self) -> frozenset[str]:
+        """The marker roles whose one token the grammar engine holds as special (it names them by
+        id; text cannot spell them): every added token, for llguidance, not only the tokenizer's
+        special ones. Asked once the first grammar is built, when the engine's view exists anyway."""
+        if self._grammar_tokens is None:
+            ll = self.grammars.ll_tokenizer
+            self._grammar_tokens = frozenset(r for r, m in self.chat.markers.items()
+                                             if m.token_id is not None and ll.is_special_token(m.token_id))
+        return self._grammar_tokens
+
+    def param_fields(self, raw, version: int, rid: str | None) -> tuple[dict, int | None]:
+        """-> (the SamplingParams fields, the reasoning budget)."""
         if not isinstance(raw, dict):
             raise fail("params", "a map", rid)
+        if version >= 2 and "max_reasoning_tokens" in raw:
+            raw = dict(raw)
+            budget = raw.pop("max_reasoning_tokens")
+            if not (is_int(budget) and 0 <= budget <= self.limits.max_tokens):
+                raise fail("params.max_reasoning_tokens", f"an integer in [0, {self.limits.max_tokens}]", rid)
+        else:
+            budget = None
         check_keys(raw, set(PARAMS), rid, "params.")
         for k, v in raw.items():
             ok, want = PARAMS[k]
@@ -93,6 +152,10 @@ class Validator:
             raise fail("params.stop_token_ids", f"at most 64 token ids in [0, {self.vocab})", rid)
         d = {k: float(v) if k in _FLOATS else v for k, v in raw.items()}
         d.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, lim.max_tokens))
+        return d, budget
+
+    @staticmethod
+    def sampling(d: dict, rid: str | None) -> SamplingParams:
         try:
             return SamplingParams.from_dict(d)
         except InvalidRequest as e:
@@ -112,7 +175,32 @@ class Validator:
             if not isinstance(body[key], str):
                 raise fail("prompt", "a string", rid)
             return self.encode_text(body[key], True, rid)
-        return self.encode_chat(chat_messages(body[key], rid, self.limits.max_messages), rid)
+        return self.encode_chat(check_messages(body[key], rid, self.limits.max_messages, 1), rid)
+
+    def chat_prompt(self, body: dict, rid: str | None) -> tuple[list[int], str, ChatTurn]:
+        """A version-2 chat: -> (its ids, its rendered text, the turn)."""
+        if given := [k for k in PROMPT_KEYS if k in body and k != "messages"]:
+            raise ProtocolError(INVALID_FIELD, f"give exactly one of prompt, messages, prompt_token_ids "
+                                f"(got messages, {', '.join(given)})", rid)
+        turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, 2), rid)
+        if turn.calls and self.chat.tool_format is None:
+            raise ProtocolError(INVALID_REQUEST, "this model's chat template writes tool calls in a format ridge "
+                                "does not read (docs/protocol.md §3.2.3)", rid)
+        text = self.render(turn, rid)
+        return self.tokenizer.encode_rendered(text), text, turn
+
+    def render(self, turn: ChatTurn, rid: str | None) -> str:
+        messages = template_messages(turn.messages)
+        kw = dict(turn.template_kwargs)
+        if self.chat.tools_in_template:
+            kw["tools"] = turn.shown_tools
+        else:
+            messages = ridge_tool_messages(messages, turn.shown_tools)
+        try:
+            return self.tokenizer.apply_chat_template(messages, **kw)
+        except Exception as e:  # a template's raise_exception(), or a template bug
+            raise ProtocolError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {e}"[:500],
+                                rid) from None
 
     def encode_text(self, text: str, special: bool, rid: str | None) -> list[int]:
         if len(text) > 64 * self.limits.max_prompt_tokens + 64:  # cheap bound before tokenizing
@@ -143,7 +231,8 @@ class Validator:
     # -- the small operations ------------------------------------------------------
     def tokenize(self, env: Envelope) -> list[int]:
         rid, body = env.id, env.body
-        check_keys(body, {"text", "messages", "add_special_tokens"}, rid)
+        version_fields(body, env.v, rid)
+        check_keys(body, {"text", "messages", "add_special_tokens", "tools", "chat_template_kwargs"}, rid)
         if "text" not in body and "messages" not in body:
             raise ProtocolError(MISSING_FIELD, "one of text or messages is required", rid)
         if "text" in body and "messages" in body:
@@ -151,8 +240,13 @@ class Validator:
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise fail("add_special_tokens", _BOOL, rid)
+        if "messages" in body and env.v >= 2:
+            turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, 2), rid)
+            return self.tokenizer.encode_rendered(self.render(turn, rid))
         if "messages" in body:
-            return self.encode_chat(chat_messages(body["messages"], rid, self.limits.max_messages), rid)
+            return self.encode_chat(check_messages(body["messages"], rid, self.limits.max_messages, 1), rid)
+        if "tools" in body or "chat_template_kwargs" in body:
+            raise fail("tools" if "tools" in body else "chat_template_kwargs", "given only with messages", rid)
         if not isinstance(body["text"], str):
             raise fail("text", "a string", rid)
         return self.encode_text(body["text"], special, rid)

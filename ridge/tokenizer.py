@@ -264,9 +264,12 @@ class Tokenizer:
                                         eos_token=self.token_text(eos), **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        # Templates usually write BOS themselves (HF encodes without special tokens); add it only
-        # when the model wants one and the template did not emit it.
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat. Templates usually write BOS themselves (HF encodes without special
+        tokens); it is added only when the model wants one and the template did not emit it."""
+        ids = self.encode(text, False)
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -289,8 +292,9 @@ class IncrementalDetokenizer:
     text ending in U+FFFD is an incomplete UTF-8 sequence, held back until more bytes arrive."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, keep: tuple[int, ...] = ()):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.keep = frozenset(keep)  # special tokens whose text is kept though the others are skipped
         self.ids = list(prompt_ids or [])
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - 5, 0)  # enough context for a leading space
@@ -301,6 +305,11 @@ class IncrementalDetokenizer:
                 dec(self.ids[self.prefix_offset:], self.skip))
 
     def add(self, token_id: int) -> str:
+        if token_id in self.keep:  # its text, after what was pending; decoding restarts past it
+            text = self.flush() + self.tokenizer.token_text(token_id)
+            self.ids.append(token_id)
+            self.prefix_offset = self.read_offset = len(self.ids)
+            return text
         self.ids.append(token_id)
         prefix, full = self._pending()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

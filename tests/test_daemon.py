@@ -70,7 +70,8 @@ def raw(daemon):
 # -- hello, security, systemd ------------------------------------------------------------
 def test_hello_model_info_and_socket_modes(daemon, raw):
     h = raw.call({"type": "hello", "id": "h", "versions": [1, 7], "client": "test"})
-    assert h["type"] == "hello" and h["version"] == 1 and h["supported"] == [1] and h["state"] == "ok"
+    assert h["type"] == "hello" and h["version"] == 1 and h["supported"] == [1, 2] and h["state"] == "ok"
+    assert h["v"] == 1  # answered in the version it was asked in
     m = h["model"]
     assert m["name"] == "tiny-llama" and m["arch"] == "llama" and m["block_size"] == 16
     from ridge.kernels import native
@@ -83,7 +84,7 @@ def test_hello_model_info_and_socket_modes(daemon, raw):
     sock_path = daemon.endpoint[len("ipc://"):]
     assert stat.S_IMODE(os.stat(os.path.dirname(sock_path)).st_mode) == 0o700  # the user socket directory
     assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
-    assert raw.call({"type": "hello", "id": "h2", "versions": [2, 3]})["code"] == "unsupported_version"
+    assert raw.call({"type": "hello", "id": "h2", "versions": [3, 4]})["code"] == "unsupported_version"
 
 
 def test_sd_notify_ready_status_watchdog(daemon, notify):
@@ -300,7 +301,7 @@ def test_bad_input_gets_an_error_frame(raw, name, frames, code, rid):
     assert reply["code"] == code, reply
     assert reply["id"] == rid and reply["message"]
     if code == "unsupported_version":
-        assert reply["supported"] == [1]
+        assert reply["supported"] == [1, 2]
 
 
 def test_oversize_frame(raw):
@@ -355,7 +356,7 @@ def test_fuzz_random_frames_leave_the_daemon_serving(daemon):
                                               "logprobs", "ignore_eos", "speculative", "bogus"]),
                              st.integers(-3, 8) | values, max_size=4)
     structured = st.fixed_dictionaries(
-        {"v": st.sampled_from([1, 1, 1, 0, 2, "1", None]),
+        {"v": st.sampled_from([1, 1, 1, 0, 2, 3, "1", None]),
          "type": st.sampled_from(["hello", "generate", "abort", "tokenize", "detokenize", "stats", "health",
                                   "heartbeat", "nope"])},
         optional={"id": st.text(max_size=10) | st.integers(-2**63, 2**64 - 1), "prompt": st.text(max_size=16) | values,
@@ -363,7 +364,8 @@ def test_fuzz_random_frames_leave_the_daemon_serving(daemon):
                                                               "content": st.text(max_size=10)}), max_size=3) | values,
                   "prompt_token_ids": st.lists(st.integers(-3, 300), max_size=6), "text": st.text(max_size=12),
                   "token_ids": st.lists(st.integers(-3, 300), max_size=6) | values, "params": params,
-                  "stream": st.booleans() | values, "versions": st.lists(st.integers(0, 3), max_size=3)})
+                  "stream": st.booleans() | values, "versions": st.lists(st.integers(0, 3), max_size=3),
+                  "tools": values, "tool_choice": values, "chat_template_kwargs": values})
     valid = pack({"v": 1, "type": "generate", "id": "m", "prompt": "mutate", "params": {"max_tokens": 3}})
     mutated = st.lists(st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)), min_size=1, max_size=4).map(
         lambda edits: bytes(b if all(i != j for j, _ in edits) else next(x for j, x in edits if j == i)
@@ -380,7 +382,7 @@ def test_fuzz_random_frames_leave_the_daemon_serving(daemon):
         c.send({"type": "health", "id": f"live{seen['n']}"})
         while True:
             msg = c.recv(10)
-            assert isinstance(msg, dict) and msg["v"] == 1 and isinstance(msg["type"], str)
+            assert isinstance(msg, dict) and msg["v"] in (1, 2) and isinstance(msg["type"], str)
             seen["errors"] += msg["type"] == "error"
             if msg.get("id") == f"live{seen['n']}":
                 assert msg["status"] == "ok"

@@ -57,12 +57,13 @@ def test_unpack_accepts_plain_maps_and_rejects_the_rest():
 
 def test_envelope_checks_version_type_and_id():
     env = P.envelope({"v": 1, "type": "stats", "id": "a"})
-    assert (env.type, env.id, env.body) == ("stats", "a", {})
+    assert (env.type, env.id, env.body, env.v) == ("stats", "a", {}, 1)
+    assert P.envelope({"v": 2, "type": "stats"}).v == 2
     assert code_of(P.envelope, {"type": "stats"}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": True, "type": "stats"}) == P.INVALID_FIELD
     with pytest.raises(P.ProtocolError) as e:
-        P.envelope({"v": 2, "type": "stats", "id": "q"})
-    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1]} and e.value.request_id == "q"
+        P.envelope({"v": 3, "type": "stats", "id": "q"})
+    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2]} and e.value.request_id == "q"
     assert code_of(P.envelope, {"v": 1}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": 1, "type": "boom"}) == P.UNKNOWN_TYPE
     assert code_of(P.envelope, {"v": 1, "type": "generate"}) == P.MISSING_FIELD

@@ -129,7 +129,8 @@ async def generate(request: Request, kind: str) -> Response:
             lp = None
             if gen.top_logprobs is not None:
                 lp = await _logprobs(link, kind, gen.top_logprobs, ch.get("logprobs") or [], ch["token_ids"])
-            choices.append(R.choice(kind, pi * gen.n + ch["index"], ch["text"], ch["finish_reason"], lp))
+            choices.append(R.choice(kind, pi * gen.n + ch["index"], ch["text"], ch["finish_reason"], lp,
+                                    ch.get("reasoning"), ch.get("tool_calls")))
     out = R.response(kind, R.new_id(kind), link.model["name"], int(time.time()), choices, R.sum_usage(finals))
     return JSONResponse(out)
 
@@ -221,7 +222,7 @@ async def _events(link, kind: str, gen: Generation, chunks: R.Chunks, streams: l
             if gen.top_logprobs is not None and d.logprobs:
                 lp = await _logprobs(link, kind, gen.top_logprobs, d.logprobs, d.token_ids, offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(d.text)
-            yield chunks.event([chunks.piece(index, d.text, lp)])
+            yield chunks.event([chunks.piece(index, d.text, lp, reasoning=d.reasoning, calls=d.tool_calls)])
     except (RidgeError, ApiError) as e:
         err = link.failed(e) if isinstance(e, RidgeError) else e
         yield R.error_event(err.message, err.type, err.code)

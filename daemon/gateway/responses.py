@@ -5,7 +5,9 @@ chat (`chat.completion`, `chat.completion.chunk`) and completions
 A request with several prompts (completions) or samples (`n`) has one choice
 per (prompt, sample): choice index = prompt * n + sample. Finish reasons pass
 through from the daemon: `stop`, `length`, and `abort` for a request the
-daemon ended while draining."""
+daemon ended while draining, and `tool_calls` for a sample that called tools.
+The daemon splits reasoning and tool calls from the content (docs/protocol.md
+§3.2.3); here they take OpenAI's shapes (and vLLM's reasoning_content)."""
 from __future__ import annotations
 
 import json
@@ -23,16 +25,40 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt: int, completion: int, cached: int, reasoning: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+         "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return u
 
 
 def sum_usage(finals: list) -> dict:
     """Usage over the daemon finals of one request (one per prompt)."""
     u = [f.usage for f in finals]
+    reasoning = [x["reasoning_tokens"] for x in u if "reasoning_tokens" in x]
     return usage(sum(x.get("prompt_tokens", 0) for x in u), sum(x.get("completion_tokens", 0) for x in u),
-                 sum(x.get("cached_tokens", 0) for x in u))
+                 sum(x.get("cached_tokens", 0) for x in u), sum(reasoning) if reasoning else None)
+
+
+# -- tool calls and reasoning (docs/protocol.md §3.2.3) ------------------------------------------------
+def tool_call(call: dict) -> dict:
+    """A daemon call {index, id, name, arguments} -> OpenAI's message.tool_calls entry."""
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def tool_call_piece(piece: dict) -> dict:
+    """A daemon call piece -> OpenAI's delta.tool_calls entry: the first names the call, the rest
+    carry its arguments."""
+    if "id" in piece:
+        return {"index": piece["index"], "id": piece["id"], "type": "function",
+                "function": {"name": piece["name"], "arguments": piece["arguments"]}}
+    return {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
+
+
+def _reasoning(into: dict, reasoning: str | None) -> None:
+    if reasoning:  # vLLM's two names: reasoning_content, and reasoning, its newer
+        into["reasoning_content"] = into["reasoning"] = reasoning
 
 
 # -- logprobs ------------------------------------------------------------------------------------
@@ -83,10 +109,14 @@ def logprob_ids(entries: list, token_ids: list[int], top: int) -> set[int]:
 
 
 # -- whole responses ---------------------------------------------------------------------------------
-def choice(kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+def choice(kind: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+           reasoning: str | None = None, calls: list | None = None) -> dict:
     if kind == CHAT:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text or (None if calls else text)}
+        _reasoning(message, reasoning)
+        if calls:
+            message["tool_calls"] = [tool_call(c) for c in calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -112,9 +142,15 @@ class Chunks:
         return sse(obj)
 
     def piece(self, index: int, text: str | None, logprobs: dict | None = None, finish_reason: str | None = None,
-              role: bool = False) -> dict:
+              role: bool = False, reasoning: str | None = None, calls: list | None = None) -> dict:
         if self.kind == CHAT:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if reasoning or calls:
+                if not text:
+                    delta.pop("content", None)
+                _reasoning(delta, reasoning)
+                if calls:
+                    delta["tool_calls"] = [tool_call_piece(c) for c in calls]
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 

@@ -30,7 +30,7 @@ class TextState:
     into a stop string, so that a stop string is never half emitted."""
 
     def __init__(self, tokenizer, req: Request):
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, keep=req.params.keep_special_ids)
         self.stops = req.params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # all decoded output text

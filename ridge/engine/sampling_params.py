@@ -27,12 +27,18 @@ class SamplingParams:
     # What the output must be (structured/format.py): OpenAI's json_schema / json_object, or
     # ridge's regex / grammar. None or {"type": "text"}: free text.
     response_format: dict | None = None
+    # The grammar the daemon composes for a chat turn (tools, reasoning; daemon/chat_grammar.py), in
+    # llguidance's own form; it replaces the response_format's, which it embeds. Not on the wire.
+    chat_grammar: str | None = None
+    # Special tokens whose text the output keeps (chat markers the daemon reads, such as Llama 3's
+    # <|python_tag|>); decoding drops every other special token. Not on the wire.
+    keep_special_ids: tuple[int, ...] = ()
     # response_format parsed once, when the params are made (structured.format.Constraint or None).
     _constraint: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check()
-        if self.response_format is not None:
+        if self.response_format is not None or self.chat_grammar is not None:
             self._constraint = self._parse()  # its shape; whether it compiles is asked at admission
 
     def _check(self) -> None:
@@ -56,7 +62,7 @@ class SamplingParams:
     def _parse(self):
         from .structured.format import parse_response_format
 
-        c = parse_response_format(self.response_format)
+        c = parse_response_format(self.response_format, self.chat_grammar)
         if c is not None and self.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with a response_format: "
                                  "the end of the constrained output is its end of sequence")
@@ -68,7 +74,7 @@ class SamplingParams:
 
     def derive(self, **changes) -> "SamplingParams":
         """A copy with some fields changed, checked again, its parsed response_format shared."""
-        if "response_format" in changes or "ignore_eos" in changes:
+        if {"response_format", "chat_grammar", "ignore_eos"} & set(changes):
             raise ValueError("derive() keeps the response_format: make new params for another one")
         new = copy.copy(self)
         for k, v in changes.items():

@@ -11,7 +11,10 @@ at these points:
   sample  ModelRunner.launch      mask(scheduled, spans, logits): every constrained row of the
                                   step, plain and verified, in one operation before sampling
   read    LLMEngine._complete     advance(out): the matchers consume the step's tokens
-  finish  LLMEngine._forget       on_finish(req): the matcher holds the whole output"""
+  finish  LLMEngine._forget       on_finish(req): the matcher holds the whole output
+
+The daemon's validator compiles with the engine's GrammarCompiler; its chat grammar
+(daemon/chat_grammar.py: tools, reasoning) takes JSON_WHITESPACE and named_grammars."""
 from .constraints import Constraints
 
 __all__ = ["Constraints"]

@@ -25,7 +25,8 @@ MAX_TEXT = 1 << 20  # characters of a regex or grammar
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """One parsed response_format: kind is json_schema, regex or grammar; text is the
-    schema as compact JSON, the regex or the grammar. key names it in caches."""
+    schema as compact JSON, the regex or the grammar. key names it in caches. A chat turn's
+    grammar (SamplingParams.chat_grammar) is kind llguidance, text in the library's form."""
     kind: str
     text: str
 
@@ -38,9 +39,14 @@ def _bad(msg: str) -> InvalidRequest:
     return InvalidRequest(f"response_format{msg}")
 
 
-def parse_response_format(fmt) -> Constraint | None:
+def parse_response_format(fmt, chat_grammar: str | None = None) -> Constraint | None:
     """-> the constraint, or None for no constraint (absent, or type text). Raises
-    InvalidRequest for a shape error; a schema that does not compile is found later."""
+    InvalidRequest for a shape error; a schema that does not compile is found later.
+    chat_grammar: a chat turn's grammar (SamplingParams.chat_grammar), which embeds the
+    response_format and replaces it."""
+    if chat_grammar is not None:
+        parse_response_format(fmt)  # its shape is still checked
+        return Constraint("llguidance", chat_grammar)
     if fmt is None:
         return None
     if not isinstance(fmt, dict):

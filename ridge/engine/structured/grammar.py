@@ -120,7 +120,8 @@ class GrammarCompiler:
     def _build(self, c: Constraint):
         import llguidance
 
-        what = {"json_schema": "the JSON schema", "regex": "the regex", "grammar": "the grammar"}[c.kind]
+        what = {"json_schema": "the JSON schema", "regex": "the regex", "grammar": "the grammar",
+                "llguidance": "the chat grammar (the tools' schemas, the response_format)"}[c.kind]
         try:
             grammar = grammar_text(c)
         except ValueError as e:
@@ -143,4 +144,19 @@ def grammar_text(c: Constraint) -> str:
         return LLMatcher.grammar_from_json_schema(c.text, defaults={"whitespace_pattern": JSON_WHITESPACE})
     if c.kind == "regex":
         return LLMatcher.grammar_from_regex(c.text)
+    if c.kind == "llguidance":  # composed by the daemon for a chat turn, already in the library's form
+        return c.text
     return grammar_from("grammar", c.text)
+
+
+def named_grammars(c: Constraint, name: str) -> list[dict]:
+    """The constraint as llguidance's grammars, the first named `name`, for a grammar that embeds
+    it (`@name`): the daemon's chat grammar puts a response_format after the thinking."""
+    import json
+
+    text = grammar_text(c)
+    try:
+        entries = json.loads(text)["grammars"]
+    except ValueError:  # a Lark grammar comes back as its text
+        entries = [{"lark_grammar": text}]
+    return [{**entries[0], "name": name}] + entries[1:]

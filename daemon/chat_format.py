@@ -1,0 +1,122 @@
+"""What a model's chat template says about tool calls and reasoning
+(docs/protocol.md §3.2.3), read once per daemon: the format its calls are
+written in, chosen from the template with no flag; whether the model
+reasons; each marker as the tokenizer holds it; and, for a template that
+renders no tools, ridge's own prompt for them."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# The markers each format writes, by role.
+MARKER_TEXT = {"call_open": "<tool_call>", "call_close": "</tool_call>", "python_tag": "<|python_tag|>",
+               "tool_calls": "[TOOL_CALLS]", "think_open": THINK_OPEN, "think_close": THINK_CLOSE}
+FORMAT_MARKERS = {HERMES: ("call_open", "call_close"), LLAMA3_JSON: ("python_tag",), MISTRAL: ("tool_calls",)}
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    text: str
+    token_id: int | None  # the one token whose text it is, if there is one
+    special: bool  # a special token: decoding drops it unless kept
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    tool_format: str | None  # HERMES, LLAMA3_JSON, MISTRAL; None: the template writes calls ridge cannot read
+    tools_in_template: bool  # False: the template never reads `tools`, and ridge writes their prompt
+    reasoning: bool  # the template writes </think>
+    markers: dict  # role -> Marker, for the format's markers and the thinking's
+
+    def info(self) -> dict:
+        """hello.model.chat (docs/protocol.md §7.1)."""
+        return {"tool_format": self.tool_format, "tool_prompt": "template" if self.tools_in_template else "ridge",
+                "reasoning": self.reasoning}
+
+    def keep_ids(self) -> tuple[int, ...]:
+        """The special tokens whose text the output must keep, so that the parser sees them."""
+        return tuple(sorted(m.token_id for m in self.markers.values() if m.special))
+
+    def reasoning_start(self, prompt: str) -> str:
+        """Where the output begins: "think" (the prompt opened <think>), "maybe" (the model may open
+        it), "content" (no reasoning, or the prompt closed it: thinking turned off)."""
+        if not self.reasoning:
+            return "content"
+        tail = prompt.rstrip()
+        if tail.endswith(THINK_OPEN):
+            return "think"
+        return "content" if tail.endswith(THINK_CLOSE) else "maybe"
+
+
+def read_format(template: str | None) -> tuple[str | None, bool]:
+    """-> (the tool format, whether the template reads `tools`)."""
+    t = template or ""
+    reads_tools = re.search(r"\btools\b", t) is not None
+    if "<tool_call>" in t:
+        return HERMES, reads_tools
+    if "[TOOL_CALLS]" in t:
+        return MISTRAL, reads_tools
+    if "<|python_tag|>" in t or ("<|start_header_id|>" in t and reads_tools):
+        return LLAMA3_JSON, reads_tools
+    # A template that never reads tools gets ridge's prompt, in Hermes' format; one that reads them
+    # and writes none of the known markers has a format of its own (Granite's, Phi-4's).
+    return (None, True) if reads_tools else (HERMES, False)
+
+
+def chat_format(tokenizer) -> ChatFormat:
+    fmt, in_template = read_format(tokenizer.chat_template)
+    reasoning = THINK_CLOSE in (tokenizer.chat_template or "")
+    roles = list(FORMAT_MARKERS.get(fmt, ())) + (["think_open", "think_close"] if reasoning else [])
+    return ChatFormat(fmt, in_template, reasoning, {r: marker(tokenizer, MARKER_TEXT[r]) for r in roles})
+
+
+def marker(tokenizer, text: str) -> Marker:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return Marker(text, None, False)
+    added = tokenizer.backend.get_added_tokens_decoder().get(ids[0])
+    return Marker(text, ids[0], bool(added is not None and added.special))
+
+
+# -- ridge's prompt, for a template that renders no tools ----------------------------------------------
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to help with the user's request. Their signatures are within <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and arguments within <tool_call></tool_call>:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-json-object>}}
+</tool_call>"""
+
+
+def hermes_block(name: str, arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def ridge_tool_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The chat for a template that renders no tools: their prompt in the system message (when the
+    model may call them), earlier calls as Hermes blocks in the assistant's text, results as
+    <tool_response> user messages. messages: as template_messages made them (arguments as maps)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            blocks = [hermes_block(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            text = "\n".join(([m["content"]] if m["content"] else []) + blocks)
+            out.append({"role": m["role"], "content": text})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
