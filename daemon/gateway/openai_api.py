@@ -108,13 +108,12 @@ class Generation:
     n: int = 1
 
 
-def _sampling(req: Sampling, max_tokens: int | None) -> tuple[dict, int]:
-    """The sampling fields both endpoints share -> (daemon params, n). max_tokens: the default."""
+def _sampling(req: Sampling, max_tokens: int | None, given: int | None) -> tuple[dict, int]:
+    """The sampling fields both endpoints share -> (daemon params, n). max_tokens: the default;
+    given: the body's (chat has two names for it)."""
     p: dict = {}
-    for given in (getattr(req, "max_completion_tokens", None), req.max_tokens):
-        if given is not None:
-            max_tokens = given
-            break
+    if given is not None:
+        max_tokens = given
     if max_tokens is not None:
         p["max_tokens"] = max_tokens
     p["temperature"] = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
@@ -179,21 +178,51 @@ def _content(content) -> str:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """OpenAI's messages -> the daemon's (docs/protocol.md §3.2.3): text parts joined, the developer
+    role as system, an assistant's calls and the tool results kept for the model's template."""
     out = []
     for m in req.messages:
-        if m.tool_calls or m.function_call:
-            raise bad("tool calls are not supported by ridge", "messages")
-        out.append({"role": ROLES.get(m.role, m.role), "content": _content(m.content)})
+        if m.function_call:
+            raise bad("function_call (OpenAI's older calls) is not supported by ridge; send tool_calls", "messages")
+        msg = {"role": ROLES.get(m.role, m.role), "content": _content(m.content)}
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            msg["content"] = None if m.content is None else msg["content"]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if (value := getattr(m, key)) is not None:
+                msg[key] = value
+        out.append(msg)
     return out
+
+
+def turn_fields(req: ChatCompletionRequest, params: dict) -> None:
+    """Tools, the template's variables and the thinking's budget, into the daemon's generate
+    (§3.2.3). reasoning_effort goes to the template, where templates that know it read it; "none"
+    turns thinking off (enable_thinking false) unless the request says otherwise."""
+    if req.tools:
+        params["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req.tool_choice is not None:
+        params["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+    if req.parallel_tool_calls is not None:
+        params["parallel_tool_calls"] = req.parallel_tool_calls
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        if req.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    if kwargs:
+        params["chat_template_kwargs"] = kwargs
+    if req.max_reasoning_tokens is not None:
+        params["max_reasoning_tokens"] = req.max_reasoning_tokens
 
 
 def chat_request(body: dict, max_tokens: int) -> Generation:
     req = parsed(ChatCompletionRequest, body)
     messages = chat_messages(req)
-    if req.tools and req.tool_choice != "none":
-        raise bad("tools are not supported by ridge", "tools")
-    params, n = _sampling(req, max_tokens)
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params, n = _sampling(req, max_tokens, given)
     _response_format(req, body, params)
+    turn_fields(req, params)
     stream, usage = _stream(req)
     top = None
     if req.logprobs:
@@ -221,7 +250,7 @@ def completion_request(body: dict) -> Generation:
         raise bad("echo is not supported by ridge", "echo")
     if req.suffix:
         raise bad("suffix is not supported by ridge", "suffix")
-    params, n = _sampling(req, COMPLETION_DEFAULT_MAX_TOKENS)
+    params, n = _sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.max_tokens)
     _response_format(req, body, params)  # not in OpenAI's completions; vLLM and llama-server take it there too
     stream, usage = _stream(req)
     if req.logprobs is not None:
