@@ -1,10 +1,12 @@
 """Gemma 2 and Gemma 3 (text): the fields their transformers models read (Gemma2Config,
 Gemma3TextConfig in transformers 5.24, with those classes' defaults), honoured or refused by
-name (quant/families.py registers them). ridge/models/gemma.py runs them."""
+name (quant/families.py registers them), and the multimodal Gemma 3 (Gemma3Config) as its text
+model. ridge/models/gemma.py runs them."""
 from __future__ import annotations
 
 import torch
 
+from .errors import ModelLoadError
 from .hf_config import HFConfig, rope_fields, window_from_layer_types
 
 _COMMON = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -84,3 +86,62 @@ def shift_norms(sd: dict[str, torch.Tensor]) -> None:
     for name, t in sd.items():
         if name.endswith("norm.weight"):
             sd[name] = t.float() + 1.0
+
+
+# -- Gemma 3 as the Hub ships 4B, 12B and 27B: model_type gemma3, Gemma3ForConditionalGeneration
+# (transformers 5.24's Gemma3Config), served as text, as llama.cpp and Ollama serve it. Its text
+# model is text_config's gemma3_text, read by read_gemma; of the wrapper's own fields only these
+# reach text logits: tie_word_embeddings (the wrapper's lm_head ties to the embedding by it, not
+# by text_config's) and image_token_index (an id past the vocabulary is embedded as token 0).
+GEMMA3_WRAPPER_READ = frozenset({"text_config", "tie_word_embeddings", "image_token_index"})
+GEMMA3_WRAPPER_DEFAULTS = dict(tie_word_embeddings=True, image_token_index=262_144)
+# Images only: the vision tower's config, the image tokens' count and markers.
+GEMMA3_WRAPPER_IGNORED = frozenset({"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
+                                    "initializer_range"})
+
+
+class _TextConfig(HFConfig):
+    """text_config's values: a refusal names the field as text_config.<key>."""
+
+    def refuse(self, key: str, value, why: str):
+        super().refuse(f"text_config.{key}", value, why)
+
+
+def gemma3_text_config(c: HFConfig) -> HFConfig:
+    """The wrapper's config -> its text model's, as GEMMA3_DEFAULTS' family reads it."""
+    text = c.get("text_config")
+    if text is None:
+        text = {}  # Gemma3Config builds a default Gemma3TextConfig
+    if not isinstance(text, dict):
+        c.refuse("text_config", text, "expected a JSON object")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        c.refuse("text_config.model_type", text["model_type"], "Gemma 3's text model is gemma3_text")
+    view = _TextConfig({**text, "tie_word_embeddings": c.flag("tie_word_embeddings")}, c.path, GEMMA3_DEFAULTS)
+    if view.get("final_logit_softcapping") is not None:
+        # Gemma3ForCausalLM caps its logits; Gemma3ForConditionalGeneration never does.
+        view.refuse("final_logit_softcapping", view.get("final_logit_softcapping"),
+                    "transformers' Gemma3ForConditionalGeneration does not apply it")
+    image = c.get("image_token_index")
+    if isinstance(image, int) and not isinstance(image, bool) and image >= view.positive_int("vocab_size"):
+        c.refuse("image_token_index", image, "past the vocabulary: transformers embeds it as token 0, ridge would not")
+    return view
+
+
+# Its weights: transformers 5 saves model.language_model.* and lm_head.*; earlier versions (most
+# files on the Hub) language_model.model.* and language_model.lm_head.*. The vision tower and the
+# projector are skipped (ridge serves text); any other name is refused.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def gemma3_text_name(name: str, path) -> str | None:
+    """A wrapper checkpoint's tensor -> its text model's name (Gemma3ForCausalLM's), or None for
+    the vision tower's and the projector's."""
+    for src, dst in _TEXT_PREFIXES:
+        if name.startswith(src):
+            return dst + name[len(src):]
+    if name.startswith(VISION_PREFIXES):
+        return None
+    raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the vision tower's or projector's "
+                               "(Gemma3ForConditionalGeneration's names)")

@@ -247,3 +247,146 @@ def test_bench_window_model(tmp_path):
     tok = Tokenizer.from_hf_dir(tmp_path)
     assert len(tok.encode_chat([{"role": "user", "content": "hello"}])) > 5
 
+
+
+# -- Gemma 3 as the Hub ships 4B/12B/27B: Gemma3ForConditionalGeneration (model_type gemma3),
+# served as its text model. A tiny random one with a one-layer vision tower, saved by
+# transformers; against its logits on text-only input.
+VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+              num_attention_heads=2, image_size=28, patch_size=14)
+MM_VARIANTS = {
+    "tied": dict(text=dict(num_hidden_layers=4, sliding_window_pattern=2, sliding_window=20,
+                           rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # the wrapper's tie_word_embeddings decides, not text_config's
+    "untied": dict(text=dict(num_hidden_layers=3, sliding_window=9, tie_word_embeddings=True),
+                   tie_word_embeddings=False),
+}
+
+
+def build_multimodal(over: dict, path, seed: int = 0):
+    text = {**BASE, **over["text"]}
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4,
+                                    image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                                    **{k: v for k, v in over.items() if k != "text"})
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if name.endswith("norm.weight") else 0.15)
+    model.eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(str(path))
+    write_tokenizer_files(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(MM_VARIANTS))
+def multimodal(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3-mm-" + request.param)
+    return path, build_multimodal(MM_VARIANTS[request.param], path)
+
+
+def test_multimodal_gemma3_serves_its_text_model(multimodal, caplog):
+    path, hf = multimodal
+    names = list(hf.state_dict())
+    assert any(n.startswith("model.vision_tower.") for n in names)  # a real tower is beside the text
+    with caplog.at_level("INFO", logger="ridge.quant"):
+        lm = load_model(path, device="cpu", weights="fp32", use_cache=False)
+    skipped = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(skipped) == 1, skipped
+    vision = sum(n.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for n in names)
+    assert f"its {vision} vision tower and projector tensors" in skipped[0]
+    cfg, text = lm.config, hf.config.text_config
+    assert cfg.arch == "gemma3_text" and cfg.layer_types == text.layer_types
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings  # "untied": text_config's says tied
+    tied = hf.lm_head.weight.data_ptr() == hf.model.language_model.embed_tokens.weight.data_ptr()
+    assert tied == hf.config.tie_word_embeddings
+    assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(hf, PROMPT))
+
+
+def test_multimodal_gemma3_older_layout(multimodal, tmp_path):
+    """Files saved before transformers 5 (most of the Hub's): language_model.model.*,
+    language_model.lm_head.*, vision_tower.vision_model.*, multi_modal_projector.*."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path, hf = multimodal
+    old = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            continue
+        for new, was in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                         ("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector.")):
+            if name.startswith(new):
+                old[was + name[len(new):]] = t.contiguous().clone()
+                break
+        else:
+            raise AssertionError(name)
+    for f in path.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, tmp_path / f.name)
+    save_file(old, str(tmp_path / "model.safetensors"))
+    lm = load_model(tmp_path, device="cpu", weights="fp32", use_cache=False)
+    assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(hf, PROMPT))
+    # a tensor outside the language model, the tower and the projector is refused by name
+    save_file({**old, "audio_tower.proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="audio_tower.proj.weight"):
+        load_model(tmp_path, device="cpu", weights="fp32", use_cache=False)
+
+
+def test_multimodal_gemma3_config_fields_are_declared():
+    import dataclasses
+
+    from ridge.quant.families import BASE_IGNORED
+    from ridge.quant.hf_gemma import GEMMA3_WRAPPER_DEFAULTS, GEMMA3_WRAPPER_IGNORED, GEMMA3_WRAPPER_READ
+
+    fields = {f.name: f.default for f in dataclasses.fields(transformers.Gemma3Config)}
+    assert not set(fields) - GEMMA3_WRAPPER_READ - GEMMA3_WRAPPER_IGNORED - BASE_IGNORED
+    assert {k: fields[k] for k in GEMMA3_WRAPPER_DEFAULTS} == GEMMA3_WRAPPER_DEFAULTS
+
+
+def _write_multimodal_config(tmp_path, text: dict | None = None, **top) -> None:
+    c = transformers.Gemma3Config(text_config={**BASE, "num_hidden_layers": 2, "sliding_window": 8},
+                                  vision_config=VISION, image_token_index=VOCAB - 1).to_dict()
+    c["text_config"].update(text or {})
+    c.update(top)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("text, top, named", [
+    ({"final_logit_softcapping": 30.0}, {}, "text_config.final_logit_softcapping=30.0"),
+    ({"sliding_window": 0}, {}, "text_config.sliding_window=0"),
+    ({"hidden_activation": "silu"}, {}, "text_config.hidden_activation='silu'"),
+    ({"model_type": "siglip_text_model"}, {}, "text_config.model_type"),
+    ({}, {"image_token_index": VOCAB}, f"image_token_index={VOCAB}"),
+    ({}, {"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes'"),
+    ({}, {"text_config": [1]}, "text_config=[1]"),
+    ({}, {"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method='gptq'"),
+])
+def test_multimodal_gemma3_refusals_name_the_field(tmp_path, text, top, named):
+    _write_multimodal_config(tmp_path, text, **top)
+    with pytest.raises(ModelLoadError) as e:
+        read_hf_config(tmp_path)
+    assert named in str(e.value)
+
+
+def test_multimodal_gemma3_older_config(tmp_path):
+    """A 4.50-era file: text_config lists only what differs from Gemma3TextConfig's defaults."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"}}))
+    cfg = read_hf_config(tmp_path)
+    ref = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    text = ref.text_config
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        text.hidden_size, text.num_hidden_layers, text.vocab_size, text.num_attention_heads,
+        text.num_key_value_heads, text.head_dim)
+    assert cfg.layer_types == text.layer_types and cfg.sliding_window == 1024
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0} and cfg.rope_theta == 1_000_000.0
+    assert cfg.rope_local_theta == text.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    assert cfg.tie_word_embeddings is ref.tie_word_embeddings is True
