@@ -390,3 +390,13 @@ def test_multimodal_gemma3_older_config(tmp_path):
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0} and cfg.rope_theta == 1_000_000.0
     assert cfg.rope_local_theta == text.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
     assert cfg.tie_word_embeddings is ref.tie_word_embeddings is True
+
+
+def test_multimodal_gemma3_through_the_engine(multimodal):
+    """Greedy tokens through the engine (16-token prefill chunks) against transformers' wrapper,
+    teacher-forced."""
+    path, hf = multimodal
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False)
+    prompt = PROMPT[:40]
+    toks = run(make_engine(lm, prefill_chunk=16, cpu_weight_format="fp32"), [prompt], greedy(12))["r0"]
+    assert toks == _greedy_reference(hf, prompt, toks)
