@@ -39,7 +39,8 @@ KNOWN_KEYS = {
     "common": {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
                "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
                "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
-               "rope.scaling.factor", "rope.scaling.original_context_length"},
+               "rope.scaling.factor", "rope.scaling.original_context_length",
+               "pooling_type"},  # an embedding model's pooling: read by engine/pooling.py
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
     "olmo2": {"rope.scaling.attn_factor"},
     "granite": {"attention.scale", "embedding_scale", "residual_scale", "logit_scale"},

@@ -26,6 +26,7 @@ from .cpu_format import choose_cpu_format, fp8_max_tokens, keep_freed_memory
 from .kv_tiers import build_tiers
 from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
+from .pooling import pooled_output, resolve_pooling
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
 from .sampling_params import InvalidRequest, SamplingParams
@@ -72,11 +73,11 @@ class LLMEngine:
         spec = plan_speculation(config.speculative_config, self.device, config.weights, self.max_model_len,
                                 self.tokenizer, self.budget_info["knee_tokens"], self.model)
         draft = spec.draft if spec is not None else None
+        if draft is not None and (why := draft_table_mismatch(self.loaded.config, draft.config)):
+            raise ValueError(f"the draft model {draft.path.name}: {why}")
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)
-        if draft is not None and (why := draft_table_mismatch(self.loaded.config, draft.config)):
-            raise ValueError(f"the draft model {draft.path.name}: {why}")
         self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
                                   self.loaded.weight_bytes + (spec.weight_bytes if spec else 0), act,
                                   gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
@@ -97,6 +98,10 @@ class LLMEngine:
                                            self.runner.bufs.width) if spec is not None else None
         self.constraints = Constraints(self.tokenizer, self.loaded.config.vocab_size)
         self.runner.speculator, self.runner.constraints = self.speculator, self.constraints
+        # What the model is (--pooling, else its metadata): last or mean for an embedding model, None if it generates.
+        self.pooling = resolve_pooling(config.pooling, self.loaded.path)
+        self.runner.pooling = self.pooling is not None
+        self.embeddings: dict[str, tuple] = {}  # embedding request id -> (its inputs' requests, dimensions)
         self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.speculator)
         caches = [self.kv_cache] + (self.speculator.caches if self.speculator else [])  # what the block ids index
         self.tiers = build_tiers(config, self.loaded, draft, caches, self.kv_dtype)
@@ -186,6 +191,9 @@ class LLMEngine:
         rules already, max_tokens fitted to the context and the constraint compiled, so they are
         not checked again (its compilation is a cache hit of the compiler both share)."""
         params = params or SamplingParams()
+        if self.pooling is not None:
+            raise InvalidRequest(f"this model is an embedding model (pooling {self.pooling}): it answers embed "
+                                 "requests (/v1/embeddings), not generate")
         if not isinstance(cache_salt, str):
             raise InvalidRequest("cache_salt must be a string")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -212,6 +220,47 @@ class LLMEngine:
         self.totals["requests"] += 1
         return request_id
 
+    def add_embedding(self, request_id: str | None, inputs: list, dimensions: int | None = None,
+                      checked: bool = False) -> str:
+        """inputs: texts or token id lists, each one prefill whose pooled state is its embedding;
+        one output carries them all once every input is done (pooling.py). dimensions: keep the
+        first this many components (Matryoshka), then normalise."""
+        if self.pooling is None:
+            raise InvalidRequest("this model generates text and has no embeddings (serve an embedding model, "
+                                 "or say how to pool with --pooling last|mean)")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        lists = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        params = SamplingParams(max_tokens=1)  # the prefill's one greedy sample ends it; nothing reads it
+        if not checked:
+            if not lists:
+                raise InvalidRequest("input is empty")
+            size = self.loaded.config.hidden_size
+            if dimensions is not None and not 1 <= dimensions <= size:
+                raise InvalidRequest(f"dimensions must be in [1, {size}]")
+            for ids in lists:
+                self._validate(ids, params)
+        samples = []
+        for i, ids in enumerate(lists):
+            req = Request(f"{request_id}#e{i}", ids, params, (), client_id=request_id, index=i,
+                          embed_pooling=self.pooling)
+            self.requests[req.request_id] = req
+            self.scheduler.add_request(req)
+            samples.append(req)
+        self.groups[request_id] = samples
+        self.embeddings[request_id] = samples, dimensions
+        self.totals["requests"] += 1
+        return request_id
+
+    def embed(self, inputs: list, dimensions: int | None = None) -> RequestOutput:
+        """Run one embedding request to completion."""
+        rid = self.add_embedding(None, inputs, dimensions)
+        final = None
+        while self.has_unfinished():
+            final = next((o for o in self.step() if o.request_id == rid), final)
+        return final
+
     def abort_request(self, request_id: str) -> bool:
         samples = self.groups.get(request_id)
         if samples is None:
@@ -219,7 +268,8 @@ class LLMEngine:
         for req in samples:
             if not req.is_finished:
                 self.scheduler.finish_request(req, FinishReason.ABORT)
-                self.pending.append(self._emit(req, [], None))
+                if (o := self._emit(req, [], None)) is not None:
+                    self.pending.append(o)
         return True
 
     def has_unfinished(self) -> bool:
@@ -329,10 +379,14 @@ class LLMEngine:
                 req.timings.first_token = now
             req.timings.token_times.extend([now] * len(new))
             res = samples.get(req.request_id)
-            outputs.append(self._emit(req, new, res.logprobs if res and req.params.logprobs else None))
+            o = self._emit(req, new, res.logprobs if res and req.params.logprobs else None)
+            if o is not None:
+                outputs.append(o)
         return outputs
 
-    def _emit(self, req: Request, new: list[int], logprobs) -> RequestOutput:
+    def _emit(self, req: Request, new: list[int], logprobs) -> RequestOutput | None:
+        if req.embed_pooling is not None:
+            return self._emit_pooled(req)
         text, hit = self.texts[req.request_id].add(new, req.is_finished)
         if hit and not req.is_finished:
             self.scheduler.finish_request(req, FinishReason.STOP)
@@ -341,6 +395,17 @@ class LLMEngine:
         if req.is_finished:
             self._forget(req)
         return o
+
+    def _emit_pooled(self, req: Request) -> RequestOutput | None:
+        """An embedding request's output once its last input is done; None before."""
+        if not req.is_finished:
+            return None
+        group, dimensions = self.embeddings[req.client_id]
+        self._forget(req)
+        if any(r.request_id in self.requests for r in group):  # others still to come
+            return None
+        del self.embeddings[req.client_id]
+        return pooled_output(req.client_id, group, dimensions)
 
     def _forget(self, req: Request) -> None:
         if self.requests.pop(req.request_id, None) is not None:
@@ -358,7 +423,8 @@ class LLMEngine:
         for s in out.scheduled:
             if not s.request.is_finished:
                 self.scheduler.finish_request(s.request, FinishReason.ERROR, error)
-                outs.append(self._emit(s.request, [], None))
+                if (o := self._emit(s.request, [], None)) is not None:
+                    outs.append(o)
         return outs
 
     def _account(self, out: SchedulerOutput, tokens: dict[str, list[int]]) -> None:

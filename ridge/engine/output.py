@@ -23,6 +23,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     timings: dict = field(default_factory=dict)
+    embeddings: list | None = None  # an embedding request's vectors, one per input (pooling.py)
 
 
 class TextState:

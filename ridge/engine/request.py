@@ -82,6 +82,9 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     # This sample's own position in its response_format (structured.grammar.Matcher), or None.
     matcher: object = None
+    # An embedding request's pooling (last | mean; engine/pooling.py) and its pooled state so far.
+    embed_pooling: str | None = None
+    pooled: object = None
     # Prompt and output in one list that grows by append: what a step reads about a request
     # costs O(new tokens), not O(context). output_token_ids grows with it (append_output).
     all_token_ids: list[int] = field(init=False, repr=False)

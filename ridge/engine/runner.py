@@ -25,6 +25,7 @@ from ridge.cache.kv_cache import KVCache
 from ridge.kernels.timing import section
 
 from .graphs import StepGraphs
+from .pooling import pool_step
 from .sampler import SampledRows, Sampler, SampleResult
 from .scheduler import SchedulerOutput
 from .speculative.verify import Verified
@@ -86,6 +87,7 @@ class ModelRunner:
         # speculator after this runner: its proposer shares this sampler). None: none to call.
         self.constraints = None  # structured.Constraints
         self.speculator = None  # speculative.Speculator
+        self.pooling = False  # an embedding model's engine: steps pool their requests' states
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
@@ -109,6 +111,8 @@ class ModelRunner:
             hidden = self.graphs.run(shape, batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
+        if self.pooling:
+            pool_step(out, batch.last_row, hidden)
         return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()

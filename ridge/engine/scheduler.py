@@ -163,9 +163,13 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt, req.block_chain)
-            offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt,
-                                                req.block_chain)
+            if req.embed_pooling is None:
+                hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt,
+                                                      req.block_chain)
+                offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt,
+                                                    req.block_chain)
+            else:  # an embedding pools every token's state and keeps no KV (engine/pooling.py)
+                hits, cached, offloaded = [], 0, 0
             req.num_computed_tokens = cached
             n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
             if not kv.can_allocate(req.request_id, cached + n, hits):
@@ -262,8 +266,9 @@ class Scheduler:
                 if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
                 done = min(req.num_computed_tokens, req.num_known_tokens)
-                self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids, done,
-                                                   salt=req.cache_salt, chain=req.block_chain)
+                if req.embed_pooling is None:
+                    self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids, done,
+                                                       salt=req.cache_salt, chain=req.block_chain)
                 self.kv_cache_manager.free_behind_window(req.request_id, done)
             if req.is_finished:
                 finished.append(req)

@@ -109,4 +109,5 @@ def model_info(engine) -> dict:
         "device": str(engine.device), "chat_template": tok.chat_template is not None,
         "eos_token_ids": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
         "speculative": str(getattr(engine.config, "speculative", None) or "off"),
+        "pooling": engine.pooling,  # last | mean: an embedding model (engine/pooling.py); None: it generates
     }

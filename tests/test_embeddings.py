@@ -1,0 +1,164 @@
+"""Embeddings (engine/pooling.py, the daemon's embed, /v1/embeddings): a tiny random
+qwen3 model built by transformers, loaded through ridge with fp32 weights, pooled by
+its last token and by the mean, against transformers' final hidden states; chunked
+prefill, a batch of 64, Matryoshka truncation; then a live daemon and gateway
+through the real `openai` package."""
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine_utils import assert_no_leak, greedy, make_engine, prompts
+from ridge.engine.sampling_params import InvalidRequest
+from ridge.models.loader import load_model
+from ridge.quant.errors import ModelLoadError
+from test_families import build_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+def write_pooling(path, mode: str) -> None:
+    """sentence-transformers' files for a Transformer, then a Pooling module, then Normalize."""
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": mode == "mean",
+             "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": mode == "last"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(transformers model, its directory with last-token pooling metadata, ridge's fp32 load)."""
+    model, path = build_hf(tmp_path_factory.mktemp("embed"), "qwen3", {})
+    write_pooling(path, "last")
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    return model, path, lm
+
+
+def reference(model, ids: list[int], pooling: str, dimensions: int | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        h = model.model(torch.tensor([ids])).last_hidden_state[0].float()
+    v = h[-1] if pooling == "last" else h.mean(0)
+    v = v[:dimensions] if dimensions else v
+    return torch.nn.functional.normalize(v, dim=-1)
+
+
+def cosines(got: list, ref: list) -> list[float]:
+    return [float(torch.nn.functional.cosine_similarity(torch.tensor(g), r, dim=0)) for g, r in zip(got, ref)]
+
+
+def vocab_prompts(lm, lengths, seed=0):
+    return prompts(lm.config.vocab_size, lengths, seed)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("chunk", [256, 16])
+def test_pooling_matches_transformers(qwen3, pooling, chunk):
+    """Prompts of 5-90 tokens, prefilled whole or in 16-token chunks (the mean summed over them)."""
+    model, _, lm = qwen3
+    eng = make_engine(lm, prefill_chunk=chunk, pooling=pooling)
+    inputs = vocab_prompts(lm, [5, 17, 40, 90])
+    out = eng.embed(inputs)
+    assert out.finish_reason == "stop" and out.num_prompt_tokens == sum(map(len, inputs))
+    ref = [reference(model, ids, pooling) for ids in inputs]
+    assert min(cosines(out.embeddings, ref)) >= 0.9999
+    assert all(abs(np.linalg.norm(e) - 1) < 1e-5 for e in out.embeddings)
+    assert_no_leak(eng)
+
+
+def test_the_model_metadata_names_its_pooling(qwen3, tmp_path):
+    _, path, lm = qwen3
+    assert make_engine(lm).pooling == "last"  # auto: 1_Pooling/config.json says lasttoken
+    write_pooling(path, "mean")
+    try:
+        assert make_engine(lm).pooling == "mean"
+    finally:
+        write_pooling(path, "last")
+    assert make_engine(lm, pooling="none").pooling is None
+    from ridge.engine.pooling import model_pooling
+    bad = tmp_path / "cls"
+    bad.mkdir()
+    write_pooling(bad, "last")
+    cfg = json.loads((bad / "1_Pooling" / "config.json").read_text())
+    (bad / "1_Pooling" / "config.json").write_text(json.dumps({**cfg, "pooling_mode_lasttoken": False,
+                                                                "pooling_mode_cls_token": True}))
+    with pytest.raises(ModelLoadError, match="pooling_mode_cls_token"):
+        model_pooling(bad)
+    mods = json.loads((bad / "modules.json").read_text())
+    (bad / "modules.json").write_text(json.dumps(mods + [{"idx": 3, "name": "3", "path": "3_Dense",
+                                                          "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ModelLoadError, match="Dense"):
+        model_pooling(bad)
+
+
+def test_gguf_pooling_type_is_read(tmp_path):
+    """llama.cpp's enum: 3 last, 1 mean, 0 none; 2 (CLS) is refused by name."""
+    from ridge.engine.pooling import model_pooling
+
+    for value, want in ((3, "last"), (1, "mean"), (0, None)):
+        assert model_pooling(_gguf_with_pooling(tmp_path / f"p{value}.gguf", value)) == want
+    with pytest.raises(ModelLoadError, match="pooling_type = 2"):
+        model_pooling(_gguf_with_pooling(tmp_path / "cls.gguf", 2))
+
+
+def _gguf_with_pooling(path, value: int):
+    import gguf
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_uint32("qwen3.pooling_type", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_dimensions_truncate_then_renormalise(qwen3):
+    model, _, lm = qwen3
+    eng = make_engine(lm)
+    inputs = vocab_prompts(lm, [12, 33], seed=3)
+    full = eng.embed(inputs).embeddings
+    cut = eng.embed(inputs, dimensions=16).embeddings
+    assert all(len(e) == 16 and abs(np.linalg.norm(e) - 1) < 1e-5 for e in cut)
+    for f, c in zip(full, cut):
+        expect = np.array(f[:16]) / np.linalg.norm(f[:16])
+        assert np.allclose(c, expect, atol=1e-5)
+    assert min(cosines(cut, [reference(model, ids, "last", 16) for ids in inputs])) >= 0.9999
+    with pytest.raises(InvalidRequest, match="dimensions"):
+        eng.add_embedding(None, inputs, dimensions=65)
+
+
+def test_a_batch_of_64_through_the_engine(qwen3):
+    """64 inputs in several requests at once, stepped together (max_num_seqs 16); every block
+    returns to the pool and none is published to the prefix cache."""
+    model, _, lm = qwen3
+    eng = make_engine(lm, max_num_seqs=16, prefill_chunk=1024)
+    widths = []
+    eng.step_observers.append(lambda out, seconds: widths.append(len(out.scheduled)))
+    inputs = vocab_prompts(lm, [3 + (i * 7) % 50 for i in range(64)], seed=5)
+    rids = [eng.add_embedding(f"e{k}", inputs[k * 16:(k + 1) * 16]) for k in range(4)]
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert max(widths) == 16 and sum(widths) == 64 and sorted(outs) == sorted(rids)
+    got = [e for rid in rids for e in outs[rid].embeddings]
+    assert min(cosines(got, [reference(model, ids, "last") for ids in inputs])) >= 0.9999
+    assert_no_leak(eng)
+    assert eng.kv_cache_manager.get_computed_blocks("probe", inputs[0] * 4)[1] == 0  # no KV kept
+
+
+def test_kinds_refuse_each_others_requests(qwen3):
+    _, _, lm = qwen3
+    with pytest.raises(InvalidRequest, match="embedding model"):
+        make_engine(lm).add_request(None, [5, 6, 7], greedy(2))
+    with pytest.raises(InvalidRequest, match="no embeddings"):
+        make_engine(lm, pooling="none").add_embedding(None, [[5, 6, 7]])
+    with pytest.raises(InvalidRequest, match="empty"):
+        make_engine(lm).add_embedding(None, [[]])
