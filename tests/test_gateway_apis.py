@@ -14,6 +14,7 @@ import http.client
 import time
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 import schemathesis
@@ -25,6 +26,7 @@ from ridge.daemon.gateway.openapi import OPERATIONS
 from ridge.daemon.gateway.responses_api import MAX_STORED, ResponseStore
 from ridge.daemon.gateway.run import GatewayThread, listen
 from ridge.daemon.gateway.settings import gateway_settings
+from chat_models import make_chat_model
 from test_daemon_harness import Daemon, Raw, stats
 from test_gateway import free_port, post, wait_http
 from tiny_models import make_tiny
@@ -236,6 +238,120 @@ def test_responses_errors(oai, daemon):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="tiny", input="x", max_output_tokens=10**6)
     assert e.value.param == "max_tokens"  # the daemon's refusal, in OpenAI's shape
+
+
+# -- tool calls and thinking, on a tiny model with a Hermes template (Qwen's: <tool_call>, <think>) -------------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+SEEDED = {"temperature": 1.0, "seed": 5}  # greedy, a random model can emit JSON's whitespace to the end
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hermes")
+    port = free_port()
+    d = Daemon(tmp, str(make_chat_model(tmp, "hermes")), "--num-kv-blocks", 512, "--http", f"127.0.0.1:{port}",
+               "--served-model-name", "tiny")
+    d.url = f"http://127.0.0.1:{port}"
+    wait_http(d.url)
+    yield d
+    d.stop()
+
+
+def streamed(claude, kw: dict) -> tuple[list[str], object]:
+    """-> (each content_block_delta's delta type, the final message), through the SDK's stream."""
+    deltas = []
+    with claude.messages.stream(**kw) as s:
+        for e in s:
+            if e.type == "content_block_delta":
+                deltas.append(e.delta.type)
+        return deltas, s.get_final_message()
+
+
+def test_messages_tool_use_round_trip(hermes):
+    """A forced call is a tool_use block whose input validates, streamed (input_json_delta) or not;
+    the call and its tool_result go back in the history, rendered by the template."""
+    claude = anthropic.Anthropic(base_url=hermes.url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}]
+    kw = dict(model="tiny", max_tokens=160, tools=tools, messages=ASK, extra_body=SEEDED,
+              tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    m = claude.messages.create(**kw)
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER)
+    deltas, final = streamed(claude, kw)
+    (again,) = [b for b in final.content if b.type == "tool_use"]
+    assert (again.name, again.input, final.stop_reason) == ("get_weather", use.input, "tool_use")
+    assert "input_json_delta" in deltas
+
+    def back(result: str) -> list[dict]:
+        return [*ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
+    answer = claude.messages.create(model="tiny", max_tokens=8, tools=tools, messages=back("18 C"),
+                                    extra_body=GREEDY)
+    count = claude.messages.count_tokens(model="tiny", tools=tools, messages=back("18 C")).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == count
+    longer = claude.messages.count_tokens(model="tiny", tools=tools, messages=back("18 C, sunny")).input_tokens
+    assert longer > count  # the result is in the prompt
+    assert claude.messages.count_tokens(model="tiny", messages=back("18 C")).input_tokens < count  # so are the tools
+
+
+def test_messages_thinking_blocks(hermes):
+    """Thinking on (the template opens <think>): a thinking block first, ended by its budget, and
+    text that never holds the thinking."""
+    claude = anthropic.Anthropic(base_url=hermes.url, api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="tiny", max_tokens=24, thinking={"type": "enabled", "budget_tokens": 6}, messages=ASK,
+              extra_body=GREEDY)
+    m = claude.messages.create(**kw)
+    assert m.content[0].type == "thinking" and m.content[0].thinking
+    texts = [b.text for b in m.content if b.type == "text"]
+    assert not any("<think>" in t or "</think>" in t for t in texts)
+    deltas, final = streamed(claude, kw)
+    assert final.content[0].type == "thinking" and final.content[0].thinking == m.content[0].thinking
+    assert deltas[0] == "thinking_delta"
+    off = claude.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert all(b.type != "thinking" for b in off.content)
+
+
+def test_responses_function_calls(hermes):
+    """A required call is a function_call item (whole, and streamed as argument deltas); its output
+    goes back as a function_call_output item, after previous_response_id or in the input itself."""
+    oai = openai.OpenAI(base_url=hermes.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": WEATHER}]
+    kw = dict(model="tiny", input=ASK[0]["content"], tools=tools, tool_choice="required", max_output_tokens=160,
+              temperature=1.0, parallel_tool_calls=False, extra_body={"seed": 5})
+    r = oai.responses.create(**kw)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    events = list(oai.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types and types[-1] == "response.completed"
+    (streamed,) = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert streamed.arguments == call.arguments
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}
+    follow = oai.responses.create(model="tiny", previous_response_id=r.id, input=[result], tools=tools,
+                                  max_output_tokens=4, temperature=0)
+    spelled = oai.responses.create(model="tiny", tools=tools, max_output_tokens=4, temperature=0, input=[
+        ASK[0], {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        result])
+    assert follow.usage.input_tokens == spelled.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the first turn's prompt, and the call
+
+
+def test_responses_reasoning_item(hermes):
+    oai = openai.OpenAI(base_url=hermes.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = oai.responses.create(model="tiny", input="Think.", reasoning={"effort": "low"}, max_output_tokens=12,
+                             temperature=0)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+    assert "<think>" not in r.output_text and "</think>" not in r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(oai.responses.create(model="tiny", input="Think.", reasoning={"effort": "low"},
+                                       max_output_tokens=12, temperature=0, stream=True))
+    assert "response.reasoning_text.delta" in [e.type for e in events]
+    assert events[-1].response.output[0].content[0].text == r.output[0].content[0].text
 
 
 # -- /openapi.json -----------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def chat_fields(req: Prompted) -> dict:
 
 def messages_request(req: MessagesRequest) -> Generation:
     params: dict = {"max_tokens": req.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature}
-    for key in ("top_p", "top_k"):
+    for key in ("top_p", "top_k", "seed"):
         if (v := getattr(req, key)) is not None:
             params[key] = v
     if req.stop_sequences:
@@ -198,7 +198,7 @@ async def messages(request: Request) -> Response:
         return await _streamed(request, link, client, gen, model)
     f = await turn.whole(request, link, client, gen)
     reason, seq = await stop_of(link, gen, f)
-    content = [block(s) for s in turn.segments_of(f.choices[0], f.text)]
+    content = [block(s) for s in turn.segments_of(f)]
     return JSONResponse(message(new_id(), model, content, reason, seq, usage(f.usage)))
 
 

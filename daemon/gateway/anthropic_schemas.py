@@ -96,6 +96,8 @@ class MessagesRequest(Prompted):
     temperature: Optional[Num] = Field(None, description="default 1.0, as Anthropic's")
     top_p: Optional[Num] = None
     top_k: Optional[Int] = None
+    # ridge's own, as on /v1/chat/completions
+    seed: Optional[Int] = None
     cache_salt: Optional[Str] = Field(None, description="ridge: shares cached prefixes only with the same salt")
 
 

@@ -133,9 +133,9 @@ def chat_fields(req: ResponsesRequest) -> dict:
             {"type": "function", "function": {"name": req.tool_choice.name}}
     if req.parallel_tool_calls is not None:
         out["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.reasoning is not None and req.reasoning.effort is not None:
+    if req.reasoning is not None and req.reasoning.effort is not None:  # an effort asks for thinking; none, for none
         effort = req.reasoning.effort
-        out["chat_template_kwargs"] = {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort}
+        out["chat_template_kwargs"] = {"enable_thinking": effort != "none", "reasoning_effort": effort}
     return out
 
 
@@ -252,7 +252,7 @@ async def create(request: Request) -> Response:
         stream, first = await turn.opened(request, link, client, gen)
         return SSEResponse(_events(link, store, answer, stream, first), [stream])
     f = await turn.whole(request, link, client, gen)
-    segments = turn.segments_of(f.choices[0], f.text) or [turn.Segment(turn.TEXT, 0)]  # an empty answer: a message
+    segments = turn.segments_of(f) or [turn.Segment(turn.TEXT, 0)]  # an empty answer: a message
     return JSONResponse(answer.finished(store, f, segments, [new_item_id(s) for s in segments]))
 
 

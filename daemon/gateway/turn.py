@@ -111,10 +111,6 @@ class Segments:
         self.all: list[Segment] = []
         self._key = None
 
-    @property
-    def open(self) -> Segment | None:
-        return self.all[-1] if self._key is not None else None
-
     def feed(self, d) -> list[tuple[Segment, bool, str]]:
         """-> (segment, whether it opens here, the piece) for each piece of the delta."""
         out = []
@@ -132,21 +128,21 @@ class Segments:
 
 
 def _pieces(d):
-    if reasoning := getattr(d, "reasoning", None):
-        yield THINKING, reasoning
+    if d.reasoning:
+        yield THINKING, d.reasoning
     if d.text:
         yield TEXT, d.text
-    for call in getattr(d, "tool_calls", None) or ():
+    for call in d.tool_calls or ():
         yield CALL, call
 
 
-def segments_of(choice: dict, text: str) -> list[Segment]:
-    """A whole sample's segments, from its final choice (non-streaming) and its text."""
+def segments_of(f) -> list[Segment]:
+    """A whole sample's segments, from its final (daemon/client.Completion, sample 0)."""
     out = []
-    if choice.get("reasoning"):
-        out.append(Segment(THINKING, 0, choice["reasoning"]))
-    if text:
-        out.append(Segment(TEXT, len(out), text))
-    for c in choice.get("tool_calls") or ():
+    if f.reasoning:
+        out.append(Segment(THINKING, 0, f.reasoning))
+    if f.text:
+        out.append(Segment(TEXT, len(out), f.text))
+    for c in f.tool_calls:
         out.append(Segment(CALL, len(out), c["arguments"], c["id"], c["name"]))
     return out
