@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 from starlette.requests import Request
@@ -38,13 +39,16 @@ async def read_json(request: Request, limit: int) -> dict:
         parts.append(chunk)
     too_deep = bad(f"the body nests deeper than {MAX_DEPTH} levels")
     try:
-        body = json.loads(b"".join(parts), parse_int=_int)
+        body = json.loads(raw := b"".join(parts), parse_int=_int)
     except ValueError as e:
         raise bad(f"the body is not JSON: {e}") from None
     except RecursionError:
         raise too_deep from None
     if _depth(body) > MAX_DEPTH:  # msgpack refuses to pack past 511 levels; no client means this
         raise too_deep
+    if _SURROGATE.search(raw) and not _encodes(body):  # checked only where the bytes may hold one
+        raise bad("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), which is no "
+                  "character")
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
@@ -52,6 +56,18 @@ async def read_json(request: Request, limit: int) -> dict:
 
 MAX_DEPTH = 100  # arrays and objects within each other
 INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack carries to the daemon
+
+
+# a surrogate escaped (\udXXX) or as CESU-8 bytes, both of which json.loads lets through
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _encodes(body) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _int(literal: str) -> int:
