@@ -115,11 +115,15 @@ def connect(endpoint: str | None):
 
 
 def stream_reply(client, **kw) -> tuple[str, object]:
-    """Print a streamed reply; Ctrl-C aborts it. -> (text, final or None)."""
+    """Print a streamed reply; Ctrl-C aborts it. -> (text, final or None). A reasoning model's
+    thinking (docs/protocol.md §3.2.3) is shown dimmed on a terminal, and left out of a pipe."""
     s = client.stream(**kw)
+    tty = sys.stdout.isatty()
     try:
         for d in s:
             if d.index == 0:
+                if d.reasoning and tty:
+                    sys.stdout.write(f"\x1b[2m{d.reasoning}\x1b[0m")
                 sys.stdout.write(d.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
