@@ -452,3 +452,15 @@ def test_cpu_format_measurement_sees_every_expert(variants):
     assert len(layers) == 2 * 2 + 2 + 6 * 2 + 1
     assert {tuple(m.weight.shape) for m in layers} >= {(48, 64), (64, 24)}
     assert all(m.scale is not None for m in layers if m.weight.shape in ((48, 64), (64, 24)))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_model_step_through_triton(variants, name):
+    """The whole model through ops.use_triton() (the interpreter: the grouped expert kernel,
+    and for gpt-oss the sinks, biases and clamped SwiGLU in it) against the CPU path."""
+    _, _, path, ids = variants(name)
+    lm = load_model(path, device="cpu", weights="fp8", use_cache=False, show_progress=False)
+    expected = prompt_logits(lm.model, ids[:40])
+    with ops.use_triton():
+        got = prompt_logits(lm.model, ids[:40])
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)

@@ -130,6 +130,8 @@ def time_batch(engines: dict, batch: int, context: int, steps: int, retries: int
 
 
 def run_moe(args, rep) -> None:
+    import torch
+
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
     from ridge.models.loader import load_model
@@ -143,7 +145,11 @@ def run_moe(args, rep) -> None:
     dirs = write_models(shape)
     write_s = time.perf_counter() - t0
     engines, info = {}, {}
+    threads = torch.get_num_threads()
     for name, d in (("moe", dirs["qwen3_moe"]), ("dense", dirs["qwen3"])):
+        # Each engine chooses its CPU formats at the same thread count (the first one's warm-up
+        # may have let the thread governor shrink the team), so that both run what one machine picks.
+        torch.set_num_threads(threads)
         loaded = load_model(d, device=args.device, weights=args.weights, use_cache=False, show_progress=False)
         cfg = replace(engine_config(args), model=str(d), max_num_seqs=max(batches), kv_disk=False, kv_host_gib=0,
                       kv_memory_gib=0.5)

@@ -65,9 +65,8 @@ class DecoderLayer(nn.Module):
         q, k = ops.rope(q, k, positions, cos_sin, meta)
         gm = meta.group(self.kv_group) if self.kv_group else meta
         ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, gm.slot_mapping, gm)
-        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         o = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, gm, self.scale,
-                                window=self.window, softcap=self.softcap, **sinks)
+                                window=self.window, softcap=self.softcap, sinks=self.sinks)
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
 
     def norm_qk(self, q, k):
