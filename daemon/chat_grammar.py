@@ -80,10 +80,38 @@ def _thinking(marks: Marks, start: str, budget: int | None, rules: list[str]) ->
     return "think" if start == "think" else f"{marks['think_open']} think"
 
 
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SUBSCHEMAS = ("items", "not", "additionalItems", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed(schema):
+    """The schema with every object that does not say what else it admits admitting no other key
+    (xgrammar's strict mode, as vLLM runs it): a call's arguments are those its tool declares. A
+    small model otherwise writes keys of its own until max_tokens. allOf's members are left open,
+    where closing one would refuse the keys of the others."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if ("properties" in out or out.get("type") == "object") and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    for k in _SUBSCHEMAS:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(x) for x in out[k]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(x) for name, x in out[k].items()}
+    return out
+
+
 def _call_schema(tool: Tool, key: str) -> dict:
-    """{"name": const, key: the tool's parameters}; the parameters' $defs move to the root, where
-    their "#/$defs/..." references point."""
-    params = dict(tool.parameters)
+    """{"name": const, key: the tool's parameters, closed}; the parameters' $defs move to the root,
+    where their "#/$defs/..." references point."""
+    params = closed(tool.parameters)
     root = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     return {"type": "object", "properties": {"name": {"const": tool.name}, key: params},
             "required": ["name", key], "additionalProperties": False,

@@ -198,3 +198,19 @@ def test_the_thinking_budget_forces_the_close_tag(validators):
     assert refuses_from(v, js, 'ok</think>\n\n{"a": "x"}')
     calls = v.generate(gen(messages=ASK, tools=[WEATHER], tool_choice="required", **think))
     assert accepts(v, calls, "hm</think>\n\n" + CALL["hermes"]) and refuses_from(v, calls, "hm</think>\n\nSure")
+
+
+def test_a_tools_objects_admit_only_their_keys():
+    from ridge.daemon.chat_grammar import closed
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"properties": {"d": {}}}},
+                                               "e": {"type": "object", "additionalProperties": {"type": "string"}},
+                                               "f": {"allOf": [{"properties": {"g": {}}}, {"properties": {"h": {}}}]}},
+              "$defs": {"X": {"type": "object"}}}
+    got = closed(schema)
+    assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["c"]["items"]["additionalProperties"] is False and got["$defs"]["X"]["additionalProperties"] is False
+    assert got["properties"]["e"]["additionalProperties"] == {"type": "string"}  # said what else it admits
+    assert "additionalProperties" not in got["properties"]["f"]["allOf"][0]  # allOf's members stay open
+    assert "additionalProperties" not in schema  # the tool's own schema is not touched
