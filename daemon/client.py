@@ -19,7 +19,7 @@ import zmq
 
 from .endpoint import find_daemon, ipc_path, probe
 
-VERSION = 2  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3)
+VERSION = 3  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9)
 # Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
 # sees a slow reader and merges its deltas (docs/protocol.md §4.4) instead of this process buffering
 # without bound. What a reader has not taken yet is merged per request here too (Inbox).

@@ -99,6 +99,11 @@ class EngineLoop(threading.Thread):
         self.inbox.append(("add", engine_id, prompt_token_ids, params, cache_salt))
         self._wake.set()
 
+    def embed(self, engine_id: str, inputs: list[list[int]], dimensions: int | None) -> None:
+        """An embed request the Validator admitted (engine.add_embedding, checked)."""
+        self.inbox.append(("embed", engine_id, inputs, dimensions))
+        self._wake.set()
+
     def abort(self, engine_id: str) -> None:
         self.inbox.append(("abort", engine_id))
         self._wake.set()
@@ -142,10 +147,13 @@ class EngineLoop(threading.Thread):
     def _apply_commands(self) -> None:
         while self.inbox:
             cmd = self.inbox.popleft()
-            if cmd[0] == "add":
-                _, eid, ids, params, salt = cmd
+            if cmd[0] in ("add", "embed"):
+                eid = cmd[1]
                 try:
-                    self.engine.add_request(eid, ids, params, salt, checked=True)
+                    if cmd[0] == "add":
+                        self.engine.add_request(eid, cmd[2], cmd[3], cmd[4], checked=True)
+                    else:
+                        self.engine.add_embedding(eid, cmd[2], cmd[3], checked=True)
                 except InvalidRequest as e:
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop

@@ -21,6 +21,7 @@ from ridge.errors import internal_error
 
 from . import protocol as P
 from .admission import Admission
+from .embeddings import EmbedFlight
 from .engine_loop import EngineLoop
 from .peers import Peer
 from .protocol import Limits, ProtocolError, message, pack
@@ -58,11 +59,13 @@ class Server:
         self.server_name = f"ridge {version}".strip()
         lim = cfg.limits
         self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
-                                   model["block_size"], model["num_kv_blocks"], lim, engine.grammars)
+                                   model["block_size"], model["num_kv_blocks"], lim, engine.grammars,
+                                   model["hidden_size"] if model.get("pooling") else None)
         self.model = {**model, "chat": self.validator.chat.info()}
         self.admission = Admission()
         self._frame_bytes = 0
-        self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame}
+        self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame,
+                          "embed": self._admit_embed}
         self.ctx = zmq.Context.instance()
         self.routers: list[zmq.Socket] = []
         self.pub: zmq.Socket | None = None
@@ -79,7 +82,7 @@ class Server:
         self._published_seq = -1
         self.handlers = {"hello": self._hello, "generate": self._generate, "abort": self._abort,
                          "tokenize": self._tokenize, "detokenize": self._detokenize, "stats": self._stats,
-                         "health": self._health, "heartbeat": self._heartbeat}
+                         "health": self._health, "heartbeat": self._heartbeat, "embed": self._embed}
 
     # -- sockets -------------------------------------------------------------------
     def _router(self) -> zmq.Socket:
@@ -245,16 +248,8 @@ class Server:
     def _admit(self, p) -> None:
         """A generate the validator passed: the daemon's own limits, then the engine's queue."""
         self._admitting(p.env.id)  # the drain may have begun while it was validated
-        peer, req, lim = p.peer, p.result, self.cfg.limits
-        if req.id in peer.requests:
-            raise ProtocolError(P.DUPLICATE_ID, f"request id {req.id!r} is already in flight on this connection",
-                                req.id)
-        if len(peer.requests) >= lim.max_requests_per_client:
-            raise ProtocolError(P.TOO_MANY_REQUESTS, f"this client has {len(peer.requests)} requests in flight; "
-                                f"the limit is {lim.max_requests_per_client}", req.id, retry_after=1.0)
-        if len(self.inflight) >= lim.max_queue:
-            raise ProtocolError(P.BUSY, f"the daemon holds {len(self.inflight)} requests, its limit; retry later",
-                                req.id, retry_after=1.0)
+        peer, req = p.peer, p.result
+        self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
         inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0, req.output, req.version)
         peer.requests[req.id] = self.inflight[eid] = inf
@@ -264,6 +259,34 @@ class Server:
             self.aborts["client"] += 1
             self.loop.abort(eid)
 
+    def _embed(self, peer: Peer, env) -> None:
+        self._admitting(env.id)
+        self.admission.submit(peer, env, self.validator.embed, self._frame_bytes)
+
+    def _admit_embed(self, p) -> None:
+        """An embed the validator passed: every input one prefill, answered in one frame (embeddings.py)."""
+        self._admitting(p.env.id)
+        peer, req = p.peer, p.result
+        self._room(peer, req.id)
+        eid = f"r{next(self._ids)}"
+        peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version)
+        self.loop.embed(eid, req.inputs, req.dimensions)
+        if p.aborted:
+            self.aborts["client"] += 1
+            self.loop.abort(eid)
+
+    def _room(self, peer: Peer, rid: str) -> None:
+        """The daemon's own limits on a request about to be queued."""
+        lim = self.cfg.limits
+        if rid in peer.requests:
+            raise ProtocolError(P.DUPLICATE_ID, f"request id {rid!r} is already in flight on this connection", rid)
+        if len(peer.requests) >= lim.max_requests_per_client:
+            raise ProtocolError(P.TOO_MANY_REQUESTS, f"this client has {len(peer.requests)} requests in flight; "
+                                f"the limit is {lim.max_requests_per_client}", rid, retry_after=1.0)
+        if len(self.inflight) >= lim.max_queue:
+            raise ProtocolError(P.BUSY, f"the daemon holds {len(self.inflight)} requests, its limit; retry later",
+                                rid, retry_after=1.0)
+
     def _abort(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)
         inf = peer.requests.get(env.id)
@@ -271,7 +294,7 @@ class Server:
             self.aborts["client"] += 1
             self.loop.abort(inf.engine_id)
         for p in self.admission.pending_for(peer):  # still being validated: aborted once admitted
-            if p.env.type == "generate" and p.env.id == env.id:
+            if p.env.type in ("generate", "embed") and p.env.id == env.id:
                 p.aborted = True
 
     def _tokenize(self, peer: Peer, env) -> None:

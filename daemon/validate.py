@@ -15,7 +15,8 @@ from .chat_format import chat_format, ridge_tool_messages
 from .chat_grammar import turn_grammar
 from .chat_output import OutputSpec
 from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
-                       Limits, ProtocolError, check_keys, fail, is_int, is_num, token_list)
+                       MAX_EMBED_INPUTS, UNKNOWN_TYPE, Limits, ProtocolError, check_keys, fail, is_int, is_num,
+                       token_list)
 from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
 _NUM, _INT, _BOOL = "a finite number", "an integer", "a boolean"
@@ -47,9 +48,19 @@ class GenerateRequest:
     version: int = 2  # the protocol version it was sent in: its frames are in it
 
 
+@dataclass(slots=True)
+class EmbedRequest:
+    id: str
+    inputs: list[list[int]]
+    dimensions: int | None
+    version: int
+
+
 class Validator:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 limits: Limits, grammars: GrammarCompiler | None = None):
+                 limits: Limits, grammars: GrammarCompiler | None = None, embedding_size: int | None = None):
+        """embedding_size: an embedding model's (engine/pooling.py); None: the model generates."""
+        self.embedding_size = embedding_size
         self.tokenizer, self.vocab, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
         # The engine's compiler, so that what compiles here is a cache hit on the engine's thread.
@@ -60,6 +71,9 @@ class Validator:
     # -- generate ---------------------------------------------------------------
     def generate(self, env: Envelope) -> GenerateRequest:
         rid, body = env.id, env.body
+        if self.embedding_size is not None:
+            raise ProtocolError(INVALID_REQUEST, "this daemon serves an embedding model: it answers embed, not "
+                                "generate", rid)
         version_fields(body, env.v, rid)
         check_keys(body, {*PROMPT_KEYS, "params", "stream", "cache_salt", *V2_FIELDS}, rid)
         stream = body.get("stream", True)
@@ -227,6 +241,34 @@ class Validator:
         if need > self.num_blocks:
             raise ProtocolError(INVALID_REQUEST, f"the request needs {need} KV blocks and the pool has "
                                 f"{self.num_blocks}; it can never fit (lower max_tokens)", rid)
+
+    # -- embed --------------------------------------------------------------------
+    def embed(self, env: Envelope) -> EmbedRequest:
+        rid, body = env.id, env.body
+        if env.v < 3:
+            raise ProtocolError(UNKNOWN_TYPE, f"embed is a version 3 message; this one is version {env.v}", rid)
+        if self.embedding_size is None:
+            raise ProtocolError(INVALID_REQUEST, "this daemon serves a model that generates text and has no "
+                                "embeddings (serve an embedding model, or one with --pooling last|mean)", rid)
+        check_keys(body, {"input", "dimensions"}, rid)
+        if "input" not in body:
+            raise ProtocolError(MISSING_FIELD, "input is required", rid)
+        items = body["input"]
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_EMBED_INPUTS:
+            raise fail("input", f"an array of 1-{MAX_EMBED_INPUTS} strings or token id arrays", rid)
+        dims = body.get("dimensions")
+        if dims is not None and not (is_int(dims) and 1 <= dims <= self.embedding_size):
+            raise fail("dimensions", f"an integer in [1, {self.embedding_size}] (the model's size), or nil", rid)
+        one = SamplingParams(max_tokens=1)  # the prefill's one sample, as the engine runs it
+        inputs = []
+        for i, x in enumerate(items):
+            ids = self.encode_text(x, True, rid) if isinstance(x, str) else \
+                token_list(x, f"input[{i}]", self.vocab, rid, self.limits.max_prompt_tokens)
+            if not ids:
+                raise ProtocolError(INVALID_REQUEST, f"input[{i}] is empty", rid)
+            self.admissible(ids, one, rid)
+            inputs.append(ids)
+        return EmbedRequest(rid, inputs, dims, env.v)
 
     # -- the small operations ------------------------------------------------------
     def tokenize(self, env: Envelope) -> list[int]:

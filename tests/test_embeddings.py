@@ -162,3 +162,65 @@ def test_kinds_refuse_each_others_requests(qwen3):
         make_engine(lm, pooling="none").add_embedding(None, [[5, 6, 7]])
     with pytest.raises(InvalidRequest, match="empty"):
         make_engine(lm).add_embedding(None, [[]])
+
+
+# -- a live daemon and gateway, through the real openai package ----------------------------------
+@pytest.fixture(scope="module")
+def served(qwen3, tmp_path_factory):
+    from test_gateway import http_daemon
+
+    _, path, _ = qwen3
+    d = http_daemon(tmp_path_factory.mktemp("embed-daemon"), str(path), "--weights", "fp32", "--kv-dtype", "fp32",
+                    "--num-kv-blocks", 256, "--served-model-name", "tiny-embed")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    import openai
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_embeddings_through_the_daemon(qwen3, served, oai):
+    model, _, lm = qwen3
+    texts = ["hello world", "a longer sentence about embeddings", "x"]
+    got = oai.embeddings.create(model="tiny-embed", input=texts)  # the package asks for base64 and decodes it
+    floats = oai.embeddings.create(model="tiny-embed", input=texts, encoding_format="float")
+    assert [e.index for e in got.data] == [0, 1, 2] and got.model == "tiny-embed"
+    assert np.allclose([e.embedding for e in got.data], [e.embedding for e in floats.data], atol=0, rtol=0)
+    ids = [lm.tokenizer.encode(t) for t in texts]
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+    ref = [reference(model, x, "last") for x in ids]
+    assert min(cosines([e.embedding for e in got.data], ref)) >= 0.9999
+    one = oai.embeddings.create(model="tiny-embed", input=ids[1], dimensions=16, encoding_format="float")
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 16
+    assert min(cosines([one.data[0].embedding], [reference(model, ids[1], "last", 16)])) >= 0.9999
+    raw = base64.b64decode(served_post(served, {"input": "hello world", "encoding_format": "base64"})[1]
+                           ["data"][0]["embedding"])
+    assert np.frombuffer(raw, "<f4").tolist() == pytest.approx(floats.data[0].embedding, abs=0)
+
+
+def served_post(served, body: dict) -> tuple[int, dict]:
+    from test_gateway import ask
+    return ask(served.url, "POST", "/v1/embeddings", {"Content-Type": "application/json"}, body)
+
+
+@pytest.mark.parametrize("body, param", [({"input": ""}, "input"), ({"input": []}, "input"),
+                                         ({"input": [[]]}, "input"), ({"input": "hi", "dimensions": 65}, None),
+                                         ({"input": "hi", "dimensions": 0}, None), ({"input": 5}, "input"),
+                                         ({"input": "hi", "encoding_format": "int8"}, "encoding_format")])
+def test_bad_input_is_400_in_openai_shape(served, body, param):
+    status, reply = served_post(served, body)
+    assert status == 400 and set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["type"] == "invalid_request_error"
+    if param:
+        assert reply["error"]["param"] == param
+    if "dimensions" in body:
+        assert "dimensions" in reply["error"]["message"]
+
+
+def test_generate_on_an_embedding_model_is_refused(oai):
+    import openai
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        oai.completions.create(model="tiny-embed", prompt="hello", max_tokens=2)

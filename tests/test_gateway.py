@@ -55,6 +55,15 @@ def daemon(tmp_path_factory):
     d.stop()
 
 
+def http_daemon(tmp, model: str, *flags) -> Daemon:
+    """A daemon with its gateway on a free loopback port (d.url), answering."""
+    port = free_port()
+    d = Daemon(tmp, model, *flags, "--http", f"127.0.0.1:{port}")
+    d.url = f"http://127.0.0.1:{port}"
+    wait_http(d.url)
+    return d
+
+
 def wait_http(url: str, timeout: float = 30.0) -> None:
     host, port = url.removeprefix("http://").split(":")
     deadline = time.monotonic() + timeout

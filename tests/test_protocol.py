@@ -58,12 +58,12 @@ def test_unpack_accepts_plain_maps_and_rejects_the_rest():
 def test_envelope_checks_version_type_and_id():
     env = P.envelope({"v": 1, "type": "stats", "id": "a"})
     assert (env.type, env.id, env.body, env.v) == ("stats", "a", {}, 1)
-    assert P.envelope({"v": 2, "type": "stats"}).v == 2
+    assert P.envelope({"v": 2, "type": "stats"}).v == 2 and P.envelope({"v": 3, "type": "embed", "id": "e"}).v == 3
     assert code_of(P.envelope, {"type": "stats"}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": True, "type": "stats"}) == P.INVALID_FIELD
     with pytest.raises(P.ProtocolError) as e:
-        P.envelope({"v": 3, "type": "stats", "id": "q"})
-    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2]} and e.value.request_id == "q"
+        P.envelope({"v": 4, "type": "stats", "id": "q"})
+    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2, 3]} and e.value.request_id == "q"
     assert code_of(P.envelope, {"v": 1}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": 1, "type": "boom"}) == P.UNKNOWN_TYPE
     assert code_of(P.envelope, {"v": 1, "type": "generate"}) == P.MISSING_FIELD
@@ -439,3 +439,23 @@ def test_journald_log_lines_carry_syslog_priorities():
     assert f.format(rec) == "<4>ridge.daemon: two\n<4>lines"
     rec.levelno = logging.INFO
     assert f.format(rec).startswith("<6>")
+
+
+def test_embed_is_checked_by_the_validator(validator):
+    """embed (§3.9): version 3 only, an embedding model's daemon only, inputs and dimensions checked."""
+    import copy
+    embedder = copy.copy(validator)
+    embedder.embedding_size = 32
+    env = lambda v=3, **body: P.Envelope("embed", "e", body, v)  # noqa: E731
+    req = embedder.embed(env(input=["hello", [5, 6, 7]], dimensions=8))
+    assert req.inputs[1] == [5, 6, 7] and req.inputs[0] and req.dimensions == 8 and req.version == 3
+    assert code_of(embedder.embed, env(2, input=["hello"])) == P.UNKNOWN_TYPE
+    assert code_of(validator.embed, env(input=["hello"])) == P.INVALID_REQUEST  # the model generates
+    assert code_of(embedder.generate, gen(prompt="hi")) == P.INVALID_REQUEST
+    for body, code in (({}, P.MISSING_FIELD), ({"input": []}, P.INVALID_FIELD), ({"input": "hi"}, P.INVALID_FIELD),
+                       ({"input": [[]]}, P.INVALID_REQUEST), ({"input": [[10 ** 6]]}, P.INVALID_FIELD),
+                       ({"input": ["x" * 0]}, P.INVALID_REQUEST), ({"input": [[1] * 64]}, P.INVALID_FIELD),
+                       ({"input": ["hi"], "dimensions": 33}, P.INVALID_FIELD),
+                       ({"input": ["hi"], "dimensions": 0}, P.INVALID_FIELD),
+                       ({"input": ["hi"], "extra": 1}, P.INVALID_FIELD)):
+        assert code_of(embedder.embed, env(**body)) == code, body

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from ridge.errors import internal_error
 
 from . import anthropic_api, openapi, responses_api
+from .embeddings_api import embeddings
 from . import responses as R
 from .door import HostRule, is_json, origin_allowed
 from .generation import ClientGone, generate
@@ -193,6 +194,7 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
     routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", model),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]), Route("/metrics", metrics),
+              Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
               Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
               Route("/v1/responses", responses_api.create, methods=["POST"]),

@@ -42,6 +42,8 @@ OPERATIONS = [
     Operation("/v1/chat/completions", "post", "OpenAI's chat completions", S.ChatCompletion,
               S.ChatCompletionRequest, streams=True),
     Operation("/v1/completions", "post", "OpenAI's completions", S.Completion, S.CompletionRequest, streams=True),
+    Operation("/v1/embeddings", "post", "OpenAI's embeddings (an embedding model's daemon)", S.EmbeddingList,
+              S.EmbeddingRequest),
     Operation("/v1/messages", "post", "Anthropic's messages", A.MessageAnswer, A.MessagesRequest, streams=True,
               error=A.AnthropicError),
     Operation("/v1/messages/count_tokens", "post", "The tokens of a messages request's prompt", A.TokenCount,

@@ -267,3 +267,47 @@ class Health(Answer):
     running: Optional[int] = None
     waiting: Optional[int] = None
     error: Optional[str] = None
+
+
+# -- /v1/embeddings ------------------------------------------------------------------------------------
+def _embedding_input(value) -> str:
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
+        return "token_lists"
+    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return "tokens"
+    return "strings"
+
+
+EmbeddingInput = Annotated[Union[Annotated[Str, Tag("string")], Annotated[nonempty(Str), Tag("strings")],
+                                 Annotated[nonempty(Int), Tag("tokens")],
+                                 Annotated[nonempty(nonempty(Int)), Tag("token_lists")]],
+                           Discriminator(_embedding_input)]
+
+
+class EmbeddingRequest(Body):
+    """OpenAI's embeddings request: a string, strings, token ids or lists of them."""
+    input: EmbeddingInput
+    model: Optional[Str] = None
+    dimensions: Optional[Int] = Field(None, description="keep the first this many components, renormalised")
+    encoding_format: Optional[Literal["float", "base64"]] = None
+    user: Optional[Str] = None
+
+
+class Embedding(Answer):
+    object: Literal["embedding"]
+    index: int
+    embedding: Union[list[float], str] = Field(description="floats, or base64 of little-endian float32")
+
+
+class EmbeddingUsage(Answer):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Answer):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

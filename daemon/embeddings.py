@@ -1,0 +1,51 @@
+"""An embed request in flight (docs/protocol.md §3.6): one engine request for all
+of its inputs, answered by one `embedding` frame when the engine's output for
+the last of them comes back. The server holds it as it holds a generate's
+InFlight (streams.py): the same aborts, timeouts and drain."""
+from __future__ import annotations
+
+from .protocol import message, pack
+
+
+class EmbedFlight:
+    def __init__(self, peer, client_id: str, engine_id: str, version: int):
+        self.peer, self.id, self.engine_id, self.v = peer, client_id, engine_id, version
+        self.orphaned = False  # its client is gone: the engine was told to abort
+        self.detail: str | None = None  # why the daemon aborted it
+        self.final_sent = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.data: list = []
+        self.prompt_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, o) -> None:
+        if o.finished:
+            self.finish_reason, self.error = o.finish_reason, o.error
+            self.data, self.prompt_tokens = o.embeddings or [], o.num_prompt_tokens
+
+    def force_finish(self, reason: str, detail: str | None = None, error: str | None = None) -> None:
+        self.detail = detail or self.detail
+        if not self.done:
+            self.finish_reason, self.error = reason, error
+
+    def take_frames(self) -> list[dict]:
+        return self._frames(take=True)
+
+    def held_bytes(self) -> int:
+        return sum(len(pack(f)) for f in self._frames(take=False))
+
+    def _frames(self, take: bool) -> list[dict]:
+        if not self.done or self.final_sent:
+            return []
+        self.final_sent = take
+        f = message("embedding", self.id, v=self.v, finish_reason=self.finish_reason, data=self.data,
+                    usage={"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens})
+        if self.error:
+            f["error"] = self.error
+        if self.detail:
+            f["detail"] = self.detail
+        return [f]
