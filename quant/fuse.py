@@ -51,6 +51,10 @@ def _cat(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = False
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
+    if "model.embed_tokens.weight" not in sd and "embed_tokens.weight" in sd:
+        # A base model's checkpoint (transformers' Qwen3Model, as embedding models ship): the same
+        # tensors without the "model." prefix. Without lm_head it needs tied embeddings, as below.
+        sd = {k if k.startswith("lm_head.") else "model." + k: v for k, v in sd.items()}
 
     def take(src: str, dst: str):
         if src not in sd:

@@ -224,3 +224,24 @@ def test_generate_on_an_embedding_model_is_refused(oai):
     import openai
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         oai.completions.create(model="tiny-embed", prompt="hello", max_tokens=2)
+
+
+def test_a_base_models_checkpoint_loads(tmp_path):
+    """transformers' Qwen3Model saved alone (no "model." prefix, no head, tied), as embedding
+    checkpoints ship: pooled through ridge as transformers' AutoModel computes it."""
+    from test_families import BASE
+    from tiny_models import write_tokenizer_files
+
+    cfg = transformers.AutoConfig.for_model("qwen3", **{**BASE, "tie_word_embeddings": True})
+    torch.manual_seed(1)
+    base = transformers.AutoModel.from_config(cfg, dtype=torch.float32).eval()
+    base.save_pretrained(tmp_path)
+    write_tokenizer_files(tmp_path)
+    write_pooling(tmp_path, "last")
+    lm = load_model(tmp_path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    inputs = vocab_prompts(lm, [9, 30], seed=11)
+    got = make_engine(lm).embed(inputs).embeddings
+    with torch.no_grad():
+        ref = [torch.nn.functional.normalize(base(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+               for ids in inputs]
+    assert min(cosines(got, ref)) >= 0.9999
