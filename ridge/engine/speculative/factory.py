@@ -27,10 +27,14 @@ def check_same_tokenizer(target, draft, path) -> None:
 
 
 def _linear_weights(model) -> int:
-    """Weights a step multiplies by: what a pass costs, whatever format each copy is in."""
+    """Weights a token's pass multiplies by: what a pass costs, whatever format each copy is in;
+    of a mixture of experts' stacked experts, the k of E a token is routed to."""
+    from ridge.quant.experts import FP8Experts
     from ridge.quant.linear import FP8Linear
 
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+    experts = sum(m.w_gate_up.numel() + m.w_down.numel() for m in model.modules() if isinstance(m, FP8Experts))
+    return dense + experts * model.cfg.num_experts_per_tok // max(model.cfg.num_experts, 1)
 
 
 def load_draft(cfg: SpeculativeConfig, device, weights: str, max_model_len: int, tokenizer):
