@@ -245,3 +245,15 @@ def test_a_base_models_checkpoint_loads(tmp_path):
         ref = [torch.nn.functional.normalize(base(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
                for ids in inputs]
     assert min(cosines(got, ref)) >= 0.9999
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_overlapped_steps_pool_only_the_prompt(qwen3, pooling):
+    """With overlap a step is planned before the previous one's sample is read, so an embedding
+    may be fed its sample once more: that row is not the prompt's and must not be pooled."""
+    model, _, lm = qwen3
+    eng = make_engine(lm, pooling=pooling, async_scheduling=True, prefill_chunk=16)
+    inputs = vocab_prompts(lm, [7, 23, 40], seed=13)
+    out = eng.embed(inputs)
+    assert min(cosines(out.embeddings, [reference(model, ids, pooling) for ids in inputs])) >= 0.9999
+    assert_no_leak(eng)

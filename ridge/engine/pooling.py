@@ -85,18 +85,21 @@ def _gguf(path: Path) -> str | None:
 
 def pool_step(out, last_row: dict, hidden: torch.Tensor) -> None:
     """After a step's forward: each embedding request's share of the pooled state (runner.py).
-    A chunk from position 0 starts the sum again: a request preempted is recomputed whole."""
+    A chunk from position 0 starts the sum again: a request preempted is recomputed whole. Only
+    prompt rows count: an overlapped step may feed the request its sample before it is read."""
     for s in out.scheduled:
         r = s.request
         if r.embed_pooling is None:
             continue
-        end = last_row[id(s)] + 1
-        n = s.num_scheduled_tokens
+        first = last_row[id(s)] + 1 - s.num_scheduled_tokens  # the row of position s.start
+        rows = min(s.start + s.num_scheduled_tokens, r.num_prompt_tokens) - s.start  # prompt rows this step
+        if rows <= 0:
+            continue
         if r.embed_pooling == "mean":
-            part = hidden[end - n:end].float().sum(0)
+            part = hidden[first:first + rows].float().sum(0)
             r.pooled = part if s.start == 0 or r.pooled is None else r.pooled + part
-        elif s.start + n >= r.num_prompt_tokens:  # a copy: a graph's output buffer is rewritten next step
-            r.pooled = hidden[end - 1].float().clone()
+        elif s.start + rows == r.num_prompt_tokens:  # a copy: a graph's output buffer is rewritten next step
+            r.pooled = hidden[first + rows - 1].float().clone()
 
 
 def embeddings(group: list, dimensions: int | None) -> list[list[float]]:
