@@ -309,6 +309,12 @@ class Client:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.call("detokenize", token_ids=list(token_ids))["text"]
 
+    def embed(self, inputs: list, dimensions: int | None = None) -> dict:
+        """An embedding model's vectors (docs/protocol.md §3.9): inputs are strings or token id
+        lists; -> the reply: finish_reason, data (one unit vector per input), usage."""
+        fields = {"input": list(inputs)} if dimensions is None else {"input": list(inputs), "dimensions": dimensions}
+        return self.call("embed", **fields)
+
     def abort(self, rid: str) -> None:
         self._send({"type": "abort", "id": rid})
 

@@ -257,3 +257,17 @@ def test_overlapped_steps_pool_only_the_prompt(qwen3, pooling):
     out = eng.embed(inputs)
     assert min(cosines(out.embeddings, [reference(model, ids, pooling) for ids in inputs])) >= 0.9999
     assert_no_leak(eng)
+
+
+def test_the_python_client_embeds(served, oai):
+    from ridge.daemon.client import Client
+
+    c = Client(served.endpoint)
+    try:
+        reply = c.embed(["hello world", [5, 6, 7]], dimensions=8)
+        assert c.hello()["model"]["pooling"] == "last"
+    finally:
+        c.close()
+    assert reply["finish_reason"] == "stop" and [len(v) for v in reply["data"]] == [8, 8]
+    want = oai.embeddings.create(model="tiny-embed", input="hello world", dimensions=8, encoding_format="float")
+    assert reply["data"][0] == pytest.approx(want.data[0].embedding, abs=0)
