@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from ridge.daemon.aio_client import AsyncClient
-from ridge.daemon.client import Inbox, RidgeError
+from ridge.daemon.client import VERSION as CLIENT_VERSION, Inbox, RidgeError
 from test_daemon_harness import Daemon, Raw, stats, wait_idle
 from tiny_models import make_tiny
 
@@ -167,7 +167,7 @@ def test_a_bad_frame_is_dropped_and_the_reader_goes_on(tmp_path):
             with pytest.raises(RidgeError) as e:
                 await asyncio.wait_for(nxt, 2)
             assert e.value.code == "internal" and "malformed frame" in e.value.message
-            assert await r.recv() == {"v": 1, "type": "abort", "id": gen["id"]}
+            assert await r.recv() == {"v": CLIENT_VERSION, "type": "abort", "id": gen["id"]}
             call = asyncio.ensure_future(c.call("health"))
             msg = await r.recv()
             await r.send({"type": "health", "id": msg["id"], "status": "ok"})
@@ -228,7 +228,7 @@ def test_unread_deltas_are_merged_and_a_stuck_stream_is_aborted(tmp_path):
                 await r.send(delta(gen["id"], 0, [k], "b"))
             abort = await r.recv(timeout=3)
             elapsed = time.monotonic() - t0
-            assert abort == {"v": 1, "type": "abort", "id": gen["id"]}
+            assert abort == {"v": CLIENT_VERSION, "type": "abort", "id": gen["id"]}
             assert 0.5 <= elapsed < 0.5 + 0.2 + 0.5, elapsed
             assert c.held_bytes() < 256 * 1024, c.held_bytes()  # one merged delta
             await r.send(final(gen["id"], "abort"))
