@@ -110,7 +110,7 @@ class Inbox:
     merged into one (text joined, token ids and logprobs appended), as the daemon merges them for a
     slow reader (daemon/streams.py): a request nobody reads holds one delta per sample and its end,
     never a backlog of frames."""
-    __slots__ = ("deltas", "texts", "end", "since", "sent", "waiter", "stuck")
+    __slots__ = ("deltas", "texts", "end", "since", "sent", "waiter", "stuck", "loading")
 
     def __init__(self):
         self.deltas: dict[int, dict] = {}  # sample index -> its pending delta
@@ -120,8 +120,12 @@ class Inbox:
         self.sent = time.monotonic()  # when the request went out: silence is counted from here too
         self.waiter = None  # aio_client: the future its reader waits on
         self.stuck = False  # aio_client: aborted because nobody took its frames for client_timeout
+        self.loading: dict | None = None  # the latest `loading` event: its model is being loaded (§3.10)
 
     def put(self, msg: dict, now: float) -> None:
+        if msg["type"] == "loading":  # progress, not output: the request's frames follow once it loaded
+            self.loading = msg
+            return
         if self.since is None:
             self.since = now
         if msg["type"] != "delta":
@@ -192,7 +196,8 @@ def resolve_endpoint(endpoint: str | None = None, environ=os.environ) -> str:
     return found
 
 
-BESIDE_PARAMS = ("cache_salt", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+BESIDE_PARAMS = ("cache_salt", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "model",
+                 "keep_alive")
 
 
 def generate_message(rid: str, prompt=None, messages=None, token_ids=None, stream=True, params=None) -> dict:
@@ -309,11 +314,18 @@ class Client:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.call("detokenize", token_ids=list(token_ids))["text"]
 
-    def embed(self, inputs: list, dimensions: int | None = None) -> dict:
+    def embed(self, inputs: list, dimensions: int | None = None, **fields) -> dict:
         """An embedding model's vectors (docs/protocol.md §3.9): inputs are strings or token id
-        lists; -> the reply: finish_reason, data (one unit vector per input), usage."""
-        fields = {"input": list(inputs)} if dimensions is None else {"input": list(inputs), "dimensions": dimensions}
+        lists; fields: model, keep_alive (§3.10); -> the reply: finish_reason, data (one unit vector
+        per input), usage."""
+        fields = {"input": list(inputs), **{k: v for k, v in fields.items() if v is not None}}
+        if dimensions is not None:
+            fields["dimensions"] = dimensions
         return self.call("embed", **fields)
+
+    def models(self) -> dict:
+        """The models the daemon can serve, loaded or not (docs/protocol.md §3.10)."""
+        return self.call("models")
 
     def abort(self, rid: str) -> None:
         self._send({"type": "abort", "id": rid})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ridge.engine.config import add_engine_args, engine_options
@@ -44,6 +44,16 @@ DAEMON_OPTIONS = [
     Option("client_timeout", float, 10.0, "abort a client's requests after this much silence or a full queue"),
     Option("drain_grace", float, 30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT"),
     Option("stats_interval", float, 0.25, "seconds between stats snapshots (the PUB feed)"),
+    Option("models_dir", str, None, "directory of models served by name: GGUF files and HF directories (default: "
+           "$XDG_DATA_HOME/ridge/models); config.toml's [models.NAME] tables name others", example="/srv/ridge/models"),
+    Option("keep_alive", str, "5m", "how long a model loaded on request stays once idle (seconds or a duration such "
+           "as 5m or 1h; 0: unload after each request; -1: never); a request's or [models.NAME]'s keep_alive wins"),
+    Option("max_loaded_models", int, 3, "models loaded at once; past it the least recently used idle one unloads"),
+    Option("models_memory_gib", float, None, "memory the loaded models' weights and KV pools may hold together; "
+           "past it the least recently used idle one unloads (default: the device's, less gpu_reserve_gib; on CPU "
+           "three quarters of the free RAM at start)", example=20.0),
+    Option("parked_gib", float, None, "host RAM for the converted weights of unloaded models, so that loading one "
+           "again is a copy (default: a quarter of the free RAM at start; 0: off)", example=8.0),
     Option("prefix_sharing", str, "user", "who shares cached prompt prefixes: user keeps each local user, CURVE "
            "key and API key apart (a hit is faster than a miss: sharers can tell what others sent); all shares them",
            choices=SHARING),
@@ -83,6 +93,7 @@ class Resolved:
     values: dict
     sources: dict  # name -> "flag" | "env RIDGE_X" | "file PATH" | "default"
     path: Path
+    models: dict = field(default_factory=dict)  # the file's [models.NAME] tables (daemon/registry.py)
 
     def namespace(self) -> argparse.Namespace:
         return argparse.Namespace(**self.values)
@@ -106,6 +117,7 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> Resolved:
             file_values = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: {e}") from None
+    models = file_values.pop("models", {})  # named models, not options: daemon/registry.py reads them
     options = all_options()
     unknown = set(file_values) - {o.name for o in options}
     if unknown:
@@ -121,7 +133,7 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> Resolved:
             values[o.name], sources[o.name] = o.convert(file_values[o.name], str(path)), f"file {path}"
         else:
             values[o.name], sources[o.name] = o.default, "default"
-    return Resolved(values, sources, path)
+    return Resolved(values, sources, path, models)
 
 
 def default_config() -> str:

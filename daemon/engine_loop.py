@@ -64,7 +64,8 @@ class HeldOutputs:
 
 
 class EngineLoop(threading.Thread):
-    """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message)."""
+    """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message),
+    and once the engine is built ("ready",) or ("failed", message)."""
 
     def __init__(self, make_engine, stats_interval: float):  # the option's value (daemon/config.py)
         super().__init__(name="ridge-engine", daemon=True)
@@ -84,6 +85,8 @@ class EngineLoop(threading.Thread):
         self.tick = time.monotonic()  # last completed loop iteration: health's engine_lag
         self.snapshot: tuple[int, float, dict] = (0, time.time(), {})  # (seq, unix time, engine.stats())
         self._last_stats = time.monotonic()
+        self.park = None  # engine -> what of it outlives the loop (daemon/models.py: its weights), run on exit
+        self.parked = None
 
     def start_engine(self, timeout: float | None = None):
         """Start the thread, build the engine on it, and return the engine (or raise what building raised)."""
@@ -172,9 +175,12 @@ class EngineLoop(threading.Thread):
             self.snapshot = (0, time.time(), self.engine.stats())
         except BaseException as e:
             self.error = e
+            self._emit(("failed", internal_error(log, "building the engine failed", e)
+                        if not isinstance(e, (ValueError, OSError, MemoryError)) else f"{type(e).__name__}: {e}"))
             return
         finally:
             self.ready.set()
+        self._emit(("ready",))
         try:
             while not self._stopping:
                 self._wake.clear()
@@ -195,3 +201,8 @@ class EngineLoop(threading.Thread):
             self._emit(("dead", internal_error(log, "the engine loop failed", e)))
         finally:
             self.engine.close()  # queued writes of the disk KV tier land before the process exits
+            if self.park is not None:
+                try:
+                    self.parked = self.park(self.engine)
+                except Exception as e:
+                    log.warning("the weights could not be parked: %s", e)

@@ -17,7 +17,8 @@ MAX_MESSAGES = 1024
 MAX_DEPTH = 32
 MAX_EMBED_INPUTS = 2048  # inputs in one embed (OpenAI's limit)
 
-CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat", "embed")
+CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat", "embed",
+                "models")
 FINISH_REASONS = ("stop", "length", "abort", "error", "tool_calls")
 
 # error codes (docs/protocol.md §5)
@@ -35,8 +36,11 @@ TOO_MANY_REQUESTS = "too_many_requests"
 BUSY = "busy"
 SHUTTING_DOWN = "shutting_down"
 INTERNAL = "internal"
+MODEL_NOT_FOUND = "model_not_found"  # a generate or embed named a model the daemon does not know (§3.10)
+MODEL_LOAD_FAILED = "model_load_failed"
 ERROR_CODES = (BAD_FRAME, TOO_LARGE, BAD_MSGPACK, BAD_UTF8, MISSING_FIELD, INVALID_FIELD, UNSUPPORTED_VERSION,
-               UNKNOWN_TYPE, INVALID_REQUEST, DUPLICATE_ID, TOO_MANY_REQUESTS, BUSY, SHUTTING_DOWN, INTERNAL)
+               UNKNOWN_TYPE, INVALID_REQUEST, DUPLICATE_ID, TOO_MANY_REQUESTS, BUSY, SHUTTING_DOWN, INTERNAL,
+               MODEL_NOT_FOUND, MODEL_LOAD_FAILED)
 
 
 class ProtocolError(Exception):

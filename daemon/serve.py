@@ -16,6 +16,7 @@ from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, Endp
 from .gateway.settings import GatewaySettings, gateway_settings
 from .notify import Notifier
 from .protocol import Limits
+from .registry import Entry, Registry, default_models_dir, parse_duration
 
 log = logging.getLogger("ridge.daemon")
 
@@ -81,6 +82,9 @@ def _check(c: dict) -> None:
             raise ValueError(f"{name} must be > 0")
     if c["drain_grace"] < 0:
         raise ValueError("drain_grace must be >= 0")
+    parse_duration(c["keep_alive"])
+    if c["max_loaded_models"] < 1:
+        raise ValueError("max_loaded_models must be >= 1")
 
 
 def check_listeners(c: dict, system: bool, curve) -> GatewaySettings | None:
@@ -105,6 +109,16 @@ def claim_endpoint(endpoint: str, system: bool) -> EndpointLock | None:
     return lock
 
 
+def new_engine(values: dict, loaded=None):
+    """An engine from resolved option values; loaded: a model's weights parked in host RAM."""
+    from ridge.engine.config import engine_config
+    from ridge.engine.engine import LLMEngine
+
+    from .models import unpark
+
+    return LLMEngine(engine_config(values), loaded=unpark(loaded, values["device"]) if loaded is not None else None)
+
+
 def run_serve(args) -> int:
     res = resolve(args)
     if args.print_config:
@@ -127,7 +141,7 @@ def run_serve(args) -> int:
         if gateway is not None:
             from .gateway.run import listen
             http = (gateway, listen(gateway))  # bound now: a port in use fails before the model loads
-        return _serve(c, endpoint, system, curve, http)
+        return _serve(c, endpoint, system, curve, http, res.models, str(res.path))
     except EndpointError as e:
         log.error("%s", e)
         return 1
@@ -138,26 +152,59 @@ def run_serve(args) -> int:
             lock.release()
 
 
-def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
-    from ridge.engine.config import engine_config
-    from ridge.engine.engine import LLMEngine
-
+def _serve(c: dict, endpoint: str, system: bool, curve, http=None, table: dict | None = None,
+           where: str = "config.toml") -> int:
     from .engine_loop import EngineLoop
-    from .server import Server, ServerConfig
+    from .models import Models, park, plan_sharing
+    from .server import Server, ServerConfig, make_validator
 
     notifier = Notifier()
     notifier.status("loading the model")
-    loop = EngineLoop(lambda: LLMEngine(engine_config(c)), c["stats_interval"])
-    engine = loop.start_engine()  # built on the engine thread: see engine_loop.py
+    models_dir = Path(c["models_dir"]) if c["models_dir"] else default_models_dir()
+    registry = Registry(Entry("default", c["model"], source="default"), models_dir, table, where)
+    memory, parked, share = plan_sharing(c, registry)
+
+    def build(entry: Entry, loaded=None, kv_gib: float | None = None) -> EngineLoop:
+        """One model's engine, built on its own thread (engine_loop.py): the daemon's options, the
+        entry's over them, and its share of the KV budget unless the entry sets its own."""
+        values = {**c, **entry.options, "model": entry.path}
+        if kv_gib is not None and values["num_kv_blocks"] is None:
+            values["kv_memory_gib"] = min(kv_gib, values["kv_memory_gib"] or kv_gib)
+        loop = EngineLoop(lambda: new_engine(values, loaded), c["stats_interval"])
+        loop.park = park
+        loop.start()
+        return loop
+
+    loop = build(registry.default, None, share)
+    loop.ready.wait()  # built on the engine thread: see engine_loop.py
+    if loop.error is not None:  # the model the daemon starts with must load, or it does not start
+        raise loop.error
+    loop.drain_outbox()
+    engine = loop.engine
     model = engine.model_info()
     model["name"] = c["served_model_name"] or served_name(model)
+    registry.default.name, registry.default.path = model["name"], model["path"]
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
                        limits=limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600,
                        prefix_sharing=c["prefix_sharing"])
-    server = Server(cfg, engine, loop, model, notifier, _version())
+
+    def ready(slot, eng) -> tuple:
+        """A model loaded on request: its validator and what hello would say of it."""
+        if slot.entry is registry.default:
+            return server.validator, server.model
+        info = {**eng.model_info(), "name": slot.name}
+        validator = make_validator(eng, info, limits(c, eng.max_model_len))
+        return validator, {**info, "chat": validator.chat.info()}
+
+    models = Models(registry, build, ready, max_loaded=c["max_loaded_models"],
+                    keep_alive=parse_duration(c["keep_alive"]), memory_bytes=memory, park_bytes=parked,
+                    kv_share_gib=share)
+    models.default_pooling = c["pooling"]
+    server = Server(cfg, engine, loop, model, notifier, _version(), models)
+    models.adopt(registry.default, loop, engine)
     gateway = None
     try:
         server.bind()
@@ -178,10 +225,12 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=None) -> int:
     finally:
         if gateway is not None:  # after the drain: every request's final frame is out
             gateway.stop()
-        loop.stop()
+        for lp in models.loops():
+            lp.stop()
         server.close()
         if (path := cfg.pub_endpoint and ipc_path(cfg.pub_endpoint)) and path.exists():
             path.unlink()
-        if loop.is_alive():
-            loop.join(10)
+        for lp in models.loops():
+            if lp.is_alive():
+                lp.join(10)
         notifier.close()

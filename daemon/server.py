@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -23,8 +24,10 @@ from . import protocol as P
 from .admission import Admission
 from .embeddings import EmbedFlight
 from .engine_loop import EngineLoop
+from .models import Models
 from .peers import Peer
 from .protocol import Limits, ProtocolError, message, pack
+from .registry import FOREVER, Entry, Registry
 from .sharing import engine_salt, peer_identity
 from .streams import InFlight
 from .validate import Validator
@@ -34,6 +37,17 @@ log = logging.getLogger("ridge.daemon")
 SWEEP_S = 0.1  # liveness sweeps and retries of stalled queues
 PEER_FORGET_S = 60.0  # a peer with nothing in flight is forgotten after this much silence
 FORCE_AFTER_ABORT_S = 5.0  # past the grace period, finals the engine has not sent by then are written here
+
+
+class _NoEngine:
+    """No model is loaded: the last engine stats known, and no engine to be late or dead."""
+
+    def __init__(self, snapshot: tuple):
+        self.snapshot, self.tick = snapshot, time.monotonic()
+
+    @staticmethod
+    def is_alive() -> bool:
+        return True
 
 
 @dataclass(kw_only=True)
@@ -53,15 +67,29 @@ class ServerConfig:
     prefix_sharing: str  # daemon/sharing.py
 
 
+def make_validator(engine, model: dict, limits: Limits) -> Validator:
+    return Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"], model["block_size"],
+                     model["num_kv_blocks"], limits, engine.grammars,
+                     model["hidden_size"] if model.get("pooling") else None)
+
+
 class Server:
-    def __init__(self, cfg: ServerConfig, engine, loop: EngineLoop, model: dict, notifier=None, version: str = ""):
-        self.cfg, self.loop, self.model, self.notifier = cfg, loop, model, notifier
+    def __init__(self, cfg: ServerConfig, engine, loop: EngineLoop, model: dict, notifier=None, version: str = "",
+                 models: Models | None = None):
+        """models: the daemon's models (daemon/models.py), the default one (engine, loop, model) among
+        them; None: a daemon of that one model."""
+        self.cfg, self.model, self.notifier = cfg, model, notifier
         self.server_name = f"ridge {version}".strip()
-        lim = cfg.limits
-        self.validator = Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"],
-                                   model["block_size"], model["num_kv_blocks"], lim, engine.grammars,
-                                   model["hidden_size"] if model.get("pooling") else None)
+        self.validator = make_validator(engine, model, cfg.limits)  # the default model's: tokenize, detokenize
         self.model = {**model, "chat": self.validator.chat.info()}
+        if models is None:
+            entry = Entry(model["name"], model.get("path"), source="default")
+            models = Models(Registry(entry, Path("/nonexistent")), None, lambda slot, eng: (self.validator, self.model),
+                            max_loaded=1, keep_alive=FOREVER, memory_bytes=None, park_bytes=0, kv_share_gib=None)
+            models.adopt(entry, loop, engine)
+        self.models = models
+        models.send, models.admit, models.refuse = self._send, self._admit_waiting, self._refuse_waiting
+        self._owners: dict = {}  # admission Pending -> (Slot, keep_alive) of a generate or embed
         self.admission = Admission()
         self._frame_bytes = 0
         self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame,
@@ -79,10 +107,17 @@ class Server:
         self._drain_requested = self._hurry = False
         self._drain_deadline = self._forced_at = self._quiet_since = None
         self._last_sweep = self._last_status = 0.0
-        self._published_seq = -1
+        self._published_seq: tuple | None = None
         self.handlers = {"hello": self._hello, "generate": self._generate, "abort": self._abort,
                          "tokenize": self._tokenize, "detokenize": self._detokenize, "stats": self._stats,
-                         "health": self._health, "heartbeat": self._heartbeat, "embed": self._embed}
+                         "health": self._health, "heartbeat": self._heartbeat, "embed": self._embed,
+                         "models": self._models}
+
+    @property
+    def loop(self):
+        """The engine loop whose stats and liveness the daemon reports (Models.primary)."""
+        slot = self.models.primary()
+        return slot.loop if slot is not None else _NoEngine(self.models.snapshot())
 
     # -- sockets -------------------------------------------------------------------
     def _router(self) -> zmq.Socket:
@@ -137,17 +172,25 @@ class Server:
         poller = zmq.Poller()
         for r in self.routers:
             poller.register(r, zmq.POLLIN)
-        poller.register(self.loop.wake_r, zmq.POLLIN)
         poller.register(self.admission.wake_r, zmq.POLLIN)
+        polled: set = set()  # the engine loops' wake pipes: one per model loaded or loading
         while True:
+            loops = self.models.loops()
+            for fd in {lp.wake_r for lp in loops} - polled:
+                poller.register(fd, zmq.POLLIN)
+                polled.add(fd)
+            for fd in polled - {lp.wake_r for lp in loops}:
+                poller.unregister(fd)
+                polled.discard(fd)
             events = dict(poller.poll(50))
             for r in self.routers:
                 if r in events:
                     self._receive(r)
             if self.admission.wake_r in events:
                 self._on_admitted(self.admission.ready())
-            if self.loop.wake_r in events or self.loop.outbox:
-                self._on_engine(self.loop.drain_outbox())
+            for lp in loops:
+                if lp.wake_r in events or lp.outbox:
+                    self._on_engine(lp.drain_outbox(), lp)
             now = time.monotonic()
             self._timers(now)
             if self._drain_requested and self.state == "ok":
@@ -191,14 +234,23 @@ class Server:
         """The workers' results, each client's in arrival order: the rest of each message's
         handling (and every error frame) happens here, on the socket thread."""
         for p in done:
+            owner = self._owners.pop(p, None)
             if p.peer.gone:  # it disconnected or timed out while its admission ran: nothing to send
+                if owner is not None:
+                    self.models.release(*owner)
                 continue
             try:
                 if p.error is not None:
                     raise p.error
-                self.finishers[p.env.type](p)
+                if owner is None:
+                    self.finishers[p.env.type](p)
+                else:
+                    self.finishers[p.env.type](p, owner)
+                    owner = None  # its flight holds it now
             except Exception as e:
                 self._refuse(p.peer, e, p.env.id)
+            if owner is not None:
+                self.models.release(*owner)
 
     def _refuse(self, peer: Peer, e: Exception, rid: str | None) -> None:
         """The error frame for what handling a message raised; a daemon bug must not take the daemon down."""
@@ -239,41 +291,63 @@ class Server:
 
     def _generate(self, peer: Peer, env) -> None:
         self._admitting(env.id)
-        self.admission.submit(peer, env, self.validator.generate, self._frame_bytes)
+        self.models.request(peer, env, "generate", self._frame_bytes, self.cfg.limits.max_queue)
+
+    def _embed(self, peer: Peer, env) -> None:
+        self._admitting(env.id)
+        self.models.request(peer, env, "embed", self._frame_bytes, self.cfg.limits.max_queue)
+
+    def _admit_waiting(self, w, slot) -> None:
+        """A generate or embed whose model is loaded: to the admission workers, with that model's validator."""
+        try:
+            work = slot.validator.generate if w.kind == "generate" else slot.validator.embed
+            p = self.admission.submit(w.peer, w.env, work, w.size)
+        except Exception as e:
+            self.models.release(slot, w.keep)
+            self._refuse(w.peer, e, w.env.id)
+            return
+        p.aborted = w.aborted
+        self._owners[p] = (slot, w.keep)
+
+    def _refuse_waiting(self, peer: Peer, e: ProtocolError) -> None:
+        self._refuse(peer, e, e.request_id)
 
     def _admitting(self, rid: str) -> None:
         if self.state != "ok":
             raise ProtocolError(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", rid)
 
-    def _admit(self, p) -> None:
-        """A generate the validator passed: the daemon's own limits, then the engine's queue."""
+    def _admit(self, p, owner) -> None:
+        """A generate the validator passed: the daemon's own limits, then its model's engine queue."""
         self._admitting(p.env.id)  # the drain may have begun while it was validated
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
         inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0, req.output, req.version)
+        inf.owner = owner
         peer.requests[req.id] = self.inflight[eid] = inf
-        self.loop.add(eid, req.prompt_token_ids, req.params,
-                      engine_salt(peer.identity, req.cache_salt, self.cfg.prefix_sharing))
+        loop = owner[0].loop
+        loop.add(eid, req.prompt_token_ids, req.params, engine_salt(peer.identity, req.cache_salt,
+                                                                   self.cfg.prefix_sharing))
         if p.aborted:  # the client aborted it while it was validated: the engine sends its final
             self.aborts["client"] += 1
-            self.loop.abort(eid)
+            loop.abort(eid)
 
-    def _embed(self, peer: Peer, env) -> None:
-        self._admitting(env.id)
-        self.admission.submit(peer, env, self.validator.embed, self._frame_bytes)
-
-    def _admit_embed(self, p) -> None:
+    def _admit_embed(self, p, owner) -> None:
         """An embed the validator passed: every input one prefill, answered in one frame (embeddings.py)."""
         self._admitting(p.env.id)
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
-        peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version)
-        self.loop.embed(eid, req.inputs, req.dimensions)
+        inf = peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version)
+        inf.owner = owner
+        owner[0].loop.embed(eid, req.inputs, req.dimensions)
         if p.aborted:
             self.aborts["client"] += 1
-            self.loop.abort(eid)
+            owner[0].loop.abort(eid)
+
+    @staticmethod
+    def _engine_abort(inf) -> None:
+        inf.owner[0].loop.abort(inf.engine_id)
 
     def _room(self, peer: Peer, rid: str) -> None:
         """The daemon's own limits on a request about to be queued."""
@@ -292,7 +366,8 @@ class Server:
         inf = peer.requests.get(env.id)
         if inf is not None and not inf.done:
             self.aborts["client"] += 1
-            self.loop.abort(inf.engine_id)
+            self._engine_abort(inf)
+        self.models.abort_waiting(peer, env.id)  # still waiting for its model: aborted once admitted
         for p in self.admission.pending_for(peer):  # still being validated: aborted once admitted
             if p.env.type in ("generate", "embed") and p.env.id == env.id:
                 p.aborted = True
@@ -337,7 +412,20 @@ class Server:
                   "aborts": dict(self.aborts), "held_bytes": self._held_bytes(), "state": self.state,
                   "pid": os.getpid(),
                   "cpu_s": {"socket_thread": time.thread_time(), "process": time.process_time()}}
-        return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq)
+        return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq,
+                       models=self._loaded_models())
+
+    def _loaded_models(self) -> list[dict]:
+        """What `ridge top` shows of the models (docs/protocol.md §7): the loaded and loading ones."""
+        return self.models.held()
+
+    def _models(self, peer: Peer, env) -> None:
+        if env.v < 3:
+            raise ProtocolError(P.UNKNOWN_TYPE, f"models is a version 3 message; this one is version {env.v}", env.id)
+        self.validator.no_fields(env)
+        self._send(peer, message("models", env.id, default=self.models.registry.default.name,
+                                 models=self.models.listing(), counts=dict(self.models.counts),
+                                 max_loaded_models=self.models.max_loaded))
 
     def _held_bytes(self) -> int:
         """Encoded bytes waiting for clients that read too slowly: frames their queues had no room for,
@@ -345,10 +433,13 @@ class Server:
         return sum(sum(map(len, p.outq)) + sum(inf.held_bytes() for inf in p.dirty) for p in self.peers.values())
 
     # -- engine outputs --------------------------------------------------------------
-    def _on_engine(self, items: list) -> None:
+    def _on_engine(self, items: list, loop=None) -> None:
         touched: dict = {}
         for item in items:
-            if item[0] == "out":
+            if item[0] in ("ready", "failed"):  # a model loaded on request (daemon/models.py)
+                if (slot := self.models.slot_of(loop)) is not None:
+                    self.models.on_loop(slot, item)
+            elif item[0] == "out":
                 for o in item[1]:
                     inf = self.inflight.get(o.request_id)
                     if inf is not None:
@@ -378,7 +469,8 @@ class Server:
             touched[inf.peer] = None
 
     def _retire(self, inf: InFlight) -> None:
-        self.inflight.pop(inf.engine_id, None)
+        if self.inflight.pop(inf.engine_id, None) is not None:
+            self.models.release(*inf.owner)
         if inf.peer.requests.get(inf.id) is inf:
             del inf.peer.requests[inf.id]
 
@@ -391,7 +483,7 @@ class Server:
         live = [inf for inf in peer.requests.values() if not inf.done]
         for inf in live:
             inf.orphaned = True
-            self.loop.abort(inf.engine_id)  # retired when the engine's final output comes back
+            self._engine_abort(inf)  # retired when the engine's final output comes back
         for inf in [i for i in peer.requests.values() if i.done]:
             self._retire(inf)
         if live:
@@ -404,15 +496,16 @@ class Server:
         live = [inf for inf in peer.requests.values() if not inf.done and inf.detail is None]
         for inf in live:
             inf.detail = "timeout"
-            self.loop.abort(inf.engine_id)
+            self._engine_abort(inf)
         if live:
             self.aborts["timeout"] += len(live)
             log.info("client %s timeout: aborted %d request(s)", peer.ident.hex(), len(live))
 
     # -- timers: liveness, stats feed, systemd ---------------------------------------
     def _timers(self, now: float) -> None:
-        if self.pub is not None and self.loop.snapshot[0] != self._published_seq:
-            self._published_seq = self.loop.snapshot[0]
+        key = (self.loop.snapshot[0], tuple((s.name, s.state) for s in self.models.slots.values()))
+        if self.pub is not None and key != self._published_seq:
+            self._published_seq = key
             try:
                 self.pub.send_multipart((P.PUB_TOPIC, pack(self.stats_message("stats"))), zmq.NOBLOCK)
             except zmq.Again:
@@ -420,13 +513,15 @@ class Server:
         if now - self._last_sweep >= SWEEP_S:
             self._last_sweep = now
             self._sweep(now)
+            self.models.tick(now)
         if self.notifier is not None:
             if now - self._last_status >= 2.0:
                 self._last_status = now
                 st = self.loop.snapshot[2]
                 self.notifier.status(f"{self.state}: {self.model['name']}, {st['running']} running, "
                                      f"{st['waiting']} waiting, {len(self.peers)} clients")
-            self.notifier.watchdog(now - self.loop.tick < 30.0 and self.loop.is_alive())
+            self.notifier.watchdog(all(now - lp.tick < 30.0 and lp.is_alive() for lp in self.models.loops()
+                                       if (s := self.models.slot_of(lp)) is not None and s.state == "ready"))
 
     def _sweep(self, now: float) -> None:
         c = self.cfg
@@ -449,6 +544,7 @@ class Server:
     def _start_drain(self, now: float) -> None:
         self.state = "draining"
         self._drain_deadline = now + self.cfg.drain_grace
+        self.models.fail_waiting(P.SHUTTING_DOWN, "the daemon is shutting down before the model loaded")
         log.info("draining: %d request(s) in flight, %.0f s grace", len(self.inflight), self.cfg.drain_grace)
         if self.notifier is not None:
             self.notifier.stopping(f"draining {len(self.inflight)} request(s)")
@@ -463,7 +559,7 @@ class Server:
                 if not inf.done and inf.detail is None:  # not already aborted for a timeout
                     inf.detail = "shutdown"
                     self.aborts["shutdown"] += 1
-                    self.loop.abort(inf.engine_id)
+                    self._engine_abort(inf)
         if self._forced_at is not None and now - self._forced_at > FORCE_AFTER_ABORT_S:
             touched: dict = {}
             for inf in list(self.inflight.values()):  # the engine is stuck: write the finals ourselves

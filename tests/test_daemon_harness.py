@@ -22,7 +22,7 @@ HEARTBEAT = 0.5
 def daemon_env(tmp: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RIDGE_", "NOTIFY_SOCKET", "WATCHDOG_"))}
     env.update(XDG_RUNTIME_DIR=str(tmp / "xdg-run"), XDG_CONFIG_HOME=str(tmp / "xdg-config"),
-               PYTHONPATH=str(ROOT), RIDGE_LOG_LEVEL="INFO")
+               XDG_DATA_HOME=str(tmp / "xdg-data"), PYTHONPATH=str(ROOT), RIDGE_LOG_LEVEL="INFO")
     (tmp / "xdg-run").mkdir(exist_ok=True, mode=0o700)
     env.update({k: str(v) for k, v in extra.items()})
     return env

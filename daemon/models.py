@@ -1,0 +1,453 @@
+"""Many models, one daemon (issue 28): a model per engine, loaded when a request names it,
+unloaded when it has been idle for its keep_alive, or evicted (the least recently used idle
+one first) when another needs the room. Runs on the socket thread; each engine is built,
+stepped and closed on its own EngineLoop thread (engine_loop.py).
+
+One load at a time: no engine sizes its KV pool while another is being built or torn down, and
+each is given its share of the KV budget explicitly (docs/architecture.md, "Many models")."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import OrderedDict
+
+from . import protocol as P
+from .protocol import ProtocolError, message
+from .registry import FOREVER, Entry, Registry, parse_duration, wire_duration
+
+log = logging.getLogger("ridge.daemon.models")
+
+PROGRESS_S = 1.0  # a loading event to each waiting request this often
+
+
+class Waiting:
+    """A generate or embed that named a model not loaded yet: admitted once it is."""
+    __slots__ = ("peer", "env", "kind", "size", "keep", "aborted")
+
+    def __init__(self, peer, env, kind: str, size: int, keep: float | None):
+        self.peer, self.env, self.kind, self.size, self.keep = peer, env, kind, size, keep
+        self.aborted = False
+
+
+class Slot:
+    """One model the daemon holds or is loading, and the requests it has in flight."""
+
+    def __init__(self, entry: Entry, keep_alive: float):
+        self.entry, self.name = entry, entry.name
+        self.state = "queued"  # queued (for room, or for another load) | loading | ready | unloading
+        self.loop = self.engine = self.validator = self.info = None
+        self.waiting: list[Waiting] = []
+        self.active = 0  # requests waiting, being admitted or in the engine
+        self.keep_alive = keep_alive  # the latest request's, else the entry's, else the daemon's
+        self.last_used = time.monotonic()
+        self.expires_at: float | None = None  # monotonic; None while it has requests, or pinned
+        self.load_started = self.load_seconds = None
+        self.load_from: str | None = None  # host (parked weights) | cache (converted on disk) | convert
+        self.weight_bytes = self.kv_bytes = 0
+        self.queued_at = time.monotonic()
+        self._progress_at = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def idle(self) -> bool:
+        return self.state == "ready" and self.active == 0
+
+    def describe(self, unix_now: float, mono_now: float) -> dict:
+        out = {"state": self.state, "loaded": self.state == "ready", "bytes": self.bytes,
+               "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes, "requests": self.active,
+               "keep_alive": wire_duration(self.keep_alive), "load_seconds": self.load_seconds,
+               "load_from": self.load_from, "expires_at": None}
+        if self.expires_at is not None:
+            out["expires_at"] = unix_now + max(self.expires_at - mono_now, 0.0)
+        if self.info is not None:
+            out["kind"] = "embed" if self.info.get("pooling") else "generate"
+            out["device"], out["max_model_len"] = self.info["device"], self.info["max_model_len"]
+        return out
+
+
+class Models:
+    """build(entry, parked LoadedModel | None, kv_memory_gib | None) -> an EngineLoop, started:
+    its thread builds the engine and emits ("ready",) or ("failed", message). ready(slot, engine)
+    -> (validator, model info) for a built engine."""
+
+    def __init__(self, registry: Registry, build, ready, *, max_loaded: int, keep_alive: float,
+                 memory_bytes: int | None, park_bytes: int, kv_share_gib: float | None):
+        self.registry, self._build, self._ready = registry, build, ready
+        self.max_loaded, self.keep_alive = max_loaded, keep_alive
+        self.memory_bytes, self.park_bytes, self.kv_share_gib = memory_bytes, park_bytes, kv_share_gib
+        self.slots: dict[str, Slot] = {}
+        self.parked: OrderedDict[str, tuple] = OrderedDict()  # name -> (LoadedModel, bytes), oldest first
+        self.sizes: dict[str, int] = {}  # name -> the bytes it held when last loaded: the next load's estimate
+        self.counts = {"loads": 0, "unloads": 0, "evictions": 0, "failed": 0}
+        self.send = None  # the server's (peer, message); set by it
+        self.admit = None  # the server's (Waiting, Slot) -> None: submit it for admission
+        self.refuse = None  # the server's (peer, ProtocolError)
+        self._last_snapshot = (0, time.time(), {})
+        self.default_pooling = "auto"  # the daemon's --pooling, which [models.NAME] pooling overrides
+        self._kinds: dict = {}  # (path, pooling) -> generate | embed, read from the model's metadata once
+
+    # -- the default model, built by `ridge serve` before the sockets bind -----------
+    def adopt(self, entry: Entry, loop, engine) -> Slot:
+        slot = Slot(entry, self._keep(entry))
+        slot.loop, slot.engine, slot.state = loop, engine, "ready"
+        slot.load_from = "cache" if engine.loaded.from_cache else "convert"
+        slot.load_seconds = engine.loaded.load_seconds
+        self._measure(slot)
+        slot.validator, slot.info = self._ready(slot, engine)
+        self.slots[entry.name] = slot
+        self._idle(slot, time.monotonic())
+        return slot
+
+    def _keep(self, entry: Entry) -> float:
+        return self.keep_alive if entry.keep is None else entry.keep
+
+    def _measure(self, slot: Slot) -> None:
+        mem = slot.engine.memory
+        slot.weight_bytes, slot.kv_bytes = int(mem.weight_bytes), int(mem.kv_pool_bytes)
+        self.sizes[slot.name] = slot.bytes
+
+    # -- requests ------------------------------------------------------------------
+    def request(self, peer, env, kind: str, size: int, max_waiting: int) -> None:
+        """A generate or embed: its `model` picks the slot (loaded now if it is not), its
+        `keep_alive` how long the model stays once it is done."""
+        body = env.body
+        if env.v < 3 and (given := [k for k in ("model", "keep_alive") if k in body]):
+            raise ProtocolError(P.INVALID_FIELD, f"{given[0]} is a version 3 field; this message is version {env.v}",
+                                env.id)
+        name, keep = body.pop("model", None), body.pop("keep_alive", None)
+        if name is not None and not isinstance(name, str):
+            raise P.fail("model", "a string (a name `models` lists)", env.id)
+        if keep is not None:
+            try:
+                keep = parse_duration(keep)
+            except ValueError as e:
+                raise ProtocolError(P.INVALID_FIELD, str(e), env.id) from None
+        entry = self.registry.find(name)
+        if entry is None:
+            raise ProtocolError(P.MODEL_NOT_FOUND, f"the model {name!r} does not exist; this daemon serves "
+                                f"{', '.join(sorted(self.registry.entries()))}", env.id, model=name)
+        w = Waiting(peer, env, kind, size, keep)
+        slot = self.slots.get(entry.name)
+        if slot is None or slot.state == "unloading":
+            if sum(len(s.waiting) for s in self.slots.values()) >= max_waiting:
+                raise ProtocolError(P.BUSY, "too many requests wait for models to load; retry later", env.id,
+                                    retry_after=1.0)
+            if slot is None:
+                slot = self.slots[entry.name] = Slot(entry, self._keep(entry))
+        slot.active += 1
+        slot.expires_at = None
+        if slot.state == "ready":
+            slot.last_used = time.monotonic()
+            self.admit(w, slot)
+            return
+        slot.waiting.append(w)
+        self._tell(w, slot, time.monotonic())
+        self.schedule()
+
+    def release(self, slot: Slot, keep: float | None) -> None:
+        """A request of the slot's ended (answered, refused or its client gone)."""
+        slot.active -= 1
+        if keep is not None:
+            slot.keep_alive = keep
+        now = time.monotonic()
+        slot.last_used = now
+        if slot.active == 0 and slot.state == "ready":
+            self._idle(slot, now)
+            self.schedule()
+
+    def _idle(self, slot: Slot, now: float) -> None:
+        slot.expires_at = None if slot.keep_alive == FOREVER else now + slot.keep_alive
+
+    def abort_waiting(self, peer, rid: str) -> bool:
+        for slot in self.slots.values():
+            for w in slot.waiting:
+                if w.peer is peer and w.env.id == rid:
+                    w.aborted = True
+                    return True
+        return False
+
+    def fail_waiting(self, code: str, text: str) -> None:
+        """Every request still waiting for a load ends with an error (the daemon is draining)."""
+        for slot in self.slots.values():
+            for w in slot.waiting:
+                self.refuse(w.peer, ProtocolError(code, text, w.env.id))
+                slot.active -= 1
+            slot.waiting.clear()
+
+    def _tell(self, w: Waiting, slot: Slot, now: float) -> None:
+        """A loading event (docs/protocol.md §3.10) to a v3 client; older ones only wait."""
+        if w.peer.version < 3 or w.peer.gone:
+            return
+        f = message("loading", w.env.id, model=slot.name, stage=slot.state,
+                    elapsed=0.0 if slot.load_started is None else now - slot.load_started)
+        if slot.load_from is not None:
+            f["load_from"] = slot.load_from
+        self.send(w.peer, f)
+
+    # -- loading and unloading -------------------------------------------------------
+    def schedule(self) -> None:
+        """Start the next load when nothing else loads or unloads, evicting the least recently used
+        idle models while the loaded ones are too many or hold too much memory."""
+        if any(s.state in ("loading", "unloading") for s in self.slots.values()):
+            return
+        queued = sorted((s for s in self.slots.values() if s.state == "queued"), key=lambda s: s.queued_at)
+        if not queued:
+            return
+        slot = queued[0]
+        if not slot.waiting:  # every request that wanted it went away
+            del self.slots[slot.name]
+            return self.schedule()
+        loaded = [s for s in self.slots.values() if s.state == "ready"]
+        need = self.sizes.get(slot.name) or slot.entry.disk()[0] * 2
+        over_count = len(loaded) + 1 > self.max_loaded
+        over_memory = self.memory_bytes is not None and loaded and \
+            sum(s.bytes for s in loaded) + need > self.memory_bytes
+        if over_count or over_memory:
+            idle = sorted((s for s in loaded if s.idle()), key=lambda s: s.last_used)
+            if idle:
+                self.counts["evictions"] += 1
+                log.info("evicting %s (idle %.0f s) to load %s", idle[0].name, time.monotonic() - idle[0].last_used,
+                         slot.name)
+                self.unload(idle[0])
+            return  # else: wait until a loaded model's requests are done
+        self._start(slot)
+
+    def _start(self, slot: Slot) -> None:
+        parked = self.parked.pop(slot.name, None)
+        slot.state, slot.load_started = "loading", time.monotonic()
+        slot.load_from = "host" if parked is not None else None
+        log.info("loading %s (%s)%s", slot.name, slot.entry.path,
+                 " from the weights parked in host RAM" if parked else "")
+        share = slot.entry.options.get("kv_memory_gib") or self.kv_share_gib
+        try:
+            slot.loop = self._build(slot.entry, parked[0] if parked else None, share)
+        except Exception as e:
+            self._failed(slot, f"{type(e).__name__}: {e}")
+            return
+        now = time.monotonic()
+        for w in slot.waiting:
+            self._tell(w, slot, now)
+
+    def on_loop(self, slot: Slot, item) -> None:
+        """("ready",) or ("failed", message) from a slot's engine thread."""
+        if item[0] == "failed":
+            self._failed(slot, item[1])
+            return
+        if slot.state != "loading":
+            return
+        engine = slot.engine = slot.loop.engine
+        slot.load_seconds = time.monotonic() - slot.load_started
+        if slot.load_from is None:
+            slot.load_from = "cache" if engine.loaded.from_cache else "convert"
+        self._measure(slot)
+        try:
+            slot.validator, slot.info = self._ready(slot, engine)
+        except Exception as e:
+            slot.loop.stop()
+            self._failed(slot, f"{type(e).__name__}: {e}")
+            return
+        slot.state, slot.last_used = "ready", time.monotonic()
+        self.counts["loads"] += 1
+        log.info("loaded %s in %.2f s (%s): %.2f GiB", slot.name, slot.load_seconds, slot.load_from,
+                 slot.bytes / (1 << 30))
+        waiting, slot.waiting = slot.waiting, []
+        for w in waiting:
+            if w.peer.gone:
+                slot.active -= 1
+                continue
+            self.admit(w, slot)
+        if slot.active == 0:
+            self._idle(slot, time.monotonic())
+        self.schedule()
+
+    def _failed(self, slot: Slot, why: str) -> None:
+        log.error("loading %s failed: %s", slot.name, why)
+        self.counts["failed"] += 1
+        for w in slot.waiting:
+            self.refuse(w.peer, ProtocolError(P.MODEL_LOAD_FAILED, f"loading the model {slot.name!r} failed: {why}",
+                                              w.env.id, model=slot.name))
+        slot.waiting.clear()
+        self.slots.pop(slot.name, None)
+        self.schedule()
+
+    def unload(self, slot: Slot) -> None:
+        slot.state = "unloading"
+        slot.expires_at = None
+        slot.loop.stop()  # its thread closes the engine, parks its weights, and ends
+
+    def tick(self, now: float) -> None:
+        """From the socket thread's timers: expiries, finished unloads, loading events."""
+        for slot in list(self.slots.values()):
+            if slot.idle() and slot.expires_at is not None and now >= slot.expires_at:
+                log.info("unloading %s: idle for its keep_alive (%.0f s)", slot.name, slot.keep_alive)
+                self.unload(slot)
+            elif slot.state == "unloading" and not slot.loop.is_alive():
+                self._unloaded(slot)
+            elif slot.waiting and now - slot._progress_at >= PROGRESS_S:
+                slot._progress_at = now
+                for w in slot.waiting:
+                    self._tell(w, slot, now)
+
+    def _unloaded(self, slot: Slot) -> None:
+        if self.slots.get(slot.name) is slot:
+            del self.slots[slot.name]
+        parked = slot.loop.parked
+        self.counts["unloads"] += 1
+        self._last_snapshot = slot.loop.snapshot
+        slot.loop.engine = slot.engine = slot.validator = None
+        if parked is not None and slot.weight_bytes <= self.park_bytes:
+            while self.parked and sum(b for _, b in self.parked.values()) + slot.weight_bytes > self.park_bytes:
+                self.parked.popitem(last=False)
+            self.parked[slot.name] = (parked, slot.weight_bytes)
+        slot.loop.parked = None
+        log.info("unloaded %s%s", slot.name, " (weights parked in host RAM)" if slot.name in self.parked else "")
+        release_memory()
+        if slot.waiting:  # requests came for it while it unloaded: it loads again
+            slot.state, slot.loop = "queued", None
+            self.slots[slot.name] = slot
+        self.schedule()
+
+    # -- what the daemon reports ------------------------------------------------------
+    def loops(self) -> list:
+        return [s.loop for s in self.slots.values() if s.loop is not None]
+
+    def slot_of(self, loop) -> Slot | None:
+        return next((s for s in self.slots.values() if s.loop is loop), None)
+
+    def primary(self) -> Slot | None:
+        """The slot whose engine stats `stats` and `health` report: the default model's while it is
+        loaded, else the most recently used loaded one."""
+        d = self.slots.get(self.registry.default.name)
+        if d is not None and d.state == "ready":
+            return d
+        ready = [s for s in self.slots.values() if s.state == "ready"]
+        return max(ready, key=lambda s: s.last_used) if ready else None
+
+    def snapshot(self) -> tuple:
+        p = self.primary()
+        if p is not None:
+            self._last_snapshot = p.loop.snapshot
+        return self._last_snapshot
+
+    def listing(self) -> list[dict]:
+        """Every model the daemon can serve (docs/protocol.md §3.10), the default first."""
+        unix, mono = time.time(), time.monotonic()
+        out = []
+        for name, e in self.registry.entries().items():
+            size, mtime, fmt = e.disk()
+            m = {"name": name, "path": e.path, "default": e is self.registry.default, "size": size,
+                 "modified_at": mtime, "format": fmt, "kind": self._kind(e), "loaded": False, "state": "available",
+                 "bytes": 0, "keep_alive": wire_duration(self._keep(e)), "expires_at": None,
+                 "parked": name in self.parked}
+            if (slot := self.slots.get(name)) is not None:
+                m.update(slot.describe(unix, mono))
+            out.append(m)
+        return out
+
+    def held(self) -> list[dict]:
+        """The models loaded, loading or waiting to load: what stats carry for `ridge top`."""
+        unix, mono = time.time(), time.monotonic()
+        return [{"name": s.name, "default": s.entry is self.registry.default, **s.describe(unix, mono)}
+                for s in self.slots.values()]
+
+    def _kind(self, e: Entry) -> str:
+        slot = self.slots.get(e.name)
+        if slot is not None and slot.info is not None:
+            return "embed" if slot.info.get("pooling") else "generate"
+        pooling = e.options.get("pooling", self.default_pooling)
+        if (e.path, pooling) not in self._kinds:
+            from ridge.engine.pooling import resolve_pooling
+
+            try:
+                kind = "embed" if resolve_pooling(pooling, e.path) else "generate"
+            except Exception:  # unreadable metadata: it is found out when it loads
+                kind = "generate"
+            self._kinds[(e.path, pooling)] = kind
+        return self._kinds[(e.path, pooling)]
+
+
+def release_memory() -> None:
+    """What an unloaded engine held goes back to the system: its tensors once nothing refers to
+    them, the CUDA allocator's cached blocks, and glibc's free heap (malloc_trim), which the
+    engine's mallopt (cpu_format.keep_freed_memory) would otherwise keep mapped."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def plan_sharing(c: dict, registry: Registry) -> tuple[int | None, int, float | None]:
+    """-> (the bytes loaded models may hold together, the host bytes for parked weights, each
+    engine's KV budget in GiB). A daemon that knows one model sizes its pool as it always did
+    (None); one that knows more splits the KV budget (kv_memory_gib, else what one engine would
+    take: cpu_kv_cap_gib on CPU, half the device's free memory less its reserve on CUDA) evenly
+    over max_loaded_models, so that a later load never finds the memory taken."""
+    import psutil
+    import torch
+
+    from ridge.engine.config import EngineConfig
+
+    gib = 1 << 30
+    cuda = (c["device"] or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    free_ram = psutil.virtual_memory().available
+    reserve = int(c["gpu_reserve_gib"] * gib)
+    if c["models_memory_gib"] is not None:
+        memory = int(c["models_memory_gib"] * gib)
+    elif cuda:
+        memory = torch.cuda.mem_get_info()[1] - reserve
+    else:
+        memory = int(0.75 * free_ram)
+    parked = int(c["parked_gib"] * gib) if c["parked_gib"] is not None else free_ram // 4
+    if len(registry.entries()) == 1:
+        return memory, parked, None
+    if c["kv_memory_gib"] is not None:
+        budget = c["kv_memory_gib"]
+    elif cuda:
+        budget = (torch.cuda.mem_get_info()[0] - reserve) / 2 / gib
+    else:
+        budget = EngineConfig.cpu_kv_cap_gib
+    return memory, parked, budget / c["max_loaded_models"]
+
+
+def _move(model, to) -> None:
+    """Every tensor a model holds (parameters, buffers, and tensors kept as plain attributes,
+    such as rope tables and CPU-format copies) through `to`."""
+    import torch
+
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is not None:
+                    moved = to(t.data)
+                    table[k] = torch.nn.Parameter(moved, requires_grad=False) \
+                        if isinstance(t, torch.nn.Parameter) else moved
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor):
+                setattr(m, k, to(v))
+
+
+def park(engine):
+    """On an engine's thread as it ends: its converted weights, kept for the next load of the
+    model. On CPU they are host memory already; a GPU's are copied to pinned host memory."""
+    loaded = engine.loaded
+    if loaded.device.type == "cuda":
+        _move(loaded.model, lambda t: t.to("cpu").pin_memory())
+    return loaded
+
+
+def unpark(loaded, device: str | None):
+    """The weights park() kept, back on the device they ran on: a copy, not a conversion."""
+    if loaded.device.type == "cuda":
+        _move(loaded.model, lambda t: t.to(loaded.device, non_blocking=True))
+        import torch
+        torch.cuda.synchronize(loaded.device)
+    return loaded
