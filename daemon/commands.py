@@ -96,7 +96,7 @@ def run_gateway(args) -> int:
         endpoint = gateway_endpoint(values, settings.api_key is not None)
         if endpoint == system_endpoint():
             refuse_keyless_system(settings.url, settings.api_key)
-        return run_foreground(settings, endpoint)
+        return run_foreground(settings, endpoint, gateway_settings(values, None, key="ollama"))
     except EndpointError as e:
         print(f"ridge: {e}", file=sys.stderr)
         return 1

@@ -133,26 +133,28 @@ def run_serve(args) -> int:
     _check(c)
     endpoint = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
     system = bool(c["system"]) and not c["endpoint"]
-    lock = http = None
+    lock, http = None, []
     try:
         curve = load_curve(c["curve_secret_key_file"], c["curve_clients_dir"])
         gateway = check_listeners(c, system, curve)
+        ollama = gateway_settings(c, default_http=None, system=system, key="ollama")
         lock = claim_endpoint(endpoint, system)
-        if gateway is not None:
-            from .gateway.run import listen
-            http = (gateway, listen(gateway))  # bound now: a port in use fails before the model loads
+        from .gateway.run import listen
+        for settings, is_ollama in ((gateway, False), (ollama, True)):
+            if settings is not None:  # bound now: a port in use fails before the model loads
+                http.append((settings, listen(settings), is_ollama))
         return _serve(c, endpoint, system, curve, http, res.models, str(res.path))
     except EndpointError as e:
         log.error("%s", e)
         return 1
     finally:
-        if http is not None:
-            http[1].close()
+        for _, sock, _ in http:
+            sock.close()
         if lock is not None:
             lock.release()
 
 
-def _serve(c: dict, endpoint: str, system: bool, curve, http=None, table: dict | None = None,
+def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | None = None,
            where: str = "config.toml") -> int:
     from .engine_loop import EngineLoop
     from .models import Models, park, plan_sharing
@@ -205,13 +207,13 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=None, table: dict |
     models.default_pooling = c["pooling"]
     server = Server(cfg, engine, loop, model, notifier, _version(), models)
     models.adopt(registry.default, loop, engine)
-    gateway = None
+    gateways = []
     try:
         server.bind()
-        if http is not None:
-            from .gateway.run import GatewayThread
-            gateway = GatewayThread(http[0], endpoint, http[1])
-            gateway.start()
+        from .gateway.run import GatewayThread
+        for settings, sock, is_ollama in http:
+            gateways.append(GatewayThread(settings, endpoint, sock, ollama=is_ollama))
+            gateways[-1].start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_drain())
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
@@ -223,7 +225,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=None, table: dict |
         log.info("stopped (exit %d)", code)
         return code
     finally:
-        if gateway is not None:  # after the drain: every request's final frame is out
+        for gateway in gateways:  # after the drain: every request's final frame is out
             gateway.stop()
         for lp in models.loops():
             lp.stop()

@@ -169,9 +169,13 @@ def test_kinds_refuse_each_others_requests(qwen3):
 def served(qwen3, tmp_path_factory):
     from test_gateway import http_daemon
 
+    from test_gateway import free_port
+
     _, path, _ = qwen3
+    port = free_port()  # Ollama's listener beside the gateway: test_ollama_embed
     d = http_daemon(tmp_path_factory.mktemp("embed-daemon"), str(path), "--weights", "fp32", "--kv-dtype", "fp32",
-                    "--num-kv-blocks", 256, "--served-model-name", "tiny-embed")
+                    "--num-kv-blocks", 256, "--served-model-name", "tiny-embed", "--ollama", f"127.0.0.1:{port}")
+    d.ollama_url = f"http://127.0.0.1:{port}"
     yield d
     d.stop()
 
@@ -271,3 +275,31 @@ def test_the_python_client_embeds(served, oai):
     assert reply["finish_reason"] == "stop" and [len(v) for v in reply["data"]] == [8, 8]
     want = oai.embeddings.create(model="tiny-embed", input="hello world", dimensions=8, encoding_format="float")
     assert reply["data"][0] == pytest.approx(want.data[0].embedding, abs=0)
+
+
+def test_ollama_embed(qwen3, served):
+    """/api/embed and /api/embeddings through the `ollama` package; an input past the context is cut
+    to its first max_prompt_tokens tokens (Ollama's truncate, on by default)."""
+    import ollama
+
+    model, _, lm = qwen3
+    c = ollama.Client(host=served.ollama_url, timeout=60)
+    texts = ["hello world", "a longer sentence about embeddings"]
+    got = c.embed(model="tiny-embed", input=texts)
+    ids = [lm.tokenizer.encode(t) for t in texts]
+    assert min(cosines(got.embeddings, [reference(model, x, "last") for x in ids])) >= 0.9999
+    assert got.prompt_eval_count == sum(map(len, ids)) and got.model == "tiny-embed"
+    assert len(c.embed(model="tiny-embed", input="x", dimensions=16).embeddings[0]) == 16
+    limit = lm.config.max_position - 1
+    long = " ".join(["word"] * (limit + 20))
+    cut = lm.tokenizer.encode(long)[:limit]
+    assert cosines(c.embed(model="tiny-embed", input=long).embeddings, [reference(model, cut, "last")])[0] >= 0.9999
+    with pytest.raises(ollama.ResponseError) as e:
+        c.embed(model="tiny-embed", input=long, truncate=False)
+    assert e.value.status_code == 400
+    assert c.show("tiny-embed").capabilities == ["embedding"]
+    legacy = c.embeddings(model="tiny-embed", prompt="hello world")
+    assert cosines([legacy.embedding], [reference(model, ids[0], "last")])[0] >= 0.9999
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model="tiny-embed", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400

@@ -34,7 +34,10 @@ ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's e
 
 
 def error_response(e: ApiError, path: str = "") -> JSONResponse:
-    body = anthropic_api.error_body(e) if path in ANTHROPIC_PATHS else e.body()
+    if path.startswith("/api/"):  # Ollama's routes: {"error": message}, as its clients read it
+        body = {"error": e.message}
+    else:
+        body = anthropic_api.error_body(e) if path in ANTHROPIC_PATHS else e.body()
     return JSONResponse(body, e.status, headers=e.headers())
 
 
@@ -178,8 +181,10 @@ async def _internal(request: Request, e: Exception) -> Response:
     return error_response(ApiError(500, message, "server_error", code="internal"), request.url.path)
 
 
-def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time) -> Starlette:
-    """The app; `link` reaches the daemon (default: found as every client finds it)."""
+def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time,
+              ollama: bool = False) -> Starlette:
+    """The app; `link` reaches the daemon (default: found as every client finds it). ollama: the
+    `--ollama` listener's, Ollama's /api routes beside the OpenAI ones (Ollama serves both)."""
     link = link or DaemonLink()
 
     @contextlib.asynccontextmanager
@@ -201,6 +206,9 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
               Route("/v1/responses/{response_id}", responses_api.retrieve, methods=["GET"]),
               Route("/v1/responses/{response_id}", responses_api.delete, methods=["DELETE"]),
               Route("/openapi.json", openapi_json)]
+    if ollama:
+        from .ollama_routes import ROUTES
+        routes += ROUTES
     metrics_ = Metrics(gateway_cpu)
     middleware = [Middleware(Door, hosts=HostRule.of(settings.host, settings.allowed_hosts),
                              origins=settings.cors_allow_origins, metrics=metrics_, routes={r.path for r in routes}),

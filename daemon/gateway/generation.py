@@ -184,8 +184,8 @@ class SSEResponse(StreamingResponse):
     """Server-sent events; however the response ends (done, or the client gone), the daemon
     requests still running are aborted."""
 
-    def __init__(self, content, streams: list):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content, streams: list, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.streams = streams
 

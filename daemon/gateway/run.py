@@ -1,7 +1,8 @@
 """The gateway's server: uvicorn on a socket bound here first (so that a port in
 use is an error at start-up, before anything says it is ready), either in the
 foreground (`ridge gateway`) or on its own thread and event loop inside the
-daemon (`ridge serve --http`), talking to the daemon's own socket."""
+daemon (`ridge serve --http`, and `--ollama` for Ollama's API on a listener of
+its own), talking to the daemon's own socket."""
 from __future__ import annotations
 
 import logging
@@ -46,31 +47,40 @@ def _server(app) -> uvicorn.Server:
                                          timeout_graceful_shutdown=5, server_header=False))
 
 
-def _describe(settings: GatewaySettings) -> str:
-    return (f"OpenAI-compatible API on {settings.url}/v1 (metrics on /metrics"
+def _describe(settings: GatewaySettings, ollama: bool = False) -> str:
+    what = f"Ollama's API on {settings.url}/api and" if ollama else "OpenAI-compatible API on"
+    return (f"{what} {settings.url}/v1 (metrics on /metrics"
             f"{'; API key required' if settings.api_key else ''})")
 
 
-def run_foreground(settings: GatewaySettings, endpoint: str | None = None) -> int:
-    """`ridge gateway`: until SIGINT or SIGTERM."""
+def run_foreground(settings: GatewaySettings, endpoint: str | None = None,
+                   ollama: GatewaySettings | None = None) -> int:
+    """`ridge gateway`: until SIGINT or SIGTERM; with `ollama`, Ollama's listener on a thread beside."""
     sock = listen(settings)
+    beside = GatewayThread(ollama, endpoint, listen(ollama), ollama=True) if ollama is not None else None
     server = _server(build_app(settings, DaemonLink(endpoint), time.process_time))
     log.info("%s", _describe(settings))
-    server.run(sockets=[sock])
+    if beside is not None:
+        beside.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if beside is not None:
+            beside.stop()
     return 0
 
 
 class GatewayThread(threading.Thread):
     """`ridge serve --http`: the gateway on a thread of the daemon, a client of its socket."""
 
-    def __init__(self, settings: GatewaySettings, endpoint: str, sock: socket.socket):
-        super().__init__(name="ridge-gateway", daemon=True)
-        self.settings, self.sock = settings, sock  # bound by the caller before the model loads: listen()
+    def __init__(self, settings: GatewaySettings, endpoint: str | None, sock: socket.socket, ollama: bool = False):
+        super().__init__(name="ridge-ollama" if ollama else "ridge-gateway", daemon=True)
+        self.settings, self.sock, self.ollama = settings, sock, ollama  # bound by the caller first: listen()
         # thread_time: read on this thread's event loop, it is the gateway's own CPU time
-        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time))
+        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time, ollama))
 
     def run(self) -> None:
-        log.info("%s", _describe(self.settings))
+        log.info("%s", _describe(self.settings, self.ollama))
         try:
             self.server.run(sockets=[self.sock])
         except BaseException:  # uvicorn exits with SystemExit on a failed start

@@ -14,6 +14,7 @@ from ridge.options import Option
 from ..endpoint import EndpointError, is_loopback
 
 DEFAULT_HTTP = "127.0.0.1:8000"
+OLLAMA_HTTP = "127.0.0.1:11434"  # Ollama's own port: its clients look there first
 
 RESPONSES_TTL = Option("responses_ttl", float, 3600.0, "seconds a /v1/responses answer is kept in the gateway's "
                        "memory for previous_response_id and GET (0: none kept)")
@@ -31,6 +32,9 @@ GATEWAY_OPTIONS = [
            "addresses and the address it listens on (*.example.com: any name under it; *: any); "
            "other Hosts get 421", example=("ridge.lan",)),
     RESPONSES_TTL,
+    Option("ollama", str, None, "serve Ollama's API (/api/chat, /api/generate, /api/embed, /api/tags, ...; and "
+           "the OpenAI routes, as Ollama does) on HOST:PORT, its own listener with the same rules as --http",
+           example=OLLAMA_HTTP),
 ]
 _BY_NAME = {o.name: o for o in GATEWAY_OPTIONS}
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as a browser's Origin header
@@ -96,23 +100,24 @@ def refuse_keyless_system(addr: str, key: str | None) -> None:
                             "api_key_file, or RIDGE_API_KEY; `ridge service install --system --http` makes one)")
 
 
-def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP,
-                     system: bool = False) -> GatewaySettings | None:
+def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP, system: bool = False,
+                     key: str = "http") -> GatewaySettings | None:
     """Resolved option values -> settings, or None when no HTTP address is set (and no default).
-    system: the gateway serves the system daemon. Raises EndpointError for an address it must
-    not serve on."""
-    addr = values.get("http") or default_http
+    system: the gateway serves the system daemon. key: the option that holds the address (`ollama`:
+    the Ollama listener, which shares the key, CORS and Host rules). Raises EndpointError for an
+    address it must not serve on."""
+    addr = values.get(key) or default_http
     if not addr:
         return None
     host, port = parse_address(addr)
-    key = _api_key(values)
-    if not is_loopback(host) and key is None:
+    api_key = _api_key(values)
+    if not is_loopback(host) and api_key is None:
         raise EndpointError(f"refusing to serve HTTP on {addr}: {host} is not a loopback address, and the API is "
                             "open to anyone who can reach it without an API key (set api_key_file, or "
                             "RIDGE_API_KEY)")
     if system:
-        refuse_keyless_system(addr, key)
+        refuse_keyless_system(addr, api_key)
     ttl = RESPONSES_TTL.convert(values.get("responses_ttl"), "responses_ttl")
-    return GatewaySettings(host, port, key, _origins(values), _listed(values, "allowed_hosts"),
+    return GatewaySettings(host, port, api_key, _origins(values), _listed(values, "allowed_hosts"),
                            RESPONSES_TTL.default if ttl is None else ttl)
 

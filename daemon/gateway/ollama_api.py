@@ -1,0 +1,230 @@
+"""Ollama's request bodies -> the daemon's `generate` and `embed` (the same
+Generation the OpenAI and Anthropic routes build: openai_api.py), and the
+model's card in Ollama's words. The routes are ollama_routes.py.
+
+Ollama's sampling defaults are its own (temperature 0.8, top_k 40, top_p 0.9),
+and a request that leaves them out gets them, as it would from Ollama. An
+option that would change the output and that ridge cannot honour is a 400
+naming it, as on the OpenAI routes; the runtime's options are ridge's to choose
+and are ignored, as Ollama ignores the options it does not know."""
+from __future__ import annotations
+
+import hashlib
+import re
+
+from .openai_api import ApiError, Generation, bad
+from .ollama_schemas import ChatRequest, GenerateRequest, Options
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, when a Modelfile sets none
+UNTIL_FULL = (-1, -2)  # num_predict: no limit / fill the context; both run to the context's end here
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "typical_p": 1, "mirostat": 0}
+PINNED = -1.0  # keep_alive: held until the daemon stops
+EFFORTS = ("low", "medium", "high")
+
+
+def not_found(name: str) -> ApiError:
+    return ApiError(404, f"model '{name}' not found", "not_found_error", "model", "model_not_found")
+
+
+def served(link, name: str | None) -> dict:
+    """The model a request names, as hello describes it; Ollama's `:latest` tag is the bare name."""
+    model = link.model
+    if name is None or name.removesuffix(":latest") != model["name"].removesuffix(":latest"):
+        raise not_found(name or "")
+    return model
+
+
+# -- keep_alive: Go's durations, as Ollama parses them ------------------------------------------------
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def keep_alive(value) -> float | None:
+    """-> seconds (PINNED for a negative duration: held forever; 0: unloaded after the request),
+    None when absent. A number is seconds; a string is a Go duration ("5m", "1h30m", "-1s")."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return PINNED if value < 0 else float(value)
+    text = value.strip()
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.removeprefix("+"))
+    if body == "0":  # the one duration Go reads without a unit
+        return 0.0
+    if not re.fullmatch(f"(?:{_PART.pattern})+", body):
+        raise bad(f"keep_alive: {value!r} is not a duration (such as \"5m\", \"1h30m\" or -1)", "keep_alive")
+    seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(body))
+    return PINNED if sign < 0 else seconds
+
+
+# -- options ---------------------------------------------------------------------------------------------
+def sampling(options: Options | None, link) -> dict:
+    """Ollama's options -> the daemon's params (docs/protocol.md §3.2)."""
+    o = options or Options()
+    max_len = link.model["max_model_len"]
+    if o.num_ctx is not None and not 1 <= o.num_ctx <= max_len:
+        raise bad(f"options.num_ctx: {o.num_ctx} is outside [1, {max_len}], the context ridge serves this model "
+                  "with (ridge serve --max-model-len)", "options")
+    for key, neutral in NEUTRAL.items():
+        if (v := getattr(o, key)) is not None and v != neutral:
+            raise bad(f"options.{key} is not supported by ridge (only {neutral})", "options")
+    params: dict = {}
+    if o.num_predict is None or o.num_predict in UNTIL_FULL:
+        params["max_tokens"] = link.limits.get("max_tokens", max_len)  # the daemon caps it at the room left
+    elif o.num_predict < 1:
+        raise bad("options.num_predict must be a positive count of tokens, or -1 or -2 (until the context is "
+                  "full)", "options")
+    else:
+        params["max_tokens"] = o.num_predict
+    for key, default in DEFAULTS.items():
+        params[key] = default if (v := getattr(o, key)) is None else v
+    if o.min_p is not None:
+        params["min_p"] = o.min_p
+    if o.seed is not None and o.seed >= 0:  # a negative seed: a random one, as Ollama's -1
+        params["seed"] = o.seed
+    if o.stop is not None:
+        params["stop"] = [s for s in ([o.stop] if isinstance(o.stop, str) else o.stop) if s]
+    if o.repeat_penalty is not None and o.repeat_penalty != 1:
+        if o.repeat_last_n != -1:  # ridge's penalty counts every token of the context; Ollama's default, 64
+            raise bad("options.repeat_penalty is supported only with repeat_last_n -1 (the whole context: "
+                      "ridge's repetition_penalty)", "options")
+        params["repetition_penalty"] = o.repeat_penalty
+    return params
+
+
+def response_format(fmt) -> dict | None:
+    """format: "json" (any JSON object) or a JSON schema -> params.response_format (§3.2.1)."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+
+
+def template_kwargs(think, model: dict) -> dict:
+    """think -> the template's variables: a bool turns thinking on or off, an effort names it too."""
+    if think is None:
+        return {}
+    if not model.get("chat", {}).get("reasoning") and think is not False:
+        raise bad(f"\"{model['name']}\" does not support thinking", "think")
+    if think in EFFORTS:
+        return {"enable_thinking": True, "reasoning_effort": think}
+    return {"enable_thinking": bool(think)}
+
+
+def _params(req, link, model: dict) -> dict:
+    params = sampling(req.options, link)
+    if (rf := response_format(req.format)) is not None:
+        params["response_format"] = rf
+    keep_alive(req.keep_alive)  # checked; one model held for the daemon's life: nothing to unload
+    return params
+
+
+# -- /api/chat ---------------------------------------------------------------------------------------------
+def _calls(i: int, calls) -> list[dict]:
+    return [{"id": c.id or f"call_{i}_{j}", "type": "function",
+             "function": {"name": c.function.name, "arguments": c.function.arguments}} for j, c in enumerate(calls)]
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """Ollama's messages -> the daemon's (§3.2.3): an assistant's calls get ids, and a tool's result
+    names the latest call of its tool_name that nothing has answered yet."""
+    out, open_calls = [], []
+    for i, m in enumerate(req.messages):
+        if m.images:
+            raise bad(f"messages[{i}].images: ridge serves text models; a message holds no images", "messages")
+        msg: dict = {"role": m.role, "content": m.content or ""}
+        if m.thinking:
+            msg["reasoning_content"] = m.thinking
+        if m.tool_calls:
+            msg["tool_calls"] = _calls(i, m.tool_calls)
+            msg["content"] = m.content or None
+            open_calls.extend(msg["tool_calls"])
+        if m.role == "tool":
+            answered = m.tool_call_id or next((c["id"] for c in reversed(open_calls)
+                                               if c["function"]["name"] == m.tool_name), None)
+            open_calls = [c for c in open_calls if c["id"] != answered]
+            if answered:
+                msg["tool_call_id"] = answered
+            if m.tool_name:
+                msg["name"] = m.tool_name
+        out.append(msg)
+    return out
+
+
+def chat_request(req: ChatRequest, link) -> Generation:
+    model = served(link, req.model)
+    prompt: dict = {"messages": chat_messages(req)}
+    if req.tools:
+        prompt["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if kwargs := template_kwargs(req.think, model):
+        prompt["chat_template_kwargs"] = kwargs
+    return Generation([prompt], _params(req, link, model), req.stream is not False)
+
+
+# -- /api/generate -----------------------------------------------------------------------------------------
+def generate_request(req: GenerateRequest, link) -> Generation:
+    model = served(link, req.model)
+    for key in ("suffix", "template"):
+        if getattr(req, key):
+            raise bad(f"{key} is not supported by ridge (only empty)", key)
+    if req.images:
+        raise bad("images: ridge serves text models", "images")
+    if req.context:
+        raise bad("context is not supported by ridge: send the conversation as messages to /api/chat", "context")
+    params = _params(req, link, model)
+    if req.raw or not model.get("chat_template"):
+        if req.system:
+            raise bad("system needs the model's chat template (not with raw, nor a model without one)", "system")
+        if req.think is not None:
+            raise bad("think needs the model's chat template (not with raw, nor a model without one)", "think")
+        return Generation([{"prompt": req.prompt}], params, req.stream is not False)
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+        [{"role": "user", "content": req.prompt}]
+    prompt: dict = {"messages": messages}
+    if kwargs := template_kwargs(req.think, model):
+        prompt["chat_template_kwargs"] = kwargs
+    return Generation([prompt], params, req.stream is not False)
+
+
+# -- the model's card --------------------------------------------------------------------------------------
+def capabilities(model: dict) -> list[str]:
+    """What Ollama's clients ask before they send a request: completion, tools, thinking, embedding."""
+    if model.get("pooling"):
+        return ["embedding"]
+    chat = model.get("chat") or {}
+    out = ["completion"]
+    if chat.get("tool_format"):
+        out.append("tools")
+    if chat.get("reasoning"):
+        out.append("thinking")
+    return out
+
+
+def details(model: dict) -> dict:
+    weights = "Q8_0" if model.get("quantized") else model.get("weights", "").upper()
+    return {"parent_model": "", "format": "gguf" if str(model.get("path", "")).endswith(".gguf") else "safetensors",
+            "family": model.get("arch", ""), "families": [model.get("arch", "")], "parameter_size": "",
+            "quantization_level": "FP8" if model.get("fp8_weights") else weights}
+
+
+def digest(model: dict) -> str:
+    """A stable name for what is served (Ollama's is its manifest's sha256): the path and the name."""
+    return hashlib.sha256(f"{model.get('path')}\0{model['name']}".encode()).hexdigest()
+
+
+def model_info(model: dict) -> dict:
+    arch = model.get("arch", "")
+    info = {"general.architecture": arch, "general.name": model["name"],
+            f"{arch}.context_length": model["max_model_len"], f"{arch}.embedding_length": model["hidden_size"],
+            f"{arch}.block_count": model["num_layers"], f"{arch}.attention.head_count": model["num_heads"],
+            f"{arch}.attention.head_count_kv": model["num_kv_heads"], f"{arch}.attention.key_length":
+            model["head_dim"], f"{arch}.vocab_size": model["vocab_size"]}
+    if model.get("pooling"):
+        info[f"{arch}.pooling_type"] = model["pooling"]
+    return info
+
+
+def parameters(model: dict) -> str:
+    """The Modelfile's PARAMETER lines: Ollama's defaults, which requests here start from."""
+    lines = [f"{k:<16}{v}" for k, v in DEFAULTS.items()] + [f"{'num_ctx':<16}{model['max_model_len']}"]
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The bodies of Ollama's requests (its docs/api.md), as pydantic models of the
+shapes its clients send, strict as schemas.py's are. Fields these models do
+not name are ignored, as Ollama ignores them."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from .schemas import Body, Bool, FunctionTool, Int, Num, Stop, Str, nonempty
+
+KeepAlive = Union[Str, Num, None]  # "5m", "1h30m", 300 (seconds); negative: held forever; 0: unloaded at once
+Format = Union[Literal["", "json"], dict[str, Any], None]  # "json": any JSON object; a map: a JSON schema
+Think = Union[Bool, Literal["low", "medium", "high"], None]
+
+
+class Options(Body):
+    """Ollama's `options`: those that change the output are honoured or refused; the runtime's
+    (num_thread, num_gpu, num_batch, use_mmap, ...) are ridge's own to choose, and ignored."""
+    num_ctx: Optional[Int] = Field(None, description="at most the model's max_model_len")
+    num_predict: Optional[Int] = Field(None, description="-1 or -2: until the context is full")
+    temperature: Optional[Num] = None
+    top_p: Optional[Num] = None
+    top_k: Optional[Int] = None
+    min_p: Optional[Num] = None
+    seed: Optional[Int] = None
+    stop: Stop = None
+    repeat_penalty: Optional[Num] = Field(None, description="only with repeat_last_n -1 (the whole context)")
+    repeat_last_n: Optional[Int] = None
+    presence_penalty: Optional[Num] = Field(None, description="only 0")
+    frequency_penalty: Optional[Num] = Field(None, description="only 0")
+    typical_p: Optional[Num] = Field(None, description="only 1")
+    mirostat: Optional[Int] = Field(None, description="only 0")
+
+
+class Generating(Body):
+    model: Str
+    options: Optional[Options] = None
+    format: Format = None
+    stream: Optional[Bool] = Field(None, description="default true")
+    keep_alive: KeepAlive = None
+    think: Think = None
+
+
+class ToolFunction(Body):
+    name: Str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(Body):
+    function: ToolFunction
+    id: Optional[Str] = None
+
+
+class Message(Body):
+    role: Str
+    content: Optional[Str] = ""
+    thinking: Optional[Str] = None
+    images: Optional[list[Str]] = Field(None, description="refused: ridge serves text models")
+    tool_calls: Optional[list[OllamaToolCall]] = None
+    tool_name: Optional[Str] = None
+    tool_call_id: Optional[Str] = None
+
+
+class ChatRequest(Generating):
+    messages: list[Message] = Field(default_factory=list, description="empty: only load the model")
+    tools: Optional[list[FunctionTool]] = None
+
+
+class GenerateRequest(Generating):
+    prompt: Optional[Str] = Field(None, description="empty: only load the model")
+    system: Optional[Str] = None
+    raw: Optional[Bool] = None
+    suffix: Optional[Str] = Field(None, description="only empty")
+    images: Optional[list[Str]] = Field(None, description="refused")
+    template: Optional[Str] = Field(None, description="only empty: the model's own template renders the prompt")
+    context: Optional[list[Int]] = Field(None, description="refused: send the chat as messages to /api/chat")
+
+
+class EmbedRequest(Body):
+    model: Str
+    input: Union[Str, nonempty(Str)]
+    truncate: Optional[Bool] = Field(None, description="default true: an input past the context is cut to fit")
+    dimensions: Optional[Int] = None
+    keep_alive: KeepAlive = None
+    options: Optional[Options] = None
+
+
+class LegacyEmbedRequest(Body):
+    """/api/embeddings: one prompt, one embedding."""
+    model: Str
+    prompt: Str
+    keep_alive: KeepAlive = None
+
+
+class ShowRequest(Body):
+    model: Optional[Str] = None
+    name: Optional[Str] = Field(None, description="the older name of `model`")

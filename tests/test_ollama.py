@@ -1,0 +1,157 @@
+"""Ollama's API (`ridge serve --ollama`), end to end through the real `ollama`
+package: a tiny chat model with a Hermes template (tools, thinking) on a
+live daemon with its Ollama listener. At temperature 0 every answer is what
+the daemon's own `generate` gives for the same chat, so the translation is
+checked, not only the shapes. /api/embed is tested in test_embeddings.py, on
+its embedding daemon's Ollama listener, against transformers."""
+from __future__ import annotations
+
+import json
+
+import ollama
+import pytest
+
+from chat_models import make_chat_model
+from ridge.daemon.client import Client
+from ridge.daemon.gateway.ollama_api import PINNED, keep_alive
+from ridge.daemon.gateway.openai_api import ApiError
+from test_daemon_harness import Daemon
+from test_gateway import ask, free_port, wait_http
+
+GREEDY = {"temperature": 0, "num_predict": 12}
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+
+
+def ollama_daemon(tmp, model: str, name: str, *flags) -> Daemon:
+    port = free_port()
+    d = Daemon(tmp, model, *flags, "--ollama", f"127.0.0.1:{port}", "--served-model-name", name)
+    d.url = f"http://127.0.0.1:{port}"
+    wait_http(d.url)
+    return d
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ollama")
+    d = ollama_daemon(tmp, str(make_chat_model(tmp, "hermes")), "tiny", "--num-kv-blocks", 256, "--max-num-seqs", 8)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return ollama.Client(host=daemon.url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ridge(daemon):
+    c = Client(daemon.endpoint, timeout=60)
+    yield c
+    c.close()
+
+
+def direct(ridge, messages, **params):
+    """The daemon's own answer, greedy, to the same chat."""
+    return ridge.generate(messages=messages, **{"max_tokens": 12, "temperature": 0, **params})
+
+
+def test_chat_whole_and_streamed_are_the_daemons_answer(client, ridge):
+    want = direct(ridge, CHAT)
+    whole = client.chat(model="tiny", messages=CHAT, options=GREEDY)
+    assert whole.message.role == "assistant" and whole.done and whole.done_reason == want.finish_reason
+    assert whole.message.content == want.text and (whole.message.thinking or "") == want.reasoning
+    assert whole.eval_count == want.usage["completion_tokens"] and whole.prompt_eval_count == want.usage[
+        "prompt_tokens"]
+    assert whole.total_duration > 0 and whole.model == "tiny"
+    parts = list(client.chat(model="tiny:latest", messages=CHAT, options=GREEDY, stream=True))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert "".join(p.message.content for p in parts) == want.text
+    assert parts[-1].eval_count == want.usage["completion_tokens"] and parts[-1].done_reason == whole.done_reason
+
+
+def test_generate_renders_the_template_unless_raw(client, ridge):
+    want = direct(ridge, CHAT)
+    got = client.generate(model="tiny", prompt="hello there", system="Be brief.", options=GREEDY)
+    assert got.response == want.text and got.done
+    raw = ridge.generate("Once upon", max_tokens=12, temperature=0)
+    assert client.generate(model="tiny", prompt="Once upon", raw=True, options=GREEDY).response == raw.text
+    streamed = list(client.generate(model="tiny", prompt="Once upon", raw=True, options=GREEDY, stream=True))
+    assert "".join(p.response for p in streamed) == raw.text and streamed[-1].done
+    loaded = client.generate(model="tiny", prompt="")  # an empty prompt only loads the model
+    assert loaded.done and loaded.done_reason == "load"
+
+
+def test_options_stop_seed_and_think(client, ridge):
+    want = direct(ridge, CHAT, stop=["e"], seed=3)
+    got = client.chat(model="tiny", messages=CHAT, options={**GREEDY, "stop": ["e"], "seed": 3})
+    assert got.message.content == want.text
+    sampled = direct(ridge, CHAT, temperature=0.8, top_k=40, top_p=0.9, seed=7)  # Ollama's defaults
+    assert client.chat(model="tiny", messages=CHAT, options={"num_predict": 12, "seed": 7}).message.content == \
+        sampled.text
+    off = direct(ridge, CHAT, chat_template_kwargs={"enable_thinking": False})
+    got = client.chat(model="tiny", messages=CHAT, options=GREEDY, think=False)
+    assert got.message.content == off.text and (got.message.thinking or "") == off.reasoning
+
+
+def test_format_constrains_the_output_to_the_schema(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    got = client.chat(model="tiny", messages=CHAT, format=schema, options={"temperature": 0, "num_predict": 40})
+    assert isinstance(json.loads(got.message.content)["ok"], bool)
+    any_json = client.generate(model="tiny", prompt="hi", format="json", options={"temperature": 0, "num_predict": 40})
+    assert isinstance(json.loads(any_json.response), dict)
+
+
+def test_tool_history_renders_as_the_openai_chat_does(client, ridge):
+    tools = [{"type": "function", "function": {"name": "weather", "description": "the weather",
+                                               "parameters": {"type": "object", "properties": {"city": {
+                                                   "type": "string"}}}}}]
+    history = [{"role": "user", "content": "weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "weather",
+                                                                                 "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "content": "sunny", "tool_name": "weather"}]
+    openai_shape = [history[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1_0", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1_0", "name": "weather"}]
+    want = direct(ridge, openai_shape, tools=tools)
+    got = client.chat(model="tiny", messages=history, tools=tools, options=GREEDY)
+    assert got.message.content == want.text
+    assert [c.function.name for c in got.message.tool_calls or []] == [c["name"] for c in want.tool_calls]
+
+
+def test_models_tags_ps_show_and_version(client, daemon):
+    tags = client.list()
+    assert [m.model for m in tags.models] == ["tiny"] and tags.models[0].details.family == "llama"
+    running = client.ps()
+    assert [m.model for m in running.models] == ["tiny"] and running.models[0].expires_at.year > 2100
+    shown = client.show("tiny")
+    assert set(shown.capabilities) == {"completion", "tools", "thinking"}
+    assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] > 0
+    status, body = ask(daemon.url, "GET", "/api/version")
+    assert status == 200 and body["version"].count(".") == 2
+    status, body = ask(daemon.url, "GET", "/v1/models")  # the OpenAI routes beside, as Ollama serves them
+    assert status == 200 and body["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("call, status, words", [
+    (lambda c: c.chat(model="nope", messages=CHAT), 404, "model 'nope' not found"),
+    (lambda c: c.show("nope"), 404, "not found"),
+    (lambda c: c.chat(model="tiny", messages=CHAT, options={"num_ctx": 1 << 30}), 400, "num_ctx"),
+    (lambda c: c.chat(model="tiny", messages=CHAT, options={"mirostat": 2}), 400, "mirostat"),
+    (lambda c: c.chat(model="tiny", messages=CHAT, keep_alive="soon"), 400, "keep_alive"),
+    (lambda c: c.chat(model="tiny", messages=CHAT, options={"num_predict": 0}), 400, "num_predict"),
+    (lambda c: c.embed(model="tiny", input="x"), 400, "embedding"),
+])
+def test_refusals_are_ollamas_error_shape(client, call, status, words):
+    with pytest.raises(ollama.ResponseError) as e:
+        call(client)
+    assert e.value.status_code == status and words in e.value.error
+
+
+def test_keep_alive_reads_gos_durations():
+    assert keep_alive("5m") == 300 and keep_alive("1h30m") == 5400 and keep_alive("1.5s") == 1.5
+    assert keep_alive(0) == 0 and keep_alive("0") == 0 and keep_alive(-1) == PINNED and keep_alive("-1m") == PINNED
+    assert keep_alive(None) is None and keep_alive(120) == 120
+    for bad in ("", "5", "m", "5d", "1h x"):
+        with pytest.raises(ApiError):
+            keep_alive(bad)
