@@ -212,7 +212,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
         server.bind()
         from .gateway.run import GatewayThread
         for settings, sock, is_ollama in http:
-            gateways.append(GatewayThread(settings, endpoint, sock, ollama=is_ollama))
+            gateways.append(GatewayThread(settings, endpoint, sock, ollama_api=is_ollama))
             gateways[-1].start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_drain())

@@ -38,7 +38,7 @@ class Generating(Body):
     options: Optional[Options] = None
     format: Format = None
     stream: Optional[Bool] = Field(None, description="default true")
-    keep_alive: KeepAlive = None
+    keep_alive: KeepAlive = Field(None, description="the daemon's keep_alive unless set")
     think: Think = None
 
 
@@ -69,7 +69,7 @@ class ChatRequest(Generating):
 
 class GenerateRequest(Generating):
     prompt: Optional[Str] = Field(None, description="empty: only load the model")
-    system: Optional[Str] = None
+    system: Optional[Str] = Field(None, description="the system message the template renders")
     raw: Optional[Bool] = None
     suffix: Optional[Str] = Field(None, description="only empty")
     images: Optional[list[Str]] = Field(None, description="refused")
@@ -82,7 +82,7 @@ class EmbedRequest(Body):
     input: Union[Str, nonempty(Str)]
     truncate: Optional[Bool] = Field(None, description="default true: an input past the context is cut to fit")
     dimensions: Optional[Int] = None
-    keep_alive: KeepAlive = None
+    keep_alive: KeepAlive = Field(None, description="the daemon's keep_alive unless set")
     options: Optional[Options] = None
 
 
@@ -90,7 +90,7 @@ class LegacyEmbedRequest(Body):
     """/api/embeddings: one prompt, one embedding."""
     model: Str
     prompt: Str
-    keep_alive: KeepAlive = None
+    keep_alive: KeepAlive = Field(None, description="the daemon's keep_alive unless set")
 
 
 class ShowRequest(Body):

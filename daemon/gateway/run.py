@@ -47,8 +47,8 @@ def _server(app) -> uvicorn.Server:
                                          timeout_graceful_shutdown=5, server_header=False))
 
 
-def _describe(settings: GatewaySettings, ollama: bool = False) -> str:
-    what = f"Ollama's API on {settings.url}/api and" if ollama else "OpenAI-compatible API on"
+def _describe(settings: GatewaySettings, ollama_api: bool = False) -> str:
+    what = f"Ollama's API on {settings.url}/api and" if ollama_api else "OpenAI-compatible API on"
     return (f"{what} {settings.url}/v1 (metrics on /metrics"
             f"{'; API key required' if settings.api_key else ''})")
 
@@ -57,7 +57,7 @@ def run_foreground(settings: GatewaySettings, endpoint: str | None = None,
                    ollama: GatewaySettings | None = None) -> int:
     """`ridge gateway`: until SIGINT or SIGTERM; with `ollama`, Ollama's listener on a thread beside."""
     sock = listen(settings)
-    beside = GatewayThread(ollama, endpoint, listen(ollama), ollama=True) if ollama is not None else None
+    beside = GatewayThread(ollama, endpoint, listen(ollama), ollama_api=True) if ollama is not None else None
     server = _server(build_app(settings, DaemonLink(endpoint), time.process_time))
     log.info("%s", _describe(settings))
     if beside is not None:
@@ -73,14 +73,14 @@ def run_foreground(settings: GatewaySettings, endpoint: str | None = None,
 class GatewayThread(threading.Thread):
     """`ridge serve --http`: the gateway on a thread of the daemon, a client of its socket."""
 
-    def __init__(self, settings: GatewaySettings, endpoint: str | None, sock: socket.socket, ollama: bool = False):
-        super().__init__(name="ridge-ollama" if ollama else "ridge-gateway", daemon=True)
-        self.settings, self.sock, self.ollama = settings, sock, ollama  # bound by the caller first: listen()
+    def __init__(self, settings: GatewaySettings, endpoint: str | None, sock: socket.socket, ollama_api: bool = False):
+        super().__init__(name="ridge-ollama" if ollama_api else "ridge-gateway", daemon=True)
+        self.settings, self.sock, self.ollama_api = settings, sock, ollama_api  # bound first: listen()
         # thread_time: read on this thread's event loop, it is the gateway's own CPU time
-        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time, ollama))
+        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time, ollama_api))
 
     def run(self) -> None:
-        log.info("%s", _describe(self.settings, self.ollama))
+        log.info("%s", _describe(self.settings, self.ollama_api))
         try:
             self.server.run(sockets=[self.sock])
         except BaseException:  # uvicorn exits with SystemExit on a failed start
