@@ -182,8 +182,8 @@ async def _internal(request: Request, e: Exception) -> Response:
 
 
 def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway_cpu=time.process_time,
-              ollama: bool = False) -> Starlette:
-    """The app; `link` reaches the daemon (default: found as every client finds it). ollama: the
+              ollama_api: bool = False) -> Starlette:
+    """The app; `link` reaches the daemon (default: found as every client finds it). ollama_api: the
     `--ollama` listener's, Ollama's /api routes beside the OpenAI ones (Ollama serves both)."""
     link = link or DaemonLink()
 
@@ -206,7 +206,7 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
               Route("/v1/responses/{response_id}", responses_api.retrieve, methods=["GET"]),
               Route("/v1/responses/{response_id}", responses_api.delete, methods=["DELETE"]),
               Route("/openapi.json", openapi_json)]
-    if ollama:
+    if ollama_api:
         from .ollama_routes import ROUTES
         routes += ROUTES
     metrics_ = Metrics(gateway_cpu)
