@@ -21,7 +21,7 @@ from ..client import RidgeError
 from . import turn
 from .anthropic_schemas import (CountTokensRequest, MessagesRequest, Prompted, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
-from .generation import SSEResponse, until_disconnect
+from .generation import SSEResponse, model_fields, served, until_disconnect
 from .openai_api import ApiError, Generation, bad
 
 KEY_HEADER = "x-api-key"  # where Anthropic's clients send the API key
@@ -193,7 +193,8 @@ async def messages(request: Request) -> Response:
     link, client, body, req = await turn.checked(request, MessagesRequest)
     gen = messages_request(req)
     turn.salt(request, link, body, gen, KEY_HEADER)
-    model = link.model["name"]
+    gen.params.update(model_fields(body))
+    model = served(link, gen.params)
     if gen.stream:
         return await _streamed(request, link, client, gen, model)
     f = await turn.whole(request, link, client, gen)

@@ -122,24 +122,32 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, 200 if h["status"] == "ok" else 503)
 
 
-def _model_card(request: Request) -> dict:
-    m = request.app.state.link.model
-    return {"id": m["name"], "object": "model", "created": request.app.state.started, "owned_by": "ridge",
-            "max_model_len": m["max_model_len"]}
+def _model_card(request: Request, m: dict) -> dict:
+    """One of the daemon's models (docs/protocol.md §3.10); max_model_len is known once it loaded,
+    and always for the default."""
+    link = request.app.state.link
+    length = m.get("max_model_len") or (link.model["max_model_len"] if m["default"] else None)
+    return {"id": m["name"], "object": "model", "created": request.app.state.started,
+            "owned_by": "ridge", "max_model_len": length}
+
+
+async def _listing(request: Request) -> list[dict]:
+    link = request.app.state.link
+    await link.refresh()
+    return (await link.call("models"))["models"]
 
 
 async def models(request: Request) -> Response:
-    await request.app.state.link.refresh()
-    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+    return JSONResponse({"object": "list", "data": [_model_card(request, m) for m in await _listing(request)]})
 
 
 async def model(request: Request) -> Response:
-    link = request.app.state.link
-    await link.connect()
-    if request.path_params["model"] != link.model["name"]:
+    listing = await _listing(request)
+    found = [m for m in listing if m["name"] == request.path_params["model"]]
+    if not found:
         raise ApiError(404, f"the model {request.path_params['model']!r} does not exist; this daemon serves "
-                       f"{link.model['name']!r}", "not_found_error", "model", "model_not_found")
-    return JSONResponse(_model_card(request))
+                       f"{', '.join(repr(m['name']) for m in listing)}", "not_found_error", "model", "model_not_found")
+    return JSONResponse(_model_card(request, found[0]))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -9,7 +9,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .generation import DEFAULT_BODY_LIMIT, read_json, until_disconnect
+from .generation import DEFAULT_BODY_LIMIT, model_fields, read_json, served, until_disconnect
 from .openai_api import ApiError, bad, parsed
 from .schemas import EmbeddingRequest
 
@@ -35,7 +35,9 @@ async def embeddings(request: Request) -> Response:
     inputs = _inputs(req.input)
     if any(x == "" for x in inputs):
         raise bad("input: an input is an empty string", "input")
-    fields = {"input": inputs} if req.dimensions is None else {"input": inputs, "dimensions": req.dimensions}
+    fields = {"input": inputs, **model_fields(body)}
+    if req.dimensions is not None:
+        fields["dimensions"] = req.dimensions
     reply = await until_disconnect(request, link.call("embed", **fields))
     if reply["finish_reason"] != "stop":
         raise ApiError(500 if reply["finish_reason"] == "error" else 503,
@@ -43,4 +45,4 @@ async def embeddings(request: Request) -> Response:
                        "server_error", code="internal")
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(reply["data"])]
-    return JSONResponse({"object": "list", "data": data, "model": link.model["name"], "usage": reply["usage"]})
+    return JSONResponse({"object": "list", "data": data, "model": served(link, fields), "usage": reply["usage"]})

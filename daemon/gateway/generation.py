@@ -123,6 +123,22 @@ async def _all_or_none(coros: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def model_fields(body: dict) -> dict:
+    """The request's model, which the daemon loads if it must (docs/protocol.md §3.10), and
+    keep_alive, an extension (Ollama's) that OpenAI's clients send through extra_body."""
+    out = {}
+    if isinstance(body.get("model"), str) and body["model"]:
+        out["model"] = body["model"]
+    if isinstance(body.get("keep_alive"), (int, float, str)) and not isinstance(body["keep_alive"], bool):
+        out["keep_alive"] = body["keep_alive"]
+    return out
+
+
+def served(link, fields: dict) -> str:
+    """The model's name in an answer: the one the request named, else the default's."""
+    return fields.get("model") or link.model["name"]
+
+
 async def generate(request: Request, kind: str) -> Response:
     link = request.app.state.link
     client = await link.connect()
@@ -130,6 +146,7 @@ async def generate(request: Request, kind: str) -> Response:
     gen = chat_request(body, link.limits.get("max_tokens")) if kind == R.CHAT else completion_request(body)
     if salt := cache_salt(body, request.headers.get("authorization"), link.hello.get("prefix_sharing")):
         gen.params["cache_salt"] = salt
+    gen.params.update(model_fields(body))
     if gen.stream:
         return await _streamed(request, link, client, kind, gen)
     try:
@@ -147,7 +164,7 @@ async def generate(request: Request, kind: str) -> Response:
                 lp = await _logprobs(link, kind, gen.top_logprobs, ch.get("logprobs") or [], ch["token_ids"])
             choices.append(R.choice(kind, pi * gen.n + ch["index"], ch["text"], ch["finish_reason"], lp,
                                     ch.get("reasoning"), ch.get("tool_calls")))
-    out = R.response(kind, R.new_id(kind), link.model["name"], int(time.time()), choices, R.sum_usage(finals))
+    out = R.response(kind, R.new_id(kind), served(link, gen.params), int(time.time()), choices, R.sum_usage(finals))
     return JSONResponse(out)
 
 
@@ -175,7 +192,7 @@ async def _streamed(request: Request, link, client, kind: str, gen: Generation) 
         for s in streams:
             await s.aclose()
         raise link.failed(e) from None
-    chunks = R.Chunks(kind, link.model["name"], gen.include_usage)
+    chunks = R.Chunks(kind, served(link, gen.params), gen.include_usage)
     chunks.created = int(time.time())
     return SSEResponse(_events(link, kind, gen, chunks, streams, firsts), streams)
 

@@ -47,7 +47,8 @@ class ApiError(Exception):
 _STATUS = {"busy": (429, "rate_limit_error"), "too_many_requests": (429, "rate_limit_error"),
            "shutting_down": (503, "service_unavailable_error"), "unavailable": (503, "service_unavailable_error"),
            "timeout": (503, "service_unavailable_error"), "internal": (500, "server_error"),
-           "duplicate_id": (500, "server_error")}
+           "duplicate_id": (500, "server_error"), "model_not_found": (404, "not_found_error"),
+           "model_load_failed": (500, "server_error")}
 
 
 def from_daemon(code: str, message: str, reply: dict | None = None) -> ApiError:
@@ -57,6 +58,8 @@ def from_daemon(code: str, message: str, reply: dict | None = None) -> ApiError:
     head = message.split(" ", 1)[0]
     if head.startswith("params.") or head in ("prompt", "messages", "prompt_token_ids"):
         param = head.removeprefix("params.")
+    elif code == "model_not_found":
+        param = "model"
     retry = (reply or {}).get("retry_after")
     if status == 503 and retry is None:
         retry = 5.0 if code == "shutting_down" else 1.0

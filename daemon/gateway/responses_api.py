@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..client import RidgeError
 from . import turn
-from .generation import SSEResponse
+from .generation import SSEResponse, model_fields, served
 from .openai_api import ROLES, ApiError, Generation, bad
 from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, Refusal,
                                 ResponsesRequest)
@@ -247,7 +247,8 @@ async def create(request: Request) -> Response:
     history = store.get(req.previous_response_id).chat if req.previous_response_id else []
     gen, new = responses_request(req, body, history, link.limits.get("max_tokens"))
     turn.salt(request, link, body, gen)
-    answer = Answer(req, body, gen, link.model["name"], history + new)
+    gen.params.update(model_fields(body))
+    answer = Answer(req, body, gen, served(link, gen.params), history + new)
     if gen.stream:
         stream, first = await turn.opened(request, link, client, gen)
         return SSEResponse(_events(link, store, answer, stream, first), [stream])

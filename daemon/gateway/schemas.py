@@ -253,7 +253,7 @@ class ModelCard(Answer):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: Optional[int]  # None: a model not loaded yet, whose context is known once it is
 
 
 class ModelList(Answer):
