@@ -1,7 +1,8 @@
 """Paged attention through ridge's C kernel (kernels/csrc/paged_attention.c), paged_attention_ref's
 contract: every query of up to NATIVE_MAX_Q tokens (decodes, speculative verification, short
 chunks) reads K/V in place through the block table; longer chunks go through the reference's
-per-chunk SDPA, whose blocked products are faster there (docs/benchmarks.md).
+per-chunk SDPA, whose blocked products are faster there (docs/benchmarks.md), except in a
+batch-invariant step (AttentionMetadata.batch_invariant), where the kernel takes every query.
 
 fits() states what the kernel takes; kernels/ops.py asks it and runs the reference elsewhere."""
 from __future__ import annotations
@@ -57,12 +58,16 @@ class _NativePlan:
         self.batch = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
                       k_cache.shape[1])
         self.tail = (self.work.data_ptr(), torch.get_num_threads())
+        # Batch-invariant: every query through the kernel, whose per-row arithmetic is the same at
+        # any chunk length; SDPA's blocked products round a row by the chunk it is in.
+        self.max_q = 2 ** 31 - 1 if meta.batch_invariant else NATIVE_MAX_Q
 
     def chunks(self, window: int | None) -> list[tuple]:
         got = self._chunks.get(window)
         if got is None:
-            got = self._chunks[window] = _chunks(self.meta, self.meta.block_table, self.starts, self.block_size,
-                                                 NATIVE_MAX_Q, self.device, window)
+            got = self._chunks[window] = [] if self.meta.batch_invariant else \
+                _chunks(self.meta, self.meta.block_table, self.starts, self.block_size, NATIVE_MAX_Q, self.device,
+                        window)
         return got
 
 
@@ -82,7 +87,7 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, NATIVE_KV[k_cache.dtype],
         *plan.batch, softmax_scale, 0 if window is None else min(window, 2 ** 31 - 1), softcap or 0.0,
-        None if sinks is None else sinks.data_ptr(), NATIVE_MAX_Q, out.data_ptr(), *plan.tail)
+        None if sinks is None else sinks.data_ptr(), plan.max_q, out.data_ptr(), *plan.tail)
     if rc != 0:
         raise RuntimeError(f"paged_attention: shapes past the C kernel's limits ({q.shape}, {k_cache.shape}); "
                            "fits() should have refused them")

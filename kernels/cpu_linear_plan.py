@@ -312,3 +312,110 @@ def _choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: 
 def fp8_max_tokens(layers: list[CpuLinear]) -> int:
     """The largest step size any layer runs through the e4m3 kernel (0 = none)."""
     return max((m.max_rows("fp8") for m in layers), default=0)
+
+
+# -- batch-invariant formats (deterministic mode) ----------------------------------------------
+# A row's product must not depend on how many rows share its step: a request's tokens would then
+# change with its batch mates, its prefill chunks and its speculation's draft length. Measured on
+# an AVX2 EPYC with torch 2.13 (docs/benchmarks.md): MKL's fp32 GEMM gives a row different bits
+# at 1 row (its GEMV), at 2-3, at 4-11 (by the count mod 4) and from 12-16 rows on; the e4m3
+# kernel's AVX2 path accumulates every row alike at any count; its AVX-512 path takes a
+# two-accumulator loop for one row only. So each matrix runs one format at every step size:
+# the e4m3 kernel where its shape fits (at least 2 rows on AVX-512), else MKL fp32 with fewer
+# rows than INVARIANT_ROWS padded up to it. Each choice is checked on the machine before use.
+INVARIANT_ROWS = 16
+
+
+def invariant_unavailable(device: torch.device) -> str | None:
+    """Why this device cannot run steps batch-invariant (None: it can). On CPU the attention needs
+    ridge's C kernel (the torch reference batches its decodes); on a GPU the FP8 GEMMs choose
+    their tiles and the attention its KV splits by the batch, and no invariant set is built yet."""
+    if device.type != "cpu":
+        return "batch-invariant kernels are built for the CPU only (the GPU's GEMM tiles and attention splits follow the batch)"
+    if native.library() is None:
+        return "ridge's C kernels are not built here (no C compiler?), and the torch attention is not batch-invariant"
+    return None
+
+
+def _pad_rows(run, rows: int):
+    """run on at least `rows` rows: fewer are padded with zeros and their outputs cut off."""
+    def padded(x: torch.Tensor):
+        n = x.shape[0]
+        if n >= rows:
+            return run(x)
+        y = run(torch.cat((x, x.new_zeros(rows - n, x.shape[1]))))
+        return None if y is None else y[:n]
+    return padded
+
+
+def invariant_sizes(max_tokens: int) -> list[int]:
+    """Row counts an invariance check compares: the step sizes, their odd neighbours, 3 and 5."""
+    return sorted({n for s in step_sizes(max_tokens) + [3, 5] for n in (s, s + 1) if n <= max_tokens})
+
+
+def is_invariant(run, in_features: int, max_tokens: int) -> bool:
+    """Whether run (x -> x @ W.T) gives every row the same bits at every row count up to max_tokens:
+    each prefix of one random batch, and rows alone, against the whole batch's rows."""
+    x = torch.randn(max(max_tokens, 2), in_features, generator=torch.Generator().manual_seed(0))
+    full = run(x)
+    prefixes = all(torch.equal(run(x[:n]), full[:n]) for n in invariant_sizes(max_tokens))
+    return prefixes and all(torch.equal(run(x[i:i + 1].clone()), full[i:i + 1]) for i in (0, x.shape[0] - 1))
+
+
+def _use_fp8(layer: CpuLinear, isa: int) -> None:
+    """The e4m3 product at every step size, over the bytes the layer already packed where it has them."""
+    packed = layer.copies.get("fp8")
+    layer.use(ShapeFormat([(1, False)], fp8=[(1, True)]), isa, {"fp8": packed} if packed is not None else None)
+
+
+def _fp32_run(layer: CpuLinear):
+    return _pad_rows(lambda x: F.linear(x, layer.weight), INVARIANT_ROWS)
+
+
+def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
+    """Give the layer one batch-invariant product for every step size; -> its kind ("fp8" or "fp32")."""
+    fits8 = isa > 0 and layer.scale is not None and layer.weight.shape[0] % 16 == 0 and layer.weight.shape[1] % 2 == 0
+    if fits8:
+        _use_fp8(layer, isa)
+        if layer.kinds == ["fp8"]:
+            run = _pad_rows(layer.runs[0], 2) if isa == 2 else layer.runs[0]
+            if is_invariant(run, layer.weight.shape[1], max_tokens):
+                layer.runs = [run]
+                return "fp8"
+            log.warning("the e4m3 product of %s is not batch-invariant on this CPU: fp32 instead",
+                        tuple(layer.weight.shape))
+    run = _fp32_run(layer)
+    if not is_invariant(run, layer.weight.shape[1], max_tokens):
+        raise RuntimeError(f"deterministic mode: no batch-invariant product for a {tuple(layer.weight.shape)} "
+                           "weight on this CPU (fp32 GEMM padded to 16 rows changed bits with the row count)")
+    layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["fp32"], {}
+    return "fp32"
+
+
+def choose_invariant(layers: list[CpuLinear], head_shape: tuple[int, int], max_tokens: int,
+                     max_head_rows: int) -> dict[str, int]:
+    """use_invariant for every layer, checking one layer per weight shape (a format's arithmetic
+    depends on the shape, not the values) up to the rows it sees (the head: max_head_rows);
+    -> {kind: layers}. The e4m3 bytes packed at load are dropped where a layer does not run them."""
+    isa = native.fp8_linear_isa()
+    t0 = time.perf_counter()
+    checked: dict[tuple, str] = {}
+    counts: dict[str, int] = {}
+    try:
+        for layer in layers:
+            shape = (tuple(layer.weight.shape), layer.scale is not None)
+            if shape not in checked:
+                rows = min(max_head_rows, max_tokens) if shape[0] == tuple(head_shape) else max_tokens
+                checked[shape] = use_invariant(layer, isa, rows)
+            elif checked[shape] == "fp8":
+                _use_fp8(layer, isa)
+                layer.runs = [_pad_rows(layer.runs[0], 2) if isa == 2 else layer.runs[0]]
+            else:
+                layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [_fp32_run(layer)], ["fp32"], {}
+            counts[checked[shape]] = counts.get(checked[shape], 0) + 1
+    finally:
+        for layer in layers:
+            layer.fp8_bytes = None
+    log.info("CPU weights, batch-invariant (checked in %.1f s): %s", time.perf_counter() - t0,
+             ", ".join(f"{k} for {n} layers" for k, n in sorted(counts.items())))
+    return counts

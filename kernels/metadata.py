@@ -25,6 +25,9 @@ class AttentionMetadata:
     # layers hold their own blocks): each its own slot mapping, block table and states, the
     # lengths shared. Empty: one table serves every group.
     groups: tuple = ()
+    # Every query row computed alike whatever else the step holds (deterministic mode): a backend
+    # must not choose its path or split by the batch's shape.
+    batch_invariant: bool = False
 
     def group(self, g: int) -> "AttentionMetadata":
         """The metadata a layer of KV group g reads and writes through."""

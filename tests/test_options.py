@@ -110,6 +110,7 @@ ALIASES = {("SpeculativeConfig", "max_k"): "num_speculative_tokens", ("Speculati
 NOT_THE_OPTION = {
     ("SamplingParams", "max_tokens"): "a request's own limit, which the daemon's max_tokens caps",
     ("SamplingParams", "speculative"): "whether this request may speculate",
+    ("SamplingParams", "deterministic"): "this request's own choice; None takes the engine's --deterministic",
     ("choose_cpu_format", "max_tokens"): "the largest step the CPU formats are measured for",
     ("DecodeFixture", "max_tokens"): "a benchmark request's length",
     ("check_tcp", "system"): "whether the caller serves the system daemon (system and no endpoint)",

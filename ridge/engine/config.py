@@ -66,6 +66,9 @@ class EngineConfig:
                         choices=("auto", "last", "mean", "none"))
     cpu_weight_format: str = _opt("auto", "CPU weights: auto (measured at start-up) | fp32 | bf16:N "
                                           "(bf16 for steps of <= N tokens)")
+    deterministic: bool = _opt(False, "a request's tokens the same whatever its batch mates, prefill chunks and "
+                                      "speculation: batch-invariant products and attention, sampling keyed by seed "
+                                      "and position (a request's params.deterministic overrides it)")
 
     def __post_init__(self):
         # Checked here, so that a bad value fails before any model loads.

@@ -27,6 +27,42 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
                                   max_tokens, max_head_rows)
 
 
+class CpuFormats:
+    """A CPU model's two sets of layer formats: the fastest per step size (choose_cpu_format) and
+    the batch-invariant ones (kernels' choose_invariant: one product per matrix, the same bits for
+    a row at any row count), made on first need. A step runs one set (use); the engine asks for the
+    invariant one while a deterministic request is in the step. Nothing on a GPU."""
+
+    def __init__(self, model, max_tokens: int, max_head_rows: int, deterministic: bool):
+        self.layers = cpu_layers(model) if model.cos_sin.device.type == "cpu" else []
+        self.head_shape = tuple(model.lm_head.weight.shape)
+        self.max_tokens, self.max_head_rows = max_tokens, max_head_rows
+        self.sets: dict[bool, list[tuple]] = {}
+        self.current = False
+        if deterministic:
+            self.use(True)
+
+    @staticmethod
+    def _state(layer: CpuLinear) -> tuple:
+        return layer.bounds, layer.runs, layer.kinds, layer.copies
+
+    def use(self, invariant: bool) -> None:
+        if invariant == self.current or not self.layers:
+            return
+        self.sets[self.current] = [self._state(m) for m in self.layers]
+        if invariant in self.sets:
+            for m, state in zip(self.layers, self.sets[invariant]):
+                m.bounds, m.runs, m.kinds, m.copies = state
+        else:  # made once, on the first step that needs it
+            cpu_linear_plan.choose_invariant(self.layers, self.head_shape, self.max_tokens, self.max_head_rows)
+        self.current = invariant
+
+
+def invariant_unavailable(device) -> str | None:
+    """Why this device cannot run steps batch-invariant (None: it can): kernels decide."""
+    return cpu_linear_plan.invariant_unavailable(device)
+
+
 def fp8_max_tokens(model) -> int:
     """The largest step size any layer runs through the e4m3 kernel (0 = none)."""
     if model.cos_sin.device.type != "cpu":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import time
 from collections import deque
 
@@ -22,7 +23,7 @@ from ridge.kernels.timing import section
 
 from .budget import default_token_budget
 from .config import EngineConfig
-from .cpu_format import choose_cpu_format, fp8_max_tokens, keep_freed_memory
+from .cpu_format import CpuFormats, choose_cpu_format, fp8_max_tokens, invariant_unavailable, keep_freed_memory
 from .kv_tiers import build_tiers
 from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
@@ -67,8 +68,14 @@ class LLMEngine:
         budget = self.sched_config.max_num_batched_tokens
         head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens
                                                             if config.speculative_config.enabled else 0)))
-        self.lowp_max_tokens = choose_cpu_format(self.model, self.loaded.weight_bytes, config.cpu_weight_format,
-                                                 budget, head_rows)
+        self.deterministic = config.deterministic
+        self.invariant_reason = invariant_unavailable(self.device)
+        if config.deterministic and self.invariant_reason:
+            raise ValueError(f"--deterministic: {self.invariant_reason}")
+        # A deterministic engine runs every step batch-invariant: the fastest formats by step size are never used.
+        self.lowp_max_tokens = 0 if config.deterministic else choose_cpu_format(
+            self.model, self.loaded.weight_bytes, config.cpu_weight_format, budget, head_rows)
+        self.cpu_formats = CpuFormats(self.model, budget, head_rows, config.deterministic)
         self.fp8_max_tokens = fp8_max_tokens(self.model)
         spec = plan_speculation(config.speculative_config, self.device, config.weights, self.max_model_len,
                                 self.tokenizer, self.budget_info["knee_tokens"], self.model)
@@ -202,6 +209,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not checked:
             params = self._validate(ids, params)
+        params, cache_salt = self._resolve_deterministic(params, cache_salt)
         compiled = self.compile_constraint(params)
         samples = []
         for i in range(params.n):
@@ -219,6 +227,18 @@ class LLMEngine:
         self.groups[request_id] = samples
         self.totals["requests"] += 1
         return request_id
+
+    def _resolve_deterministic(self, params: SamplingParams, cache_salt: str) -> tuple[SamplingParams, str]:
+        """params.deterministic resolved (None: the engine's); a deterministic request that samples
+        without a seed gets one, which keys its draws. Its prefix blocks are shared only with other
+        deterministic requests': a block computed in a batch-dependent step holds other bits."""
+        det = self.deterministic if params.deterministic is None else params.deterministic
+        if det and self.invariant_reason:
+            raise InvalidRequest(f"deterministic: {self.invariant_reason}")
+        if det != params.deterministic or (det and not params.greedy and params.seed is None):
+            seed = params.seed if params.seed is not None or not det or params.greedy else random.getrandbits(63)
+            params = params.derive(deterministic=det, seed=seed)
+        return params, cache_salt + "\0deterministic" if det else cache_salt
 
     def add_embedding(self, request_id: str | None, inputs: list, dimensions: int | None = None,
                       checked: bool = False) -> str:
@@ -335,6 +355,11 @@ class LLMEngine:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = now
         try:
+            # Batch-invariant kernels for a step with a deterministic request in it (all of a
+            # deterministic engine's): set before drafting, which self-speculation runs on the target.
+            invariant = self.deterministic or any(s.request.params.deterministic for s in out.scheduled)
+            self.cpu_formats.use(invariant)
+            self.runner.batch_invariant = invariant
             if self.speculator is not None:  # drafts first: the constraints, then the scheduler fit them
                 drafts = self.constraints.fit_drafts(out.scheduled, self.speculator.propose(out))
                 self.scheduler.accept_drafts(out, drafts)

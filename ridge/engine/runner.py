@@ -88,10 +88,13 @@ class ModelRunner:
         self.constraints = None  # structured.Constraints
         self.speculator = None  # speculative.Speculator
         self.pooling = False  # an embedding model's engine: steps pool their requests' states
+        self.batch_invariant = False  # the next step's attention must not depend on its batch (set by LLMEngine)
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
         batch = plan_step(out, self.block_size, self.bufs, include_spec, graph, prev)
+        for meta in (batch.meta, *batch.meta.groups):
+            meta.batch_invariant = self.batch_invariant
         if batch.feed is not None:
             dst, src = batch.feed
             batch.input_ids.index_copy_(0, dst, self.last.sampled.token_ids.index_select(0, src))
@@ -138,12 +141,13 @@ class ModelRunner:
         extra = verified.values if verified is not None else None
         with section("sample"):
             reqs = [s.request for s in plain]
+            pos = [s.start + s.num_scheduled_tokens for s in plain]  # the token each row draws
             if plain and len(plain_rows) == logits.shape[0]:
-                sampled = self.sampler.sample(logits, reqs, raw, extra)
+                sampled = self.sampler.sample(logits, reqs, raw, extra, pos)
             elif plain:
                 idx = torch.tensor(plain_rows, device=self.device)
                 sampled = self.sampler.sample(logits.index_select(0, idx), reqs,
-                                              raw.index_select(0, idx) if masked else None, extra)
+                                              raw.index_select(0, idx) if masked else None, extra, pos)
             elif verified is not None:
                 sampled = SampledRows(torch.empty(0, dtype=torch.int64, device=self.device), [], None, extra)
         self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], verified, started)

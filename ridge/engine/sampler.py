@@ -3,7 +3,11 @@
 Each sampled row draws with the exponential race (argmax of p / E, E ~ Exp(1)),
 which is exact sampling from p. A seeded request owns its generator and draws
 exactly one row of noise per token, so its output does not depend on what else
-is in the batch."""
+is in the batch. A deterministic request (SamplingParams.deterministic) keys its
+noise by its seed and the position of the token drawn (keyed_generator): no
+stream is consumed, so speculation, which verifies several positions in one
+step and drafts with noise of its own, draws the same noise for a position as
+plain decoding does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +22,22 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     GPU synchronize, pinned ones queue."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): nearby seeds and positions get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def keyed_generator(seed: int, position: int, device) -> torch.Generator:
+    """The generator of the token at `position` (its index in prompt + output) of a request seeded `seed`."""
+    return torch.Generator(device).manual_seed(keyed_seed(seed, position))
 
 
 @dataclass(slots=True)
@@ -99,7 +119,9 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above this token
-        drop = (rank >= k) | ((before >= top_p[:, None]) & (rank > 0))
+        # A row with top_p = 1 keeps its tail: its rounded cumulative sum may reach 1.0 before the
+        # last token, and whether it is filtered must not depend on a batch mate asking for top-p.
+        drop = (rank >= k) | ((before >= top_p[:, None]) & (rank > 0) & (top_p[:, None] < 1))
         probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
     return probs
 
@@ -120,13 +142,25 @@ class Sampler:
             g = self.generators[req.request_id] = torch.Generator(device).manual_seed(req.params.seed)
         return g
 
-    def noise(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        e = torch.empty_like(probs).exponential_()
+    def noise(self, probs: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+        """Exp(1) noise per row. positions: the token index each row draws (None: not known,
+        as for a drafter's own draws); a deterministic request's row then takes its keyed
+        generator, others their own generator or the global one."""
+        keyed = [positions is not None and r.params.deterministic for r in reqs]
+        e = torch.empty_like(probs)
+        if not all(keyed):
+            e.exponential_()
         for i, r in enumerate(reqs):
-            g = self.generator(r, probs.device)
-            if g is not None:
+            if keyed[i]:
+                e[i].exponential_(generator=keyed_generator(r.params.seed, positions[i], probs.device))
+            elif (g := self.generator(r, probs.device)) is not None:
                 e[i].exponential_(generator=g)
         return e
+
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request], positions: list[int]) -> torch.Tensor:
+        """The target's own draw for each row (logits already masked and penalised): the exponential race."""
+        p = self.probs(logits, reqs)
+        return (p / self.noise(p, reqs, positions)).argmax(dim=-1)
 
     def uniform(self, reqs: list[Request], device) -> torch.Tensor:
         """One U[0, 1) per row, from each seeded request's own generator."""
@@ -152,22 +186,22 @@ class Sampler:
         return probs / probs.sum(dim=-1, keepdim=True)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request], raw: torch.Tensor | None = None,
-               extra: torch.Tensor | None = None) -> SampledRows:
+               extra: torch.Tensor | None = None, positions: list[int] | None = None) -> SampledRows:
         """logits: [n, V] float32, one row per request in reqs (constrained rows already
-        masked); raw: the same rows unmasked, for logprobs (None: logits). Queues everything
-        on the device; the result is read later (SampledRows.read), with `extra`."""
+        masked); raw: the same rows unmasked, for logprobs (None: logits); positions: the
+        index of the token each row draws (noise). Queues everything on the device; the result
+        is read later (SampledRows.read), with `extra`."""
         raw = logits if raw is None else raw
         logits = apply_penalties(logits.clone(), reqs) if any(r.params.repetition_penalty != 1.0 for r in reqs) else logits
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(sampled) == len(reqs):
-            p = self.probs(logits, reqs)
-            tokens = (p / self.noise(p, reqs)).argmax(dim=-1)
+            tokens = self.sample_tokens(logits, reqs, positions)
         elif sampled:
             rows = to_device(sampled, torch.int64, logits.device)
             sub = [reqs[i] for i in sampled]
-            p = self.probs(logits.index_select(0, rows), sub)
-            tokens.index_copy_(0, rows, (p / self.noise(p, sub)).argmax(dim=-1))
+            tokens.index_copy_(0, rows, self.sample_tokens(logits.index_select(0, rows), sub,
+                                                           positions and [positions[i] for i in sampled]))
         want = [r.params.logprobs or 0 for r in reqs]
         lp = None
         if any(want):

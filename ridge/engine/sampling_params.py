@@ -24,6 +24,9 @@ class SamplingParams:
     logprobs: int = 0  # top-N logprobs per generated token
     n: int = 1
     speculative: bool = True  # let the engine speculate for this request when it is configured to
+    # The same tokens whatever the batch, chunking and speculation (docs/architecture.md, Deterministic
+    # mode): None takes the engine's --deterministic; the engine resolves it at admission.
+    deterministic: bool | None = None
     # What the output must be (structured/format.py): OpenAI's json_schema / json_object, or
     # ridge's regex / grammar. None or {"type": "text"}: free text.
     response_format: dict | None = None
@@ -52,6 +55,7 @@ class SamplingParams:
             (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 1 << 63), "seed must be a non-negative integer"),
             (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (isinstance(self.n, int) and 1 <= self.n <= 64, "n must be in [1, 64]"),
+            (self.deterministic is None or isinstance(self.deterministic, bool), "deterministic must be a boolean"),
             (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop must be up to 16 non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
         ]

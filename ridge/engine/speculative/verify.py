@@ -12,7 +12,13 @@ norm(max(p - q, 0)) and stop; if all k are accepted, sample the bonus from p
 after the last draft. The output is distributed exactly as the target's. A
 deterministic drafter (prompt lookup) has q one-hot on its token. Every row's
 candidate (the residual's sample, or the bonus) is drawn on the device before
-the host knows where the first rejection is; the host then picks one."""
+the host knows where the first rejection is; the host then picks one.
+
+Deterministic requests (sampler.py: noise keyed by seed and position) are verified
+as greedy ones are, against the target's own draw at each position: accept while
+the draft equals it. That is token for token what plain decoding with the same seed
+draws, so distributed as the target's; against a one-hot drafter it accepts with
+probability p(x), as the rule above does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +28,19 @@ import torch
 from ..sampler import to_device
 
 Item = tuple  # (ScheduledRequest, first logits row, rows: its drafts + 1)
+
+
+def _compares(s) -> bool:
+    """Verified against the target's own token (greedy, or a deterministic request's keyed draw)."""
+    p = s.request.params
+    return p.greedy or bool(p.deterministic)
+
+
+def draw_positions(s, n: int) -> list[int]:
+    """The token index each of a request's n sample rows draws: its last n scheduled rows each
+    predict the next token."""
+    end = s.start + s.num_scheduled_tokens
+    return list(range(end - n + 1, end + 1))
 
 
 @dataclass(slots=True)
@@ -52,11 +71,21 @@ class Verified:
 
 def verify_batch(logits: torch.Tensor, items: list[Item], sampler) -> Verified:
     """logits: the step's sample rows (constraints applied); items: the speculating requests."""
-    greedy = [it for it in items if it[0].request.params.greedy]
-    sampled = [it for it in items if not it[0].request.params.greedy]
+    greedy = [it for it in items if _compares(it[0])]
+    sampled = [it for it in items if not _compares(it[0])]
     parts = []
     if greedy:
-        parts.append(logits.index_select(0, _rows(greedy, logits.device)).argmax(dim=-1))
+        rows = logits.index_select(0, _rows(greedy, logits.device))
+        drawn = [i for i, (s, _, n) in enumerate(greedy) if not s.request.params.greedy]
+        best = rows.argmax(dim=-1)
+        if drawn:  # the deterministic sampled requests' rows: their keyed draws in place of the argmax
+            span = [(sum(n for _, _, n in greedy[:i]), greedy[i]) for i in drawn]
+            idx = [f + j for f, (_, _, n) in span for j in range(n)]
+            reqs = [s.request for _, (s, _, n) in span for _ in range(n)]
+            pos = [p for _, (s, _, n) in span for p in draw_positions(s, n)]
+            at = to_device(idx, torch.int64, logits.device)
+            best.index_copy_(0, at, sampler.sample_tokens(rows.index_select(0, at), reqs, pos))
+        parts.append(best)
     if sampled:
         parts.append(_sample(logits, sampled, sampler))
     return Verified(greedy, sampled, torch.cat(parts))
