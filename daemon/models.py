@@ -65,6 +65,7 @@ class Slot:
         if self.info is not None:
             out["kind"] = "embed" if self.info.get("pooling") else "generate"
             out["device"], out["max_model_len"] = self.info["device"], self.info["max_model_len"]
+            out["model"] = self.info  # hello's map for it (§7.1): what Ollama's /api/show tells
         return out
 
 

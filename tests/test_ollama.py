@@ -7,6 +7,7 @@ its embedding daemon's Ollama listener, against transformers."""
 from __future__ import annotations
 
 import json
+import time
 
 import ollama
 import pytest
@@ -32,8 +33,13 @@ def ollama_daemon(tmp, model: str, name: str, *flags) -> Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
+    """The chat model as the default, "tiny"; the same files as "other" in the models directory."""
     tmp = tmp_path_factory.mktemp("ollama")
-    d = ollama_daemon(tmp, str(make_chat_model(tmp, "hermes")), "tiny", "--num-kv-blocks", 256, "--max-num-seqs", 8)
+    model = make_chat_model(tmp, "hermes")
+    (tmp / "models").mkdir()
+    (tmp / "models" / "other").symlink_to(model)
+    d = ollama_daemon(tmp, str(model), "tiny", "--num-kv-blocks", 256, "--max-num-seqs", 8,
+                      "--models-dir", tmp / "models")
     yield d
     d.stop()
 
@@ -121,12 +127,14 @@ def test_tool_history_renders_as_the_openai_chat_does(client, ridge):
 
 def test_models_tags_ps_show_and_version(client, daemon):
     tags = client.list()
-    assert [m.model for m in tags.models] == ["tiny"] and tags.models[0].details.family == "llama"
+    assert [m.model for m in tags.models] == ["tiny", "other"] and tags.models[0].details.family == "llama"
+    assert tags.models[1].size == tags.models[0].size > 0 and tags.models[0].digest != tags.models[1].digest
     running = client.ps()
-    assert [m.model for m in running.models] == ["tiny"] and running.models[0].expires_at.year > 2100
+    assert [m.model for m in running.models] == ["tiny"] and running.models[0].size > 0
     shown = client.show("tiny")
     assert set(shown.capabilities) == {"completion", "tools", "thinking"}
     assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] > 0
+    assert client.show("other").capabilities == ["completion"]  # its template is read when it loads
     status, body = ask(daemon.url, "GET", "/api/version")
     assert status == 200 and body["version"].count(".") == 2
     status, body = ask(daemon.url, "GET", "/v1/models")  # the OpenAI routes beside, as Ollama serves them
@@ -146,6 +154,19 @@ def test_refusals_are_ollamas_error_shape(client, call, status, words):
     with pytest.raises(ollama.ResponseError) as e:
         call(client)
     assert e.value.status_code == status and words in e.value.error
+
+
+def test_an_empty_prompt_loads_and_keep_alive_0_unloads(client):
+    """Ollama's preload (an empty prompt) and `ollama stop` (keep_alive 0), on the daemon's registry."""
+    assert client.generate(model="other", prompt="", keep_alive="1m").done_reason == "load"
+    held = {m.model: m for m in client.ps().models}
+    assert "other" in held and 30 < (held["other"].expires_at.timestamp() - time.time()) <= 60
+    assert set(client.show("other").capabilities) == {"completion", "tools", "thinking"}  # loaded: its template
+    assert client.chat(model="other", messages=[], keep_alive=0).done_reason == "unload"
+    deadline = time.monotonic() + 20
+    while "other" in [m.model for m in client.ps().models]:
+        assert time.monotonic() < deadline, "keep_alive 0 did not unload the model"
+        time.sleep(0.1)
 
 
 def test_keep_alive_reads_gos_durations():

@@ -26,12 +26,29 @@ def not_found(name: str) -> ApiError:
     return ApiError(404, f"model '{name}' not found", "not_found_error", "model", "model_not_found")
 
 
-def served(link, name: str | None) -> dict:
-    """The model a request names, as hello describes it; Ollama's `:latest` tag is the bare name."""
-    model = link.model
-    if name is None or name.removesuffix(":latest") != model["name"].removesuffix(":latest"):
+def _bare(name: str) -> str:
+    return name.removesuffix(":latest")  # Ollama's default tag: the name without one
+
+
+async def listing(link) -> list[dict]:
+    """The daemon's models (docs/protocol.md §3.10), the default first."""
+    await link.refresh()
+    return (await link.call("models"))["models"]
+
+
+async def card(link, name: str | None) -> dict:
+    """The model a request names -> what is known of it: `name` (the daemon's), `kind`, and once it
+    is loaded (the default always is) hello's map (§7.1). A daemon that knows only its default
+    answers any name with it, as the daemon itself does."""
+    models = await listing(link)
+    wanted = _bare(name or "")
+    found = next((m for m in models if _bare(m["name"]) == wanted), None)
+    if found is None and len(models) == 1:
+        found = models[0]
+    if found is None:
         raise not_found(name or "")
-    return model
+    hello = link.model if found["default"] else found.get("model")
+    return {**(hello or {}), "name": found["name"], "kind": found.get("kind"), "entry": found}
 
 
 # -- keep_alive: Go's durations, as Ollama parses them ------------------------------------------------
@@ -57,19 +74,19 @@ def keep_alive(value) -> float | None:
 
 
 # -- options ---------------------------------------------------------------------------------------------
-def sampling(options: Options | None, link) -> dict:
-    """Ollama's options -> the daemon's params (docs/protocol.md §3.2)."""
+def sampling(options: Options | None, link, model: dict) -> dict:
+    """Ollama's options -> the daemon's params (docs/protocol.md §3.2). model: card()'s."""
     o = options or Options()
-    max_len = link.model["max_model_len"]
-    if o.num_ctx is not None and not 1 <= o.num_ctx <= max_len:
+    max_len = model.get("max_model_len")  # known once the model is loaded; else the daemon's bound holds
+    if o.num_ctx is not None and not 1 <= o.num_ctx <= (max_len or o.num_ctx):
         raise bad(f"options.num_ctx: {o.num_ctx} is outside [1, {max_len}], the context ridge serves this model "
-                  "with (ridge serve --max-model-len)", "options")
+                  "with (its max_model_len)", "options")
     for key, neutral in NEUTRAL.items():
         if (v := getattr(o, key)) is not None and v != neutral:
             raise bad(f"options.{key} is not supported by ridge (only {neutral})", "options")
     params: dict = {}
     if o.num_predict is None or o.num_predict in UNTIL_FULL:
-        params["max_tokens"] = link.limits.get("max_tokens", max_len)  # the daemon caps it at the room left
+        params["max_tokens"] = max_len or link.limits["max_tokens"]  # the daemon caps it at the room left
     elif o.num_predict < 1:
         raise bad("options.num_predict must be a positive count of tokens, or -1 or -2 (until the context is "
                   "full)", "options")
@@ -104,18 +121,26 @@ def template_kwargs(think, model: dict) -> dict:
     """think -> the template's variables: a bool turns thinking on or off, an effort names it too."""
     if think is None:
         return {}
-    if not model.get("chat", {}).get("reasoning") and think is not False:
+    if "chat" in model and not model["chat"].get("reasoning") and think is not False:  # known once loaded
         raise bad(f"\"{model['name']}\" does not support thinking", "think")
     if think in EFFORTS:
         return {"enable_thinking": True, "reasoning_effort": think}
     return {"enable_thinking": bool(think)}
 
 
+def model_fields(req, model: dict) -> dict:
+    """The daemon's `model` and `keep_alive` (§3.10): the name it knows, the duration in seconds."""
+    out = {"model": model["name"]}
+    if (seconds := keep_alive(req.keep_alive)) is not None:
+        out["keep_alive"] = seconds
+    return out
+
+
 def _params(req, link, model: dict) -> dict:
-    params = sampling(req.options, link)
+    params = sampling(req.options, link, model)
     if (rf := response_format(req.format)) is not None:
         params["response_format"] = rf
-    keep_alive(req.keep_alive)  # checked; one model held for the daemon's life: nothing to unload
+    params.update(model_fields(req, model))
     return params
 
 
@@ -151,8 +176,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     return out
 
 
-def chat_request(req: ChatRequest, link) -> Generation:
-    model = served(link, req.model)
+def chat_request(req: ChatRequest, link, model: dict) -> Generation:
     prompt: dict = {"messages": chat_messages(req)}
     if req.tools:
         prompt["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -162,8 +186,7 @@ def chat_request(req: ChatRequest, link) -> Generation:
 
 
 # -- /api/generate -----------------------------------------------------------------------------------------
-def generate_request(req: GenerateRequest, link) -> Generation:
-    model = served(link, req.model)
+def generate_request(req: GenerateRequest, link, model: dict) -> Generation:
     for key in ("suffix", "template"):
         if getattr(req, key):
             raise bad(f"{key} is not supported by ridge (only empty)", key)
@@ -172,7 +195,7 @@ def generate_request(req: GenerateRequest, link) -> Generation:
     if req.context:
         raise bad("context is not supported by ridge: send the conversation as messages to /api/chat", "context")
     params = _params(req, link, model)
-    if req.raw or not model.get("chat_template"):
+    if req.raw or not model.get("chat_template", True):  # a model not loaded yet: as most, it has one
         if req.system:
             raise bad("system needs the model's chat template (not with raw, nor a model without one)", "system")
         if req.think is not None:
@@ -188,8 +211,9 @@ def generate_request(req: GenerateRequest, link) -> Generation:
 
 # -- the model's card --------------------------------------------------------------------------------------
 def capabilities(model: dict) -> list[str]:
-    """What Ollama's clients ask before they send a request: completion, tools, thinking, embedding."""
-    if model.get("pooling"):
+    """What Ollama's clients ask before they send a request: completion, tools, thinking, embedding
+    (tools and thinking known once the model is loaded: its chat template says)."""
+    if model.get("pooling") or model.get("kind") == "embed":
         return ["embedding"]
     chat = model.get("chat") or {}
     out = ["completion"]
@@ -201,19 +225,22 @@ def capabilities(model: dict) -> list[str]:
 
 
 def details(model: dict) -> dict:
-    weights = "Q8_0" if model.get("quantized") else model.get("weights", "").upper()
-    return {"parent_model": "", "format": "gguf" if str(model.get("path", "")).endswith(".gguf") else "safetensors",
-            "family": model.get("arch", ""), "families": [model.get("arch", "")], "parameter_size": "",
-            "quantization_level": "FP8" if model.get("fp8_weights") else weights}
+    """card()'s -> Ollama's details; arch and weights known once the model is loaded."""
+    weights = "FP8" if model.get("quantized") else model.get("weights", "").upper()
+    arch = model.get("arch", "")
+    return {"parent_model": "", "format": model["entry"].get("format", ""), "family": arch,
+            "families": [arch] if arch else None, "parameter_size": "", "quantization_level": weights}
 
 
-def digest(model: dict) -> str:
-    """A stable name for what is served (Ollama's is its manifest's sha256): the path and the name."""
-    return hashlib.sha256(f"{model.get('path')}\0{model['name']}".encode()).hexdigest()
+def digest(entry: dict) -> str:
+    """A stable name for a model (Ollama's is its manifest's sha256): its path, name and mtime."""
+    return hashlib.sha256(f"{entry['path']}\0{entry['name']}\0{entry.get('modified_at')}".encode()).hexdigest()
 
 
 def model_info(model: dict) -> dict:
-    arch = model.get("arch", "")
+    arch = model.get("arch")
+    if arch is None:  # not loaded: nothing read from its files yet
+        return {"general.name": model["name"]}
     info = {"general.architecture": arch, "general.name": model["name"],
             f"{arch}.context_length": model["max_model_len"], f"{arch}.embedding_length": model["hidden_size"],
             f"{arch}.block_count": model["num_layers"], f"{arch}.attention.head_count": model["num_heads"],
@@ -226,5 +253,7 @@ def model_info(model: dict) -> dict:
 
 def parameters(model: dict) -> str:
     """The Modelfile's PARAMETER lines: Ollama's defaults, which requests here start from."""
-    lines = [f"{k:<16}{v}" for k, v in DEFAULTS.items()] + [f"{'num_ctx':<16}{model['max_model_len']}"]
+    lines = [f"{k:<16}{v}" for k, v in DEFAULTS.items()]
+    if model.get("max_model_len"):
+        lines.append(f"{'num_ctx':<16}{model['max_model_len']}")
     return "\n".join(lines)

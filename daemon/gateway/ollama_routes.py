@@ -18,8 +18,8 @@ from starlette.routing import Route
 from ..client import RidgeError, merge_pieces
 from . import turn
 from .generation import SSEResponse, until_disconnect
-from .ollama_api import (capabilities, chat_request, details, digest, generate_request, keep_alive, model_info,
-                         parameters, served)
+from .ollama_api import (capabilities, card, chat_request, details, digest, generate_request, listing, model_fields,
+                         model_info, parameters)
 from .ollama_schemas import ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbedRequest, ShowRequest
 from .openai_api import ApiError, bad
 
@@ -81,20 +81,30 @@ def _counts(f, started: float) -> dict:
             "eval_count": u.get("completion_tokens", 0), "eval_duration": _ns(max(0.0, e2e - ttft))}
 
 
-def _loaded(kind: str, model: str) -> JSONResponse:
-    """An empty prompt asks only that the model be loaded: it is."""
-    body = _piece(kind, model, "")
-    body.update(done=True, done_reason="load")
+async def _loaded(request: Request, link, client, kind: str, name: str, model: dict, fields: dict) -> JSONResponse:
+    """An empty prompt asks only that the model be loaded, and its keep_alive set (0: unloaded, as
+    `ollama stop` asks): one token of prefill through it does both, and its answer is dropped."""
+    if not model["entry"]["loaded"] or "keep_alive" in fields:
+        one = [0]  # token 0 is in every vocabulary
+        aw = link.call("embed", input=[one], **fields) if model.get("kind") == "embed" else \
+            client.generate(token_ids=one, max_tokens=1, **fields)
+        try:
+            await until_disconnect(request, aw)
+        except RidgeError as e:
+            raise link.failed(e) from None
+    body = _piece(kind, name, "")
+    body.update(done=True, done_reason="unload" if fields.get("keep_alive") == 0 else "load")
     return JSONResponse(body)
 
 
 async def _turn(request: Request, kind: str) -> Response:
     started = time.monotonic()
     link, client, _, req = await turn.checked(request, ChatRequest if kind == CHAT else GenerateRequest)
-    gen = chat_request(req, link) if kind == CHAT else generate_request(req, link)
+    model = await card(link, req.model)
+    gen = chat_request(req, link, model) if kind == CHAT else generate_request(req, link, model)
     name = req.model
     if not (req.messages if kind == CHAT else req.prompt):
-        return _loaded(kind, name)
+        return await _loaded(request, link, client, kind, name, model, model_fields(req, model))
     if gen.stream:
         stream, first = await turn.opened(request, link, client, gen)
         return SSEResponse(_lines(link, kind, name, stream, first, started), [stream], NDJSON)
@@ -133,13 +143,14 @@ async def generate(request: Request) -> Response:
 
 
 # -- embeddings ----------------------------------------------------------------------------------------
-async def _fitted(link, inputs: list[str], truncate: bool) -> list:
+async def _fitted(link, model: dict, inputs: list[str], truncate: bool) -> list:
     """Inputs the daemon admits: with truncate, one longer than the context is cut to its first
     max_prompt_tokens tokens. Only inputs that may be too long are tokenized here: a token is at
-    least one byte of UTF-8, beside the few special tokens the tokenizer adds."""
-    limit = link.limits.get("max_prompt_tokens", link.model["max_model_len"] - 1)
-    if not truncate:
+    least one byte of UTF-8, beside the few special tokens the tokenizer adds. The default's
+    tokenizer and limits are the ones the gateway can ask for: another model's inputs go whole."""
+    if not truncate or not model["entry"]["default"]:
         return list(inputs)
+    limit = link.limits["max_prompt_tokens"]
     out = []
     for text in inputs:
         if len(text.encode()) + 8 <= limit:
@@ -149,8 +160,10 @@ async def _fitted(link, inputs: list[str], truncate: bool) -> list:
     return out
 
 
-async def _embedded(request: Request, link, inputs: list, dimensions: int | None) -> dict:
-    fields = {"input": inputs} if dimensions is None else {"input": inputs, "dimensions": dimensions}
+async def _embedded(request: Request, link, inputs: list, dimensions: int | None, fields: dict) -> dict:
+    fields = {"input": inputs, **fields}
+    if dimensions is not None:
+        fields["dimensions"] = dimensions
     reply = await until_disconnect(request, link.call("embed", **fields))
     if reply["finish_reason"] != "stop":
         raise ApiError(500 if reply["finish_reason"] == "error" else 503,
@@ -162,12 +175,12 @@ async def _embedded(request: Request, link, inputs: list, dimensions: int | None
 async def embed(request: Request) -> Response:
     started = time.monotonic()
     link, _, _, req = await turn.checked(request, EmbedRequest)
-    served(link, req.model)
-    keep_alive(req.keep_alive)
+    model = await card(link, req.model)
     inputs = [req.input] if isinstance(req.input, str) else list(req.input)
     if any(x == "" for x in inputs):
         raise bad("input: an input is an empty string", "input")
-    reply = await _embedded(request, link, await _fitted(link, inputs, req.truncate is not False), req.dimensions)
+    fitted = await _fitted(link, model, inputs, req.truncate is not False)
+    reply = await _embedded(request, link, fitted, req.dimensions, model_fields(req, model))
     return JSONResponse({"model": req.model, "embeddings": reply["data"], "total_duration":
                          _ns(time.monotonic() - started), "load_duration": 0,
                          "prompt_eval_count": reply["usage"]["prompt_tokens"]})
@@ -176,51 +189,58 @@ async def embed(request: Request) -> Response:
 async def embeddings(request: Request) -> Response:
     """The older /api/embeddings: one prompt, one `embedding`."""
     link, _, _, req = await turn.checked(request, LegacyEmbedRequest)
-    served(link, req.model)
-    keep_alive(req.keep_alive)
+    model = await card(link, req.model)
     if not req.prompt:
         return JSONResponse({"embedding": []})
-    reply = await _embedded(request, link, await _fitted(link, [req.prompt], True), None)
+    fitted = await _fitted(link, model, [req.prompt], True)
+    reply = await _embedded(request, link, fitted, None, model_fields(req, model))
     return JSONResponse({"embedding": reply["data"][0]})
 
 
 # -- the models ----------------------------------------------------------------------------------------
-def _size(model: dict) -> int:
-    return int(model.get("bytes") or 0)
+def _time(unix: float | None) -> str:
+    return datetime.fromtimestamp(unix or 0.0, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _entry(model: dict, modified: str) -> dict:
-    return {"name": model["name"], "model": model["name"], "modified_at": modified, "size": _size(model),
-            "digest": digest(model), "details": details(model)}
-
-
-def _modified(request: Request) -> str:
-    return datetime.fromtimestamp(request.app.state.started, timezone.utc).isoformat().replace("+00:00", "Z")
+def _entry(link, m: dict) -> dict:
+    """One of the daemon's models (§3.10) in /api/tags' shape."""
+    model = {**(link.model if m["default"] else m.get("model") or {}), "entry": m}
+    return {"name": m["name"], "model": m["name"], "modified_at": _time(m.get("modified_at")), "size": m["size"],
+            "digest": digest(m), "details": details(model)}
 
 
 async def tags(request: Request) -> Response:
     link = request.app.state.link
-    await link.refresh()
-    return JSONResponse({"models": [_entry(link.model, _modified(request))]})
+    return JSONResponse({"models": [_entry(link, m) for m in await listing(link)]})
+
+
+def _expires(m: dict) -> str:
+    """When it unloads: the daemon's time; while requests run, their end plus keep_alive is not
+    known yet, so a keep_alive from now (Ollama shows one too); a kept model, Ollama's far date."""
+    if m["keep_alive"] < 0:
+        return _time(FOREVER.timestamp())
+    return _time(m["expires_at"] if m["expires_at"] is not None else time.time() + m["keep_alive"])
 
 
 async def ps(request: Request) -> Response:
     link = request.app.state.link
-    await link.refresh()
-    m = link.model
-    entry = _entry(m, _modified(request))
-    del entry["modified_at"]
-    entry.update(expires_at=FOREVER.isoformat().replace("+00:00", "Z"),
-                 size_vram=_size(m) if m.get("device", "cpu") != "cpu" else 0, context_length=m["max_model_len"])
-    return JSONResponse({"models": [entry]})
+    running = []
+    for m in await listing(link):
+        if m["loaded"]:
+            entry = _entry(link, m)
+            del entry["modified_at"]
+            entry.update(size=m["bytes"], size_vram=0 if m.get("device", "cpu") == "cpu" else m["bytes"],
+                         expires_at=_expires(m), context_length=m.get("max_model_len"))
+            running.append(entry)
+    return JSONResponse({"models": running})
 
 
 async def show(request: Request) -> Response:
     link, _, _, req = await turn.checked(request, ShowRequest)
-    model = served(link, req.model or req.name)
-    return JSONResponse({"modelfile": f"FROM {model.get('path', '')}\n", "parameters": parameters(model),
+    model = await card(link, req.model or req.name)
+    return JSONResponse({"modelfile": f"FROM {model['entry']['path']}\n", "parameters": parameters(model),
                          "template": "", "details": details(model), "model_info": model_info(model),
-                         "capabilities": capabilities(model), "modified_at": _modified(request)})
+                         "capabilities": capabilities(model), "modified_at": _time(model["entry"].get("modified_at"))})
 
 
 async def version(request: Request) -> Response:
