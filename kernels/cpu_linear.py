@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .fp8_scales import expand_scale
 
 FP8 = torch.float8_e4m3fn
 
@@ -45,12 +46,13 @@ HAS_GEMV = _SET_MKLDNN is not None
 def pack_fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """An e4m3 [out, in] weight (w, or w / scale rounded back to e4m3 where w is its upcast
     copy: exact, as fp8 * scale was) as native.fp8_linear's [out/16, in/2, 16, 2] bytes;
-    None for a shape the kernel does not take (out % 16, in % 2)."""
+    None for a shape the kernel does not take (out % 16, in % 2). scale: [out], or
+    [groups, out] as native.fp8_linear takes it."""
     n, k = w.shape
     if n % 16 or k % 2:
         return None
     if w.dtype != FP8:
-        w = (w.float() / scale.float()[:, None]).to(FP8)
+        w = (w.float() / expand_scale(scale.t() if scale.dim() == 2 else scale, (n, k))).to(FP8)
     return w.view(torch.uint8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
@@ -126,7 +128,8 @@ def _fp8_run(packed: torch.Tensor, scale256: torch.Tensor, isa: int, otherwise):
 @dataclass(eq=False)
 class CpuLinear:
     """One layer's CPU weight (weight: in the compute dtype, FP8 values times their scales or a
-    weight never quantized; scale: the FP8 channel scales, None for the latter) and its formats.
+    weight never quantized; scale: the FP8 scales as native.fp8_linear takes them, [N] or
+    [groups, N], None for the latter) and its formats.
     runs[i] is the product of the steps whose rows fall in bounds[i] (the first bound >= rows,
     the last one's past the end): x -> x @ W.T without the bias, or None (also the product's
     answer to an input it does not take) for F.linear on the weight itself."""

@@ -1,8 +1,11 @@
-"""FP8 (e4m3) linear: weights with one scale per output channel."""
+"""FP8 (e4m3) linear: weights with one scale per output channel, per 1 x G group along K or per
+B x B block (kernels/fp8_scales.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .fp8_scales import dequantize, scale_block
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -10,8 +13,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """x: [T, K]; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32 -> [T, N] in x's dtype.
     Weight-only dequantization: exact, since fp8 * fp32 scale is exact in fp32."""
     assert weight.dtype == torch.float8_e4m3fn and weight.shape[1] == x.shape[-1]
-    assert weight_scale.shape == (weight.shape[0],)
-    w = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
+    w = dequantize(weight, weight_scale, x.dtype)  # checks the scale's layout
     return F.linear(x, w, bias)
 
 
@@ -80,10 +82,15 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_bn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     A_FP8: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
-    # C[M, N] = (A[M, K] @ W[N, K]^T) * a_scale[M] * w_scale[N] + bias. W is K-major, as fp8 MMAs want.
+                     stride_bs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, A_FP8: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     DOT_F32: tl.constexpr, SCALE_BN: tl.constexpr):
+    # C[M, N] = (A[M, K] @ W[N, K]^T) * a_scale[M] * w_scale + bias. W is K-major, as fp8 MMAs want.
     # A_FP8: A is fp8 with per-row scales (W8A8); else A is bf16/fp16 and W is decoded to its dtype.
+    # SCALE_BN 0: w_scale[N], one per column, applied once at the end. Else the weight is scaled
+    # per group of BLOCK_K along K and SCALE_BN rows (1: 1 x G groups; 128: DeepSeek-V3's blocks),
+    # w_scale[N / SCALE_BN, cdiv(K, BLOCK_K)] with row stride stride_bs: each K tile's product is
+    # scaled as it is added, so a tile is exactly one group (the host sets BLOCK_K to it).
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)  # grouped order: consecutive programs share W tiles in L2
@@ -101,19 +108,27 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M,
         k = k0 + kk
         a_mask = (m < M)[:, None] & (k < K)[None, :]
         b_mask = (k < K)[:, None] & (n < N)[None, :]
+        part = acc if SCALE_BN == 0 else tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if A_FP8 and B_MODE == 1 and not DOT_F32:
             a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0)
             b = tl.load(b_cols + k[:, None], mask=b_mask, other=0.0)
-            acc = tl.dot(a, b, acc)
+            part = tl.dot(a, b, part)
         else:
             a = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
             b = _load_f32(b_cols + k[:, None], b_mask, B_MODE)
             if DOT_F32:
-                acc = tl.dot(a, b, acc)
+                part = tl.dot(a, b, part)
             else:
                 dt = c_ptr.dtype.element_ty
-                acc = tl.dot(a.to(dt), b.to(dt), acc)
-    out = acc * tl.load(b_scale_ptr + n, mask=n < N, other=0.0)[None, :]
+                part = tl.dot(a.to(dt), b.to(dt), part)
+        if SCALE_BN == 0:
+            acc = part
+        else:
+            gs = tl.load(b_scale_ptr + (n // SCALE_BN).to(tl.int64) * stride_bs + k0 // BLOCK_K, mask=n < N, other=0.0)
+            acc += part * gs[None, :]
+    out = acc
+    if SCALE_BN == 0:
+        out = acc * tl.load(b_scale_ptr + n, mask=n < N, other=0.0)[None, :]
     if A_FP8:
         out = out * tl.load(a_scale_ptr + m, mask=m < M, other=0.0)[:, None]
     if HAS_BIAS:
@@ -140,19 +155,41 @@ def _gemm_candidates(t: torch.Tensor, M: int) -> list[dict]:
             for n in wide for w in (4, 8) for s in stages]
 
 
+def _scale_tiles(w_scale: torch.Tensor, shape) -> tuple[int, int]:
+    """-> (SCALE_BN, the K tile) for the kernel: (0, 0) per channel, else the group's rows and
+    its width along K, which the K tile must equal."""
+    bn, bk = scale_block(w_scale, tuple(shape))
+    if bk == shape[1] and bn == 1:
+        return 0, 0
+    assert bk >= 16, f"groups of {bk} along K: tl.dot takes K tiles of 16 or more"
+    return bn, bk
+
+
+def _group_candidates(cands: list[dict], bk: int) -> list[dict]:
+    """The tile candidates with K tiles of one group each (deduplicated)."""
+    out = []
+    for c in cands:
+        c = {**c, **({"BLOCK_K": bk} if "BLOCK_K" in c else {})}
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def _launch_gemm(a, a_scale, weight, w_scale, bias, out, cfg, b_mode: int, dot_f32: bool) -> None:
     M, K = a.shape
     N = weight.shape[0]
+    scale_bn, bk = _scale_tiles(w_scale, weight.shape)
+    block_k = bk or cfg["BLOCK_K"]
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](
         a, weight, a_scale if a_scale is not None else w_scale, w_scale, bias if bias is not None else w_scale, out,
-        M, N, K, a.stride(0), weight.stride(0), cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], 8,
-        a_scale is not None, b_mode, bias is not None, dot_f32, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        M, N, K, a.stride(0), weight.stride(0), w_scale.stride(0) if scale_bn else 0, cfg["BLOCK_M"],
+        cfg["BLOCK_N"], block_k, 8, a_scale is not None, b_mode, bias is not None, dot_f32, scale_bn,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fp8_w8a8_triton(x, weight, weight_scale, bias=None, cfg: dict | None = None) -> torch.Tensor:
-    """Per-token fp8 activations x per-channel fp8 weights, product in a Triton fp8 dot."""
+    """Per-token fp8 activations x fp8 weights (any fp8_scales layout), product in a Triton fp8 dot."""
     a, a_scale = quantize_rows_triton(x)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_gemm(a, a_scale, weight, weight_scale, bias, out, cfg or _gemm_candidates(x, x.shape[0])[0], 1, False)
@@ -178,8 +215,10 @@ def fp8_weight_only_triton(x, weight, weight_scale, bias=None, cfg: dict | None 
         _launch_gemm(x, None, w, weight_scale, bias, out, c, b_mode, dot_f32)
 
     if cfg is None:
-        key = (weight.shape[0], weight.shape[1], _m_bucket(x.shape[0]), str(x.dtype))
-        cfg = pick_config("fp8_weight_only", key, _gemm_candidates(x, _m_bucket(x.shape[0])), x, launch)
+        bk = _scale_tiles(weight_scale, weight.shape)[1]
+        key = (weight.shape[0], weight.shape[1], _m_bucket(x.shape[0]), str(x.dtype), tuple(weight_scale.shape))
+        cands = _gemm_candidates(x, _m_bucket(x.shape[0]))
+        cfg = pick_config("fp8_weight_only", key, _group_candidates(cands, bk) if bk else cands, x, launch)
     launch(cfg)
     return out
 
@@ -192,7 +231,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as fp8_linear_ref; the path follows the device (see above)."""
     assert weight.dtype == FP8 and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[-1]
-    assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+    bk = _scale_tiles(weight_scale, weight.shape)[1]  # checks the scale's layout
+    assert weight_scale.dtype == torch.float32
     assert weight_scale.is_contiguous() and (bias is None or bias.shape == (weight.shape[0],))
     assert x.device == weight.device == weight_scale.device
     lead = x.shape[:-1]
@@ -203,7 +243,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         return fp8_weight_only_triton(x2, weight, weight_scale, bias).reshape(*lead, -1)
     M, N, K = x2.shape[0], weight.shape[0], weight.shape[1]
     cands = [dict(backend="triton", **c) for c in _gemm_candidates(x, _m_bucket(M))]
-    if not interpreting(x) and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
+    cands = _group_candidates(cands, bk) if bk else cands
+    if not bk and not interpreting(x) and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         cands.insert(0, dict(backend="scaled_mm"))
 
     def run(cfg: dict) -> torch.Tensor:
@@ -211,5 +252,5 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
             return fp8_scaled_mm(x2, weight, weight_scale, bias)
         return fp8_w8a8_triton(x2, weight, weight_scale, bias, cfg)
 
-    cfg = pick_config("fp8_linear", (N, K, _m_bucket(M), str(x.dtype)), cands, x, run)
+    cfg = pick_config("fp8_linear", (N, K, _m_bucket(M), str(x.dtype), tuple(weight_scale.shape)), cands, x, run)
     return run(cfg).reshape(*lead, -1)

@@ -103,6 +103,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
     lib.fp8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32, i32]
     lib.fp8_linear.restype = i32
+    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, i32]
+    lib.fp8_linear_grouped.restype = i32
     lib.paged_attention.argtypes = [p, i64, i32, i32, i32, p, p, p, p, i32, p, i64, p, p, i64, i32, f32, i32, f32,
                                     p, i32, p, p, i32]
     lib.paged_attention.restype = i32
@@ -175,14 +177,18 @@ def fp8_linear_isa() -> int:
 
 def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: cpu_linear.pack_fp8's
-    [N/16, K/2, 16, 2] bytes; scale256: the per-column scale times 256 (fp32, contiguous)."""
+    [N/16, K/2, 16, 2] bytes; scale256: the scales times 256 (fp32, contiguous), [N] one per
+    column or [ceil(K/G), N] per column and group of G along K (kernels/fp8_scales.column_groups)."""
     nb, kp, sixteen, two = packed.shape
     m, k = x.shape
     assert (sixteen, two) == (16, 2) and k == 2 * kp and packed.dtype == torch.uint8, (x.shape, packed.shape)
-    assert x.dtype == torch.float32 and scale256.shape == (nb * 16,) and scale256.dtype == torch.float32
+    groups = 1 if scale256.dim() == 1 else scale256.shape[0]
+    gk = k if groups == 1 else 1 << (-(-k // groups) - 1).bit_length()
+    assert x.dtype == torch.float32 and scale256.shape[-1] == nb * 16 and scale256.dtype == torch.float32
+    assert scale256.is_contiguous() and -(-k // gk) == groups and gk % 2 == 0, (scale256.shape, k)
     x = x.contiguous()
     y = torch.empty((m, nb * 16), dtype=torch.float32)
-    rc = library().fp8_linear(x.data_ptr(), m, k, packed.data_ptr(), scale256.data_ptr(), nb * 16, y.data_ptr(),
-                              isa, torch.get_num_threads())
+    rc = library().fp8_linear_grouped(x.data_ptr(), m, k, packed.data_ptr(), scale256.data_ptr(), nb * 16, gk,
+                                      y.data_ptr(), isa, torch.get_num_threads())
     assert rc == 0, f"fp8_linear: isa {isa} not built"
     return y

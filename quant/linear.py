@@ -14,6 +14,7 @@ from torch import nn
 
 from ridge.kernels import ops
 from ridge.kernels.cpu_linear import CpuLinear, pack_fp8
+from ridge.kernels.fp8_scales import column_groups, dequantize
 
 FP8 = torch.float8_e4m3fn
 
@@ -43,10 +44,11 @@ class FP8Linear(nn.Module):
             self.weight = weight.to(device)
             self.weight_scale = scale.float().to(device)
         elif weight.dtype == FP8:
-            self.weight = (weight.float() * scale.float()[:, None]).to(dtype).to(device)
+            self.weight = dequantize(weight, scale, dtype).to(device)
             # The e4m3 kernel's layout from the bytes at hand (a permute: recovering them from the
             # upcast copy costs a slow fp32 -> e4m3 cast); kept until the CPU formats are chosen.
-            self.cpu = CpuLinear(self.weight, scale.float().to(device), pack_fp8(weight, scale))
+            groups = column_groups(scale, tuple(weight.shape))[0].to(device)
+            self.cpu = CpuLinear(self.weight, groups[0] if groups.shape[0] == 1 else groups, pack_fp8(weight, groups))
         else:
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)

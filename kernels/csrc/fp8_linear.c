@@ -6,6 +6,10 @@
    An e4m3 byte becomes fp16 bits worth e4m3 / 256 by two shifts (exactly, subnormals
    included; fp16's exponent range holds e4m3's), so `scale` arrives times 256.
 
+   Scales: [ceil(K/gk)][N], one per output column and group of gk along K (gk even; the last
+   group of a row the remainder; gk = K is one scale per column). Each group's sum is scaled
+   as it closes and added to the column's: the rule of a GPU's grouped FP8 GEMM epilogue.
+
    Two variants, picked by the caller from what the CPU has:
    - AVX-512 BF16: weights widened to bf16 (exact: e4m3 has 3 mantissa bits), activations
      rounded to bf16, fp32 accumulation, as the bf16 paths and a GPU do;
@@ -32,26 +36,37 @@ T512 static INL __m512bh e4m3_bf16x32(const uint8_t *p) {
 }
 
 /* One row: a block of 16 columns, two accumulators to halve the dependency chain. */
-T512 static void row1_512(const uint32_t *xr, int64_t kp, const uint8_t *w, const float *s, float *y) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t p = 0;
-    for (; p + 2 <= kp; p += 2) {
-        a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
-        a1 = _mm512_dpbf16_ps(a1, e4m3_bf16x32(w + p * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[p + 1]));
+T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t g) {
+    __m512 v = _mm512_mul_ps(acc, _mm512_loadu_ps(s));
+    _mm512_storeu_ps(y, g ? _mm512_add_ps(v, _mm512_loadu_ps(y)) : v);
+}
+
+T512 static void row1_512(const uint32_t *xr, int64_t kp, int64_t gp, const uint8_t *w, const float *s,
+                          int64_t lds, float *y) {
+    for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
+        const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t p = p0;
+        for (; p + 2 <= p1; p += 2) {
+            a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
+            a1 = _mm512_dpbf16_ps(a1, e4m3_bf16x32(w + p * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[p + 1]));
+        }
+        if (p < p1) a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
+        close512(y, _mm512_add_ps(a0, a1), s + g * lds, g);
     }
-    if (p < kp) a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(a0, a1), _mm512_loadu_ps(s)));
 }
 
 /* MRC rows x NB blocks of 16 columns. CONV: e4m3 bytes converted as they are read, else
    bf16 words already converted (same order). */
 #define TILE512(NAME, MRC, NB, CONV)                                                             \
-T512 static void NAME(const uint32_t *xr, int64_t kp, const void *w0, const void *w1,            \
-                      const float *s, float *y, int64_t ldy) {                                   \
+T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0, const void *w1, \
+                      const float *s, int64_t lds, float *y, int64_t ldy) {                      \
+  for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
+    const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
     __m512 acc[MRC][NB];                                                                         \
     for (int i = 0; i < MRC; i++)                                                                \
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();                            \
-    for (int64_t p = 0; p < kp; p++) {                                                           \
+    for (int64_t p = p0; p < p1; p++) {                                                          \
         __m512bh wv[NB];                                                                         \
         wv[0] = CONV ? e4m3_bf16x32((const uint8_t *)w0 + p * 32)                                \
                      : (__m512bh)_mm512_loadu_si512((const uint16_t *)w0 + p * 32);             \
@@ -62,14 +77,14 @@ T512 static void NAME(const uint32_t *xr, int64_t kp, const void *w0, const void
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);     \
         }                                                                                        \
     }                                                                                            \
-    for (int j = 0; j < NB; j++) {                                                               \
-        __m512 sv = _mm512_loadu_ps(s + j * 16);                                                 \
-        for (int i = 0; i < MRC; i++) _mm512_storeu_ps(y + i * ldy + j * 16, _mm512_mul_ps(acc[i][j], sv)); \
-    }                                                                                            \
+    for (int j = 0; j < NB; j++)                                                                 \
+        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s + g * lds + j * 16, g); \
+  }                                                                                              \
 }
 #define TILES512(M) TILE512(c2_##M, M, 2, 1) TILE512(b2_##M, M, 2, 0) TILE512(c1_##M, M, 1, 1) TILE512(b1_##M, M, 1, 0)
 TILES512(1) TILES512(2) TILES512(3) TILES512(4) TILES512(5) TILES512(6) TILES512(7) TILES512(8)
-typedef void (*tile_fn)(const uint32_t *, int64_t, const void *, const void *, const float *, float *, int64_t);
+typedef void (*tile_fn)(const uint32_t *, int64_t, int64_t, const void *, const void *, const float *, int64_t,
+                        float *, int64_t);
 #define MR512 8
 static const tile_fn C2[9] = {0, c2_1, c2_2, c2_3, c2_4, c2_5, c2_6, c2_7, c2_8};
 static const tile_fn B2[9] = {0, b2_1, b2_2, b2_3, b2_4, b2_5, b2_6, b2_7, b2_8};
@@ -90,14 +105,14 @@ T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
 /* Up to MR512 rows convert the weights as they stream; more rows convert each 32-column
    panel once into a per-thread bf16 buffer and run every row tile over it. */
 T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
-                            int64_t N, float *y, int nthreads) {
-    const int64_t kp = K / 2, blk = kp * 32, nblocks = N / 16;
+                            int64_t N, int64_t gk, float *y, int nthreads) {
+    const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16;
     uint16_t *xb = malloc((size_t)(M * K) * 2);
     to_bf16(x, xb, M * K);
     const uint32_t *xr = (const uint32_t *)xb;
     if (M == 1) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, w + nb * blk, scale + nb * 16, y + nb * 16);
+        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, gp, w + nb * blk, scale + nb * 16, N, y + nb * 16);
         free(xb);
         return;
     }
@@ -121,7 +136,7 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t 
             for (int64_t m0 = 0; m0 < M; m0 += MR512) {
                 int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
                 const tile_fn *t = buf ? (two ? B2 : B1) : (two ? C2 : C1);
-                t[mr](xr + m0 * kp, kp, a, b, scale + nb * 16, y + m0 * N + nb * 16, N);
+                t[mr](xr + m0 * kp, kp, gp, a, b, scale + nb * 16, N, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -141,19 +156,23 @@ T256 static INL void e4m3_f32x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
 }
 
 /* acc holds (column, k parity) pairs for 4 + 4 columns: add each pair, in column order. */
-T256 static INL void store8(float *y, __m256 a, __m256 b, const float *s) {
+T256 static INL void store8(float *y, __m256 a, __m256 b, const float *s, int64_t g) {
     __m256 h = (__m256)_mm256_permute4x64_pd((__m256d)_mm256_hadd_ps(a, b), 0xd8);
-    _mm256_storeu_ps(y, _mm256_mul_ps(h, _mm256_loadu_ps(s)));
+    __m256 v = _mm256_mul_ps(h, _mm256_loadu_ps(s));
+    _mm256_storeu_ps(y, g ? _mm256_add_ps(v, _mm256_loadu_ps(y)) : v);
 }
 
 /* MRC rows x 16 columns. CONV: e4m3 bytes converted as they are read; else fp32 already
    converted, 4 vectors a k pair. */
 #define TILE256(NAME, MRC, CONV)                                                                 \
-T256 static void NAME(const float *x, int64_t K, const void *w, const float *s, float *y, int64_t ldy) { \
+T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, const float *s, int64_t lds, \
+                      float *y, int64_t ldy) {                                                   \
+  for (int64_t p0 = 0, g = 0; p0 < K / 2; p0 += gp, g++) {                                       \
+    const int64_t p1 = p0 + gp < K / 2 ? p0 + gp : K / 2;                                        \
     __m256 acc[MRC][4];                                                                          \
     for (int i = 0; i < MRC; i++)                                                                \
         for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();                             \
-    for (int64_t p = 0; p < K / 2; p++) {                                                        \
+    for (int64_t p = p0; p < p1; p++) {                                                          \
         __m256 wv[4];                                                                            \
         if (CONV) {                                                                              \
             e4m3_f32x16((const uint8_t *)w + p * 32, &wv[0], &wv[1]);                            \
@@ -167,19 +186,20 @@ T256 static void NAME(const float *x, int64_t K, const void *w, const float *s, 
         }                                                                                        \
     }                                                                                            \
     for (int i = 0; i < MRC; i++) {                                                              \
-        store8(y + i * ldy, acc[i][0], acc[i][1], s);                                            \
-        store8(y + i * ldy + 8, acc[i][2], acc[i][3], s + 8);                                    \
+        store8(y + i * ldy, acc[i][0], acc[i][1], s + g * lds, g);                               \
+        store8(y + i * ldy + 8, acc[i][2], acc[i][3], s + g * lds + 8, g);                       \
     }                                                                                            \
+  }                                                                                              \
 }
 TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
-typedef void (*tile256_fn)(const float *, int64_t, const void *, const float *, float *, int64_t);
+typedef void (*tile256_fn)(const float *, int64_t, int64_t, const void *, const float *, int64_t, float *, int64_t);
 static const tile256_fn F256[4] = {0, f1, f2, f3};
 
 /* Up to 2 rows convert as they stream; more convert each 16-column block once into a
    per-thread fp32 buffer and run 3-row tiles over it. */
 T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
-                            int64_t N, float *y, int nthreads) {
-    const int64_t blk = K * 16, nblocks = N / 16;
+                            int64_t N, int64_t gk, float *y, int nthreads) {
+    const int64_t blk = K * 16, nblocks = N / 16, gp = gk / 2;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = M > 2 ? aligned_alloc(64, (size_t)blk * 4) : NULL;  /* stored whole vectors */
@@ -187,13 +207,13 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const uint8_t *wb = w + nb * blk;
             if (!buf) {
-                (M == 1 ? v1 : v2)(x, K, wb, scale + nb * 16, y + nb * 16, N);
+                (M == 1 ? v1 : v2)(x, K, gp, wb, scale + nb * 16, N, y + nb * 16, N);
                 continue;
             }
             for (int64_t q = 0; q < blk; q += 16) e4m3_f32x16(wb + q, (__m256 *)(buf + q), (__m256 *)(buf + q + 8));
             for (int64_t m0 = 0; m0 < M; m0 += 3) {
                 int mr = M - m0 < 3 ? (int)(M - m0) : 3;
-                F256[mr](x + m0 * K, K, buf, scale + nb * 16, y + m0 * N + nb * 16, N);
+                F256[mr](x + m0 * K, K, gp, buf, scale + nb * 16, N, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -208,17 +228,30 @@ int fp8_linear_isa(void) {
     return 0;
 }
 
-/* x [M][K] fp32 contiguous, y [M][N] fp32; N % 16 == 0, K % 2 == 0 (the caller checks).
-   isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not built here. */
-int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
-               float *y, int isa, int nthreads) {
-    if (isa == 2) linear_512(x, M, K, w, scale, N, y, nthreads);
-    else if (isa == 1) linear_256(x, M, K, w, scale, N, y, nthreads);
+/* x [M][K] fp32 contiguous, y [M][N] fp32; N % 16 == 0, K % 2 == 0, gk even and > 0 (the
+   caller checks). isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not
+   built here or a group size the layout cannot take. */
+int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
+                       int64_t gk, float *y, int isa, int nthreads) {
+    if (gk <= 0 || gk % 2) return -1;
+    if (gk > K) gk = K;
+    if (isa == 2) linear_512(x, M, K, w, scale, N, gk, y, nthreads);
+    else if (isa == 1) linear_256(x, M, K, w, scale, N, gk, y, nthreads);
     else return -1;
     return 0;
 }
+
+int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
+               float *y, int isa, int nthreads) {
+    return fp8_linear_grouped(x, M, K, w, scale, N, K, y, isa, nthreads);
+}
 #else
 int fp8_linear_isa(void) { return 0; }
+int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
+                       int64_t gk, float *y, int isa, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)gk; (void)y; (void)isa; (void)nthreads;
+    return -1;
+}
 int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
                float *y, int isa, int nthreads) {
     (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)y; (void)isa; (void)nthreads;

@@ -1,0 +1,98 @@
+"""FP8 weights with scales per 1 x G group along K and per B x B block: the layouts, the
+converter's search, and every product that reads them (the Triton GEMMs under the interpreter,
+ridge's e4m3 C kernel, the CPU upcast) against the dequantized weight."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ridge.kernels import native
+from ridge.kernels.cpu_linear import pack_fp8
+from ridge.kernels.fp8_scales import column_groups, dequantize, expand_scale, scale_block
+from ridge.kernels.linear import FP8, fp8_linear_ref, fp8_w8a8_triton, fp8_weight_only_triton
+from ridge.quant.fp8 import quantize_fp8
+from ridge.quant.linear import FP8Linear
+
+GROUPINGS = ["channel", "g128", "g64", "g32", "b128"]
+
+
+def weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 7] *= 20  # an outlier column: what groups along K isolate
+    return w
+
+
+@pytest.mark.parametrize("grouping,shape,block", [
+    ("channel", (48, 200), (1, 200)), ("g128", (48, 200), (1, 128)), ("g64", (48, 576), (1, 64)),
+    ("g32", (16, 100), (1, 32)), ("b128", (200, 136), (128, 128)), ("b128", (96, 576), (96, 128))])  # one block of all 96 rows
+def test_layout_is_read_off_the_scale(grouping, shape, block):
+    q, s = quantize_fp8(weight(*shape), "mse", grouping)
+    assert q.dtype == FP8 and q.shape == shape
+    assert s.shape == ((shape[0],) if grouping == "channel" else (-(-shape[0] // block[0]), -(-shape[1] // block[1])))
+    assert scale_block(s, shape) == block
+    full = expand_scale(s, shape)
+    # the remainder group of a row (200 = 128 + 72) shares its group's one scale
+    assert torch.equal(full[:, -1], full[:, (s.shape[-1] - 1) * block[1]]) if grouping != "channel" else True
+    assert torch.equal(dequantize(q, s), q.float() * full)
+    with pytest.raises(ValueError):
+        scale_block(s, (1, 1))  # more scales than weights
+
+
+def test_groups_lower_the_error_and_mse_beats_absmax():
+    w = weight(64, 576)
+    errs = {}
+    for g in GROUPINGS:
+        for rule in ("absmax", "mse"):
+            q, s = quantize_fp8(w, rule, g)
+            errs[g, rule] = ((dequantize(q, s) - w) ** 2).sum().item()
+        assert errs[g, "mse"] <= errs[g, "absmax"]
+    assert errs["g32", "mse"] < errs["g64", "mse"] < errs["g128", "mse"] < errs["channel", "mse"]
+
+
+def emulated(x, q, s, b, w8a8):
+    """fp64: per-token fp8 activations (w8a8) or x as it is, times the dequantized weight."""
+    a = x.double()
+    if w8a8:
+        scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+        a = (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
+    out = a @ dequantize(q, s).double().t()
+    return (out + (b.double() if b is not None else 0)).to(x.dtype)
+
+
+@pytest.mark.parametrize("grouping,M,N,K", [("g32", 5, 48, 200), ("g64", 1, 32, 100), ("g128", 17, 48, 200),
+                                            ("b128", 3, 144, 136)])
+def test_triton_gemms_with_groups(grouping, M, N, K):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=g)
+    q, s = quantize_fp8(weight(N, K), "mse", grouping)
+    b = torch.randn(N, generator=g)
+    torch.testing.assert_close(fp8_weight_only_triton(x, q, s, b), emulated(x, q, s, b, False), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fp8_w8a8_triton(x, q, s, b), emulated(x, q, s, b, True), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(fp8_linear_ref(x, q, s, b), emulated(x, q, s, b, False), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")
+@pytest.mark.parametrize("grouping,N,K", [("g32", 32, 100), ("g64", 48, 576), ("g128", 16, 200),
+                                          ("b128", 144, 136), ("channel", 16, 130)])
+def test_e4m3_kernel_with_groups(grouping, N, K):
+    q, s = quantize_fp8(weight(N, K), "mse", grouping)
+    cols, gk = column_groups(s, (N, K))
+    packed = pack_fp8(q, cols)
+    assert torch.equal(packed, pack_fp8(dequantize(q, s), cols))  # recovered from the upcast copy
+    scale256 = (cols[0] if cols.shape[0] == 1 else cols) * 256
+    for isa in range(1, native.fp8_linear_isa() + 1):
+        for M in (1, 2, 4, 9):  # the streaming tiles and the converted-panel tiles
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            ref = x.double() @ dequantize(q, s).double().t()
+            tol = 1e-5 if isa == 1 else 1e-2  # AVX-512 BF16 rounds activations to bf16
+            assert ((native.fp8_linear(x, packed, scale256.contiguous(), isa) - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.parametrize("grouping", ["g64", "b128"])
+def test_cpu_layer_upcasts_groups_exactly(grouping):
+    q, s = quantize_fp8(weight(48, 200), "mse", grouping)
+    layer = FP8Linear(200, 48)
+    layer.load(q, s, None, torch.device("cpu"), torch.float32)
+    x = torch.randn(3, 200)
+    assert torch.equal(layer.weight, dequantize(q, s))
+    torch.testing.assert_close(layer(x), F.linear(x, dequantize(q, s)))
