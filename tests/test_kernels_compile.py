@@ -8,9 +8,11 @@ the specializations a real launch gets (16-aligned pointers and strides).
 Run by hand: `python tests/test_kernels_compile.py [name filter]`."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -146,6 +148,17 @@ def jobs() -> dict:
     return j
 
 
+def _run_job(name: str) -> tuple[str, bool]:
+    thunk, needles = jobs()[name]
+    try:
+        k = thunk()
+        missing = [n for n in needles if n not in k.asm["ptx"]]
+        status = "ok  " if not missing else f"MISS {missing}"
+        return f"{status} {name:30s} shared={k.metadata.shared}", bool(missing)
+    except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+        return f"FAIL {name:30s} {type(e).__name__}: {str(e)[:400]}", True
+
+
 def main(filters: list[str]) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -154,20 +167,14 @@ def main(filters: list[str]) -> int:
     except ImportError as e:
         print("SKIP no NVIDIA backend:", e)
         return 0
-    failed = 0
-    for name, (thunk, needles) in jobs().items():
-        if filters and not any(f in name for f in filters):
-            continue
-        try:
-            k = thunk()
-            missing = [n for n in needles if n not in k.asm["ptx"]]
-            status = "ok  " if not missing else f"MISS {missing}"
-            print(f"{status} {name:30s} shared={k.metadata.shared}")
-            failed += bool(missing)
-        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
-            print(f"FAIL {name:30s} {type(e).__name__}: {str(e)[:400]}")
-            failed += 1
-    return 1 if failed else 0
+    names = [n for n in jobs() if not filters or any(f in n for f in filters)]
+    # Each compile is one busy core for seconds (ptxas included), so the machine's cores share the list.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1)), mp_context=ctx) as pool:
+        results = list(pool.map(_run_job, names))
+    for line, _ in results:
+        print(line)
+    return 1 if any(bad for _, bad in results) else 0
 
 
 def test_kernels_compile_for_gpus(tmp_path):

@@ -5,6 +5,7 @@ text token changes nothing. One engine run holds the whole set (continuous
 batching), so the file costs about one batch of decode steps."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -31,8 +32,14 @@ def engine():
     torch.set_num_threads(before)
 
 
+@functools.cache
+def _loaded():
+    # test_tools_smollm2 imports the fixture, so each module builds its own engine on these weights.
+    return load_model(None, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+
+
 def _engine():
-    loaded = load_model(None, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    loaded = _loaded()
     # fp32 weights: the packed bf16 copy is exact only for e4m3 weights, and rounding these
     # turned "The capital of France is Paris." into "L'Étoile, la Marseillaise, ...".
     return LLMEngine(EngineConfig(device="cpu", kv_dtype="fp32", max_num_seqs=128, num_kv_blocks=1024,
