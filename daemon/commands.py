@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 NO_DAEMON_HINT = ("Start one with `ridge serve` (in another terminal, or as a service), "
                   "or run the model in this process with `ridge generate --local ...`.")
@@ -63,6 +64,14 @@ def add_daemon_parsers(sub) -> None:
     st.add_argument("--json", action="store_true", help="the whole stats reply as JSON")
     add_client_args(st)
     st.set_defaults(func=run_status)
+
+    m = sub.add_parser("models", help="the models the daemon can serve: loaded or not, their memory, when "
+                                      "each unloads (docs/protocol.md §3.10)")
+    m.add_argument("--json", action="store_true", help="the models reply as JSON")
+    m.add_argument("--config", default=None, help="config file, read when no daemon runs (default: "
+                                                  "$XDG_CONFIG_HOME/ridge/config.toml)")
+    add_client_args(m)
+    m.set_defaults(func=run_models)
 
 
 def _serve(args) -> int:
@@ -205,6 +214,80 @@ def run_status(args) -> int:
         return 0
     print(format_status(client.endpoint, reply))
     return 0
+
+
+def run_models(args) -> int:
+    """The daemon's `models` reply; with no daemon running, what its configuration would serve."""
+    from .client import Client, DaemonUnavailable, RidgeError
+
+    try:
+        client = Client(args.endpoint, timeout=30.0)
+        try:
+            reply = client.models()
+        finally:
+            client.close()
+    except DaemonUnavailable:
+        reply = offline_models(args)
+    except RidgeError as e:
+        print(f"ridge: {e.message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    print(format_models(reply))
+    return 0
+
+
+def offline_models(args) -> dict:
+    """The registry `ridge serve` would build from the same configuration, nothing loaded."""
+    import argparse
+    import time
+
+    from ridge.quant.source import resolve_model_path
+
+    from .config import resolve
+    from .registry import Entry, Registry, default_models_dir, parse_duration, wire_duration
+    from .serve import served_name
+
+    res = resolve(argparse.Namespace(config=args.config))
+    c = res.values
+    path = str(resolve_model_path(c["model"]))
+    name = c["served_model_name"] or served_name({"path": path, "name": Path(path).stem})
+    reg = Registry(Entry(name, path, source="default"),
+                   Path(c["models_dir"]) if c["models_dir"] else default_models_dir(), res.models, str(res.path))
+    keep = parse_duration(c["keep_alive"])
+    models = []
+    for n, e in reg.entries().items():
+        size, mtime, fmt = e.disk()
+        models.append({"name": n, "path": e.path, "default": e is reg.default, "size": size, "modified_at": mtime,
+                       "format": fmt, "state": "available", "loaded": False, "bytes": 0,
+                       "keep_alive": wire_duration(keep if e.keep is None else e.keep), "expires_at": None})
+    return {"type": "models", "default": name, "models": models, "running": False, "time": time.time()}
+
+
+def _until(m: dict, now: float) -> str:
+    if m["state"] != "ready":
+        return "-"
+    if m.get("expires_at") is None:
+        return "kept" if m["keep_alive"] == -1 else "in use"
+    left = max(m["expires_at"] - now, 0.0)
+    return f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+
+
+def format_models(reply: dict) -> str:
+    import time
+
+    now = time.time()
+    rows = [("NAME", "KIND", "STATE", "MEMORY", "UNLOADS IN", "ON DISK", "PATH")]
+    for m in reply["models"]:
+        rows.append((m["name"] + (" *" if m["default"] else ""), m.get("kind", "-"),
+                     m["state"] + (" (parked)" if m.get("parked") else ""),
+                     _gib(m["bytes"]) if m["bytes"] else "-", _until(m, now), _gib(m["size"]), m["path"] or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    head = "no daemon is running: what it would serve" if reply.get("running") is False else \
+        f"{sum(m['loaded'] for m in reply['models'])} loaded of at most {reply['max_loaded_models']}"
+    return head + " (* the default)\n" + "\n".join(lines)
 
 
 def _tier_lines(t: dict | None) -> list[str]:

@@ -205,3 +205,16 @@ def test_max_loaded_models_one_swaps_them(served):
     m = listing(c)
     assert m["alpha"]["state"] == "ready" and m["short"]["state"] == "available"
     assert c.models()["counts"]["evictions"] >= 2
+
+
+def test_ridge_models_lists_them(served, capsys):
+    from ridge.cli import main
+
+    d, c = served
+    c.generate("hi", max_tokens=1, keep_alive="10m")
+    assert main(["models", "--endpoint", d.endpoint]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("1 loaded of at most 1")
+    rows = {line.split()[0]: line.split() for line in out[2:]}
+    assert rows["alpha"][1:4] == ["*", "generate", "ready"] and rows["alpha"][6] in ("10", "9")  # minutes left
+    assert rows["beta"][2].startswith("available")

@@ -267,3 +267,23 @@ def tier_line_short(stats: dict) -> str:
         parts.append(f"{name} {count(x.get('blocks', 0))} blk {count(x.get('hits', 0))} hits"
                      if x.get("enabled") else f"{name} off")
     return " · ".join(parts + [f"loading {t.get('loading', 0)}"])
+
+
+# -- models (docs/protocol.md §3.10) -------------------------------------------------
+def model_line(models: list[dict], now: float) -> str:
+    """The daemon's models loaded or loading, one phrase each: its name (* the default), its
+    memory, and the time until it unloads counted from the snapshot's time (`now`), so that a
+    replay shows what the live screen did."""
+    parts = []
+    for m in models:
+        name = m["name"] + ("*" if m.get("default") else "")
+        state = m.get("state")
+        if state == "ready":
+            if m.get("expires_at") is not None:
+                when = f"unloads in {duration(max(m['expires_at'] - now, 0.0))}"
+            else:
+                when = "kept" if m.get("keep_alive") == -1 else f"{m.get('requests', 0)} req"
+            parts.append(f"{name} {size(m.get('bytes'))} {when}")
+        else:
+            parts.append(f"{name} {state}")
+    return " · ".join(parts)

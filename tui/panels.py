@@ -167,10 +167,12 @@ class RequestsPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static("no figures yet: waiting for a daemon (start one with `ridge serve`)", id="request-counts")
         yield Static(id="request-rates")
+        yield Static(id="request-models")
         yield DataTable(id="request-table", cursor_type="row")
 
     def on_mount(self) -> None:
         self.query_one(DataTable).add_columns(*REQUEST_COLUMNS)
+        self.query_one("#request-models").display = False  # until a snapshot lists models
 
     def show(self, reply: dict) -> None:
         st = reply["stats"]
@@ -181,6 +183,10 @@ class RequestsPanel(Panel):
         self.query_one("#request-rates", Static).update(
             f"prefix hits {100 * float(st.get('prefix_hit_rate', 0.0)):.1f}% · "
             + F.speculative_line(st.get("speculative")))
+        models = self.query_one("#request-models", Static)
+        models.display = bool(reply.get("models"))  # a daemon before issue 28 sends none
+        if models.display:
+            models.update(Text.assemble(("models ", "bold"), F.model_line(reply["models"], float(reply["time"]))))
         self._fill(st.get("requests", []))
 
     def _fill(self, requests: list[dict]) -> None:
