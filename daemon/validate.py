@@ -28,6 +28,7 @@ PARAMS = {  # key -> (check, what it must be)
     "stop_token_ids": (lambda x: isinstance(x, list) and all(is_int(t) for t in x), "an array of integers"),
     "ignore_eos": (lambda x: isinstance(x, bool), _BOOL), "logprobs": (is_int, _INT), "n": (is_int, _INT),
     "speculative": (lambda x: isinstance(x, bool), _BOOL),
+    "deterministic": (lambda x: isinstance(x, bool), _BOOL),
     "response_format": (lambda x: isinstance(x, dict), "a map with a type"),
 }
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}

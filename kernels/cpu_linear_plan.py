@@ -317,13 +317,20 @@ def fp8_max_tokens(layers: list[CpuLinear]) -> int:
 # -- batch-invariant formats (deterministic mode) ----------------------------------------------
 # A row's product must not depend on how many rows share its step: a request's tokens would then
 # change with its batch mates, its prefill chunks and its speculation's draft length. Measured on
-# an AVX2 EPYC with torch 2.13 (docs/benchmarks.md): MKL's fp32 GEMM gives a row different bits
-# at 1 row (its GEMV), at 2-3, at 4-11 (by the count mod 4) and from 12-16 rows on; the e4m3
+# an AVX2 EPYC with torch 2.13 (docs/benchmarks.md): MKL's fp32 GEMM rounds a row one way at 1 row
+# (its GEMV), another at 2-3, others at 5-7 and 9-11, and alike at 4, 8 and 12 or more; the e4m3
 # kernel's AVX2 path accumulates every row alike at any count; its AVX-512 path takes a
 # two-accumulator loop for one row only. So each matrix runs one format at every step size:
-# the e4m3 kernel where its shape fits (at least 2 rows on AVX-512), else MKL fp32 with fewer
-# rows than INVARIANT_ROWS padded up to it. Each choice is checked on the machine before use.
+# the e4m3 kernel where its shape fits (at least 2 rows on AVX-512), else MKL fp32 on a row count
+# it rounds alike (fp32_rows: 4, 8, or 12 on; 4x a GEMV's arithmetic at one row, which a one-row
+# step's bandwidth hides), padded to 16 rows where that fails. Each is checked on the machine.
 INVARIANT_ROWS = 16
+
+
+def fp32_rows(n: int) -> int:
+    """The rows MKL's fp32 GEMM runs n rows as, so that each row gets the bits it gets at 12 rows
+    or more: fewer than 12 are padded to a multiple of 4 (at least 4)."""
+    return n if n >= 12 else max(4, -(-n // 4) * 4)
 
 
 def invariant_unavailable(device: torch.device) -> str | None:
@@ -337,13 +344,17 @@ def invariant_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def _pad_rows(run, rows: int):
-    """run on at least `rows` rows: fewer are padded with zeros and their outputs cut off."""
+def _pad_rows(run, rows):
+    """run on rows(n) rows (rows: a count, the least it runs on, or a function of n): the padding
+    rows are zeros and their outputs cut off."""
+    target = rows if callable(rows) else (lambda n: max(n, rows))
+
     def padded(x: torch.Tensor):
         n = x.shape[0]
-        if n >= rows:
+        m = target(n)
+        if m == n:
             return run(x)
-        y = run(torch.cat((x, x.new_zeros(rows - n, x.shape[1]))))
+        y = run(torch.cat((x, x.new_zeros(m - n, x.shape[1]))))
         return None if y is None else y[:n]
     return padded
 
@@ -368,8 +379,8 @@ def _use_fp8(layer: CpuLinear, isa: int) -> None:
     layer.use(ShapeFormat([(1, False)], fp8=[(1, True)]), isa, {"fp8": packed} if packed is not None else None)
 
 
-def _fp32_run(layer: CpuLinear):
-    return _pad_rows(lambda x: F.linear(x, layer.weight), INVARIANT_ROWS)
+def _fp32_run(layer: CpuLinear, rows=fp32_rows):
+    return _pad_rows(lambda x: F.linear(x, layer.weight), rows)
 
 
 def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
@@ -384,12 +395,13 @@ def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
                 return "fp8"
             log.warning("the e4m3 product of %s is not batch-invariant on this CPU: fp32 instead",
                         tuple(layer.weight.shape))
-    run = _fp32_run(layer)
-    if not is_invariant(run, layer.weight.shape[1], max_tokens):
-        raise RuntimeError(f"deterministic mode: no batch-invariant product for a {tuple(layer.weight.shape)} "
-                           "weight on this CPU (fp32 GEMM padded to 16 rows changed bits with the row count)")
-    layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["fp32"], {}
-    return "fp32"
+    for rows, kind in ((fp32_rows, "fp32"), (INVARIANT_ROWS, "fp32/16")):
+        run = _fp32_run(layer, rows)
+        if is_invariant(run, layer.weight.shape[1], max_tokens):
+            layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["fp32"], {}
+            return kind
+    raise RuntimeError(f"deterministic mode: no batch-invariant product for a {tuple(layer.weight.shape)} weight "
+                       "on this CPU (MKL's fp32 GEMM changed a row's bits with the row count, even padded to 16 rows)")
 
 
 def choose_invariant(layers: list[CpuLinear], head_shape: tuple[int, int], max_tokens: int,
@@ -411,7 +423,8 @@ def choose_invariant(layers: list[CpuLinear], head_shape: tuple[int, int], max_t
                 _use_fp8(layer, isa)
                 layer.runs = [_pad_rows(layer.runs[0], 2) if isa == 2 else layer.runs[0]]
             else:
-                layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [_fp32_run(layer)], ["fp32"], {}
+                rows = INVARIANT_ROWS if checked[shape] == "fp32/16" else fp32_rows
+                layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [_fp32_run(layer, rows)], ["fp32"], {}
             counts[checked[shape]] = counts.get(checked[shape], 0) + 1
     finally:
         for layer in layers:

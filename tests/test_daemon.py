@@ -353,7 +353,7 @@ def test_fuzz_random_frames_leave_the_daemon_serving(daemon):
     values = st.recursive(scalars, lambda v: st.lists(v, max_size=4) | st.dictionaries(st.text(max_size=6), v,
                                                                                            max_size=4), max_leaves=8)
     params = st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "n", "stop", "seed",
-                                              "logprobs", "ignore_eos", "speculative", "bogus"]),
+                                              "logprobs", "ignore_eos", "speculative", "deterministic", "bogus"]),
                              st.integers(-3, 8) | values, max_size=4)
     structured = st.fixed_dictionaries(
         {"v": st.sampled_from([1, 1, 1, 0, 2, 3, "1", None]),

@@ -129,4 +129,4 @@ def test_padded_rows_are_cut_off():
     layer = CpuLinear(torch.randn(32, 8))
     run = cpu_linear_plan._pad_rows(lambda x: x @ layer.weight.T, 16)
     x = torch.randn(3, 8)
-    assert run(x).shape == (3, 32) and torch.allclose(run(x), x @ layer.weight.T)
+    assert run(x).shape == (3, 32) and torch.allclose(run(x), x @ layer.weight.T, atol=1e-5)

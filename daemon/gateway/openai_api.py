@@ -120,7 +120,7 @@ def _sampling(req: Sampling, max_tokens: int | None, given: int | None) -> tuple
     if max_tokens is not None:
         p["max_tokens"] = max_tokens
     p["temperature"] = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
-    for key in ("top_p", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos"):
+    for key in ("top_p", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "deterministic"):
         if (v := getattr(req, key)) is not None:
             p[key] = v
     if req.top_k is not None:

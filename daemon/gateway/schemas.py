@@ -108,6 +108,8 @@ class Sampling(Body):
     ignore_eos: Optional[Bool] = None
     min_tokens: Optional[Int] = Field(None, description="ridge: only with ignore_eos and no stop")
     cache_salt: Optional[Str] = Field(None, description="ridge: shares cached prefixes only with the same salt")
+    deterministic: Optional[Bool] = Field(None, description="ridge: the same tokens whatever the batch, chunking and "
+                                                             "speculation (default: the daemon's --deterministic)")
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------

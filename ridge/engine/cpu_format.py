@@ -28,17 +28,18 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
 
 
 class CpuFormats:
-    """A CPU model's two sets of layer formats: the fastest per step size (choose_cpu_format) and
-    the batch-invariant ones (kernels' choose_invariant: one product per matrix, the same bits for
-    a row at any row count), made on first need. A step runs one set (use); the engine asks for the
-    invariant one while a deterministic request is in the step. Nothing on a GPU."""
+    """A CPU model's two sets of layer formats: the fastest per step size (as choose_cpu_format left
+    them when this was made) and the batch-invariant ones (kernels' choose_invariant: one product
+    per matrix, the same bits for a row at any row count), made on first need. A step runs one set
+    (use); the engine asks for the invariant one while a deterministic request is in the step.
+    Engines that share a loaded model (tests, benchmarks) each set their own before every step.
+    Nothing on a GPU."""
 
     def __init__(self, model, max_tokens: int, max_head_rows: int, deterministic: bool):
         self.layers = cpu_layers(model) if model.cos_sin.device.type == "cpu" else []
         self.head_shape = tuple(model.lm_head.weight.shape)
         self.max_tokens, self.max_head_rows = max_tokens, max_head_rows
-        self.sets: dict[bool, list[tuple]] = {}
-        self.current = False
+        self.sets: dict[bool, list[tuple]] = {False: [self._state(m) for m in self.layers]}
         if deterministic:
             self.use(True)
 
@@ -47,15 +48,15 @@ class CpuFormats:
         return layer.bounds, layer.runs, layer.kinds, layer.copies
 
     def use(self, invariant: bool) -> None:
-        if invariant == self.current or not self.layers:
-            return
-        self.sets[self.current] = [self._state(m) for m in self.layers]
-        if invariant in self.sets:
-            for m, state in zip(self.layers, self.sets[invariant]):
-                m.bounds, m.runs, m.kinds, m.copies = state
-        else:  # made once, on the first step that needs it
+        want = self.sets.get(invariant)
+        if not self.layers or (want is not None and self.layers[0].runs is want[0][1]):
+            return  # on already (a set's runs lists are its own objects)
+        if want is None:  # made once, on the first step that needs it
             cpu_linear_plan.choose_invariant(self.layers, self.head_shape, self.max_tokens, self.max_head_rows)
-        self.current = invariant
+            self.sets[invariant] = [self._state(m) for m in self.layers]
+            return
+        for m, state in zip(self.layers, want):
+            m.bounds, m.runs, m.kinds, m.copies = state
 
 
 def invariant_unavailable(device) -> str | None:
