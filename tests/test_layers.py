@@ -268,6 +268,7 @@ DEVICE_BRANCHES = {
     "ridge.cache.block_io": "block copies: CUDA streams or host memcpy",
     "ridge.cache.tiers": "a pinned host tier beside a GPU",
     "ridge.cache.kv_cache": "a CPU pool zeroed lazily through calloc",
+    "ridge.daemon.models": "memory budgets (a GPU's, RAM on CPU) and parked weights: pinned host copies of a GPU's",
 }
 
 
