@@ -61,9 +61,10 @@ class EngineConfig:
     async_scheduling: bool | None = _opt(None, "overlap scheduling: schedule step N+1 while step N runs "
                                                "(auto: on CUDA)")
     pooling: str = _opt("auto", "what the model is: an embedding model pooled by its last token's or the mean of "
-                                "its tokens' final states, or none (it generates); auto: as its metadata says "
+                                "its tokens' final states, a reranker that judges yes/no with its head (rank: "
+                                "Qwen3-Reranker), or none (it generates); auto: as its metadata says "
                                 "(sentence-transformers' Pooling module, GGUF's pooling_type), else none",
-                        choices=("auto", "last", "mean", "none"))
+                        choices=("auto", "last", "mean", "rank", "none"))
     cpu_weight_format: str = _opt("auto", "CPU weights: auto (measured at start-up) | fp32 | bf16:N "
                                           "(bf16 for steps of <= N tokens)")
     deterministic: bool = _opt(False, "a request's tokens the same whatever its batch mates, prefill chunks and "

@@ -28,6 +28,7 @@ from .kv_tiers import build_tiers
 from .metrics import RequestMetrics
 from .output import RequestOutput, TextState, make_output
 from .pooling import pooled_output, resolve_pooling
+from .rerank import judged_tokens, prompt_ids, scores
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
 from .sampling_params import InvalidRequest, SamplingParams
@@ -108,6 +109,7 @@ class LLMEngine:
         # What the model is (--pooling, else its metadata): last or mean for an embedding model, None if it generates.
         self.pooling = resolve_pooling(config.pooling, self.loaded.path)
         self.runner.pooling = self.pooling is not None
+        self.judged = judged_tokens(self.tokenizer, self.loaded.path) if self.pooling == "rank" else None
         self.embeddings: dict[str, tuple] = {}  # embedding request id -> (its inputs' requests, dimensions)
         self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.speculator)
         caches = [self.kv_cache] + (self.speculator.caches if self.speculator else [])  # what the block ids index
@@ -430,7 +432,14 @@ class LLMEngine:
         if any(r.request_id in self.requests for r in group):  # others still to come
             return None
         del self.embeddings[req.client_id]
-        return pooled_output(req.client_id, group, dimensions)
+        return pooled_output(req.client_id, group, dimensions, self._scores if self.judged is not None else None)
+
+    def _scores(self, pooled: torch.Tensor) -> list[float]:
+        return scores(self.model, pooled, self.judged)
+
+    def rerank_inputs(self, query: str, documents: list[str], instruction: str | None = None) -> list[list[int]]:
+        """A reranker's judging prompts (rerank.py), one per document, each within the prompt limit."""
+        return [prompt_ids(self.tokenizer, query, d, instruction, self.max_model_len - 1) for d in documents]
 
     def _forget(self, req: Request) -> None:
         if self.requests.pop(req.request_id, None) is not None:

@@ -24,6 +24,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timings: dict = field(default_factory=dict)
     embeddings: list | None = None  # an embedding request's vectors, one per input (pooling.py)
+    scores: list | None = None  # a rerank's: each input's P(yes) (rerank.py)
 
 
 class TextState:

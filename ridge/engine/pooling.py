@@ -17,7 +17,7 @@ from ridge.quant.errors import ModelLoadError
 from .output import RequestOutput
 from .request import FinishReason
 
-POOLINGS = ("last", "mean")
+POOLINGS = ("last", "mean", "rank")  # rank: a reranker, its last token's state judged by its head (rerank.py)
 PRESERVE = ("Transformer", "Pooling", "Normalize")  # sentence-transformers modules whose math ridge runs
 # llama.cpp's enum llama_pooling_type, as GGUF's {arch}.pooling_type holds it.
 GGUF_POOLING = {0: None, 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -25,8 +25,8 @@ ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"
 
 
 def resolve_pooling(option: str, path) -> str | None:
-    """The `--pooling` option (auto: the model's own metadata) -> last, mean, or None (a model
-    that generates)."""
+    """The `--pooling` option (auto: the model's own metadata) -> last, mean, rank, or None (a
+    model that generates)."""
     if option == "none":
         return None
     if option in POOLINGS:
@@ -79,7 +79,8 @@ def _gguf(path: Path) -> str | None:
         return None
     kind = GGUF_POOLING.get(int(value), "unknown")
     if kind is not None and kind not in POOLINGS:
-        raise ModelLoadError(path, f"{arch}.pooling_type = {int(value)} ({kind}); ridge pools by last or mean")
+        raise ModelLoadError(path, f"{arch}.pooling_type = {int(value)} ({kind}); ridge pools by last or mean, "
+                                   "or ranks")
     return kind
 
 
@@ -110,12 +111,21 @@ def embeddings(group: list, dimensions: int | None) -> list[list[float]]:
     return torch.nn.functional.normalize(vecs, dim=-1).tolist()
 
 
-def pooled_output(request_id: str, group: list, dimensions: int | None) -> RequestOutput:
+def kind_of(pooling: str | None) -> str:
+    """What a model answers (docs/protocol.md §3.10's `kind`): generate, embed or rerank."""
+    return "generate" if pooling is None else "rerank" if pooling == "rank" else "embed"
+
+
+def pooled_output(request_id: str, group: list, dimensions: int | None, rank=None) -> RequestOutput:
     """One output for the inputs of an embedding request, once every one has finished: the
-    embeddings, or the first failure (abort, error) among them."""
+    embeddings (rank: a reranker's scores, rank(pooled states [N, H]) -> N floats), or the first
+    failure (abort, error) among them."""
     prompt = sum(r.num_prompt_tokens for r in group)
     bad = next((r for r in group if r.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP)), None)
     if bad is not None:
         return RequestOutput(request_id, 0, [], "", True, str(bad.finish_reason), bad.error, num_prompt_tokens=prompt)
+    if rank is not None:
+        return RequestOutput(request_id, 0, [], "", True, "stop", None, num_prompt_tokens=prompt,
+                             scores=rank(torch.stack([r.pooled for r in group])))
     return RequestOutput(request_id, 0, [], "", True, "stop", None, num_prompt_tokens=prompt,
                          embeddings=embeddings(group, dimensions))
