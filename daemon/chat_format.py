@@ -9,12 +9,18 @@ import json
 import re
 from dataclasses import dataclass
 
-HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
+# gpt-oss's harmony (daemon/harmony.py): its markers, every one a special token
+HARMONY_TOKENS = {"start": "<|start|>", "channel": "<|channel|>", "message": "<|message|>", "end": "<|end|>",
+                  "call": "<|call|>", "return": "<|return|>", "constrain": "<|constrain|>"}
+
+HERMES, LLAMA3_JSON, MISTRAL, HARMONY = "hermes", "llama3_json", "mistral", "harmony"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The markers each format writes, by role.
 MARKER_TEXT = {"call_open": "<tool_call>", "call_close": "</tool_call>", "python_tag": "<|python_tag|>",
-               "tool_calls": "[TOOL_CALLS]", "think_open": THINK_OPEN, "think_close": THINK_CLOSE}
-FORMAT_MARKERS = {HERMES: ("call_open", "call_close"), LLAMA3_JSON: ("python_tag",), MISTRAL: ("tool_calls",)}
+               "tool_calls": "[TOOL_CALLS]", "think_open": THINK_OPEN, "think_close": THINK_CLOSE,
+               **{"h_" + k: t for k, t in HARMONY_TOKENS.items()}}
+FORMAT_MARKERS = {HERMES: ("call_open", "call_close"), LLAMA3_JSON: ("python_tag",), MISTRAL: ("tool_calls",),
+                  HARMONY: tuple("h_" + k for k in HARMONY_TOKENS)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +32,7 @@ class Marker:
 
 @dataclass(frozen=True, slots=True)
 class ChatFormat:
-    tool_format: str | None  # HERMES, LLAMA3_JSON, MISTRAL; None: the template writes calls ridge cannot read
+    tool_format: str | None  # HERMES, LLAMA3_JSON, MISTRAL, HARMONY; None: calls ridge cannot read
     tools_in_template: bool  # False: the template never reads `tools`, and ridge writes their prompt
     reasoning: bool  # the template writes </think>
     markers: dict  # role -> Marker, for the format's markers and the thinking's
@@ -55,6 +61,8 @@ def read_format(template: str | None) -> tuple[str | None, bool]:
     """-> (the tool format, whether the template reads `tools`)."""
     t = template or ""
     reads_tools = re.search(r"\btools\b", t) is not None
+    if "<|channel|>" in t:  # gpt-oss: ridge renders harmony itself, tools included
+        return HARMONY, True
     if "<tool_call>" in t:
         return HERMES, reads_tools
     if "[TOOL_CALLS]" in t:
@@ -68,8 +76,9 @@ def read_format(template: str | None) -> tuple[str | None, bool]:
 
 def chat_format(tokenizer) -> ChatFormat:
     fmt, in_template = read_format(tokenizer.chat_template)
-    reasoning = THINK_CLOSE in (tokenizer.chat_template or "")
-    roles = list(FORMAT_MARKERS.get(fmt, ())) + (["think_open", "think_close"] if reasoning else [])
+    reasoning = fmt == HARMONY or THINK_CLOSE in (tokenizer.chat_template or "")
+    roles = list(FORMAT_MARKERS.get(fmt, ())) + (["think_open", "think_close"] if reasoning and fmt != HARMONY
+                                                 else [])
     return ChatFormat(fmt, in_template, reasoning, {r: marker(tokenizer, MARKER_TEXT[r]) for r in roles})
 
 

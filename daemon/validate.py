@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridge.engine.rerank import prompt_ids
 from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.engine.structured.grammar import GrammarCompiler
 
-from .chat_format import chat_format, ridge_tool_messages
-from .chat_grammar import turn_grammar
+from . import harmony
+from .chat_format import HARMONY, chat_format, ridge_tool_messages
+from .chat_grammar import closed, turn_grammar
 from .chat_output import OutputSpec
 from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
                        MAX_EMBED_INPUTS, UNKNOWN_TYPE, Limits, ProtocolError, check_keys, fail, is_int, is_num,
@@ -45,7 +47,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     cache_salt: str | None = None  # the client's; the server joins it to the peer's identity (sharing.py)
-    output: OutputSpec | None = None  # how its samples are read into reasoning and calls (chat_output.py)
+    output: OutputSpec | harmony.HarmonySpec | None = None  # how its samples are read (chat_output.py)
     version: int = 2  # the protocol version it was sent in: its frames are in it
 
 
@@ -55,13 +57,16 @@ class EmbedRequest:
     inputs: list[list[int]]
     dimensions: int | None
     version: int
+    top_n: int | None = None  # a rerank's: the best this many documents are answered; None: an embed
 
 
 class Validator:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 limits: Limits, grammars: GrammarCompiler | None = None, embedding_size: int | None = None):
-        """embedding_size: an embedding model's (engine/pooling.py); None: the model generates."""
-        self.embedding_size = embedding_size
+                 limits: Limits, grammars: GrammarCompiler | None = None, embedding_size: int | None = None,
+                 ranks: bool = False):
+        """embedding_size: an embedding model's (engine/pooling.py); None: the model generates.
+        ranks: the model is a reranker (engine/rerank.py), answering rerank, not embed."""
+        self.embedding_size, self.ranks = embedding_size, ranks
         self.tokenizer, self.vocab, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
         # The engine's compiler, so that what compiles here is a cache hit on the engine's thread.
@@ -104,6 +109,8 @@ class Validator:
                     rid: str | None) -> tuple[dict, OutputSpec | None]:
         """The params' grammar (chat_grammar.py) and how the output is read (chat_output.py)."""
         fmt = self.chat
+        if fmt.tool_format == HARMONY:
+            return self.harmony_output(turn, d, budget, rid)
         start = fmt.reasoning_start(text)
         reads = bool(turn.calls) and fmt.tool_format is not None
         if not reads and start == "content":
@@ -120,6 +127,19 @@ class Validator:
         spec = OutputSpec(start, fmt.tool_format if reads else None, MAX_CALLS if turn.parallel else 1,
                           {r: m.text for r, m in markers.items()})
         return d, spec
+
+    def harmony_output(self, turn: ChatTurn, d: dict, budget: int | None,
+                       rid: str | None) -> tuple[dict, harmony.HarmonySpec]:
+        """gpt-oss: every answer is framed in channels, so a grammar always holds it to them."""
+        ids = {k: m.token_id for k, m in ((r.removeprefix("h_"), m) for r, m in self.chat.markers.items())}
+        if any(i is None for i in ids.values()):
+            raise ProtocolError(INVALID_REQUEST, "this model's tokenizer lacks harmony's special tokens", rid)
+        think = harmony.thinks(turn.template_kwargs)
+        d = dict(d, chat_grammar=harmony.grammar(ids, turn, think, budget, self.sampling(d, rid).constraint(), closed),
+                 keep_special_ids=tuple(sorted(ids.values())))
+        if budget is not None and think:
+            d["speculative"] = False  # llguidance's token budgets cannot roll back a rejected draft
+        return d, harmony.HarmonySpec(bool(turn.calls))
 
     def compiles(self, params: SamplingParams, rid: str | None) -> None:
         """A response_format that does not compile is refused here, never at step time."""
@@ -207,6 +227,12 @@ class Validator:
     def render(self, turn: ChatTurn, rid: str | None) -> str:
         messages = template_messages(turn.messages)
         kw = dict(turn.template_kwargs)
+        if self.chat.tool_format == HARMONY:
+            harmony.check_kwargs(kw, rid)
+            try:
+                return harmony.render(messages, turn.shown_tools, kw)
+            except ValueError as e:
+                raise ProtocolError(INVALID_REQUEST, f"messages: {e}", rid) from None
         if self.chat.tools_in_template:
             kw["tools"] = turn.shown_tools
         else:
@@ -251,6 +277,8 @@ class Validator:
         if self.embedding_size is None:
             raise ProtocolError(INVALID_REQUEST, "this daemon serves a model that generates text and has no "
                                 "embeddings (serve an embedding model, or one with --pooling last|mean)", rid)
+        if self.ranks:
+            raise ProtocolError(INVALID_REQUEST, "this model is a reranker: it answers rerank, not embed", rid)
         check_keys(body, {"input", "dimensions"}, rid)
         if "input" not in body:
             raise ProtocolError(MISSING_FIELD, "input is required", rid)
@@ -270,6 +298,37 @@ class Validator:
             self.admissible(ids, one, rid)
             inputs.append(ids)
         return EmbedRequest(rid, inputs, dims, env.v)
+
+    # -- rerank -------------------------------------------------------------------
+    def rerank(self, env: Envelope) -> EmbedRequest:
+        """Each document's judging prompt (engine/rerank.py), admitted as an embed's inputs are."""
+        rid, body = env.id, env.body
+        if env.v < 4:
+            raise ProtocolError(UNKNOWN_TYPE, f"rerank is a version 4 message; this one is version {env.v}", rid)
+        if not self.ranks:
+            raise ProtocolError(INVALID_REQUEST, "this model is not a reranker (serve one whose metadata says so, "
+                                "or with --pooling rank)", rid)
+        check_keys(body, {"query", "documents", "instruction", "top_n"}, rid)
+        for key in ("query", "documents"):
+            if key not in body:
+                raise ProtocolError(MISSING_FIELD, f"{key} is required", rid)
+        query, docs, instruction = body["query"], body["documents"], body.get("instruction")
+        if not isinstance(query, str) or not query:
+            raise fail("query", "a non-empty string", rid)
+        if not isinstance(docs, list) or not 0 < len(docs) <= MAX_EMBED_INPUTS or \
+                not all(isinstance(d, str) for d in docs):
+            raise fail("documents", f"an array of 1-{MAX_EMBED_INPUTS} strings", rid)
+        if instruction is not None and not isinstance(instruction, str):
+            raise fail("instruction", "a string, or nil", rid)
+        top_n = body.get("top_n")
+        if top_n is not None and not (is_int(top_n) and top_n >= 1):
+            raise fail("top_n", "an integer >= 1, or nil", rid)
+        limit = min(self.limits.max_prompt_tokens, self.max_model_len - 1)
+        one = SamplingParams(max_tokens=1)
+        inputs = [prompt_ids(self.tokenizer, query, d, instruction, limit) for d in docs]
+        for ids in inputs:
+            self.admissible(ids, one, rid)
+        return EmbedRequest(rid, inputs, None, env.v, min(top_n or len(docs), len(docs)))
 
     # -- the small operations ------------------------------------------------------
     def tokenize(self, env: Envelope) -> list[int]:

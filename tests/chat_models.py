@@ -150,3 +150,90 @@ def make_chat_model(tmp: Path, family: str, seed: int = 0) -> Path:
     (d / "config.json").write_text(json.dumps({**config, "bos_token_id": tokens.index(BOS[family]),
                                                "eos_token_id": eos_ids[0]}))
     return d
+
+
+# gpt-oss's template, as its own renders harmony (tests/test_harmony.py checks ridge's renderer
+# against it): the system message with the reasoning effort, the developer message with the
+# instructions and the tools as a TypeScript namespace, one call per assistant message, results
+# from functions.NAME, the analysis kept before a call until a final answer follows.
+HARMONY = """{%- macro ts(p) -%}
+{%- if p.type == 'string' and p.enum %}{{ '"' + p.enum | join('" | "') + '"' }}{% elif p.type == 'string' %}string
+{%- elif p.type in ['number', 'integer'] %}number{% elif p.type == 'boolean' %}boolean
+{%- elif p.type == 'array' and p['items'] and p['items'].type in ['string', 'boolean'] %}{{ p['items'].type }}[]
+{%- else %}any{% endif -%}
+{%- endmacro -%}
+<|start|>system<|message|>{{ model_identity | default('You are ChatGPT, a large language model trained by OpenAI.') }}
+Knowledge cutoff: 2024-06
+Current date: {{ strftime_now('%Y-%m-%d') }}
+
+Reasoning: {{ reasoning_effort | default('medium') }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}{{ '\\n' }}Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- if messages[0].role in ['system', 'developer'] %}{% set dev = messages[0].content %}{% set msgs = messages[1:] %}
+{%- else %}{% set dev = '' %}{% set msgs = messages %}{% endif %}
+{%- if dev or tools %}<|start|>developer<|message|>{% if dev %}# Instructions
+
+{{ dev }}
+
+{% endif %}{% if tools %}# Tools
+
+## functions
+
+namespace functions {
+
+{% for t in tools %}{% set f = t.function %}// {{ f.description }}
+type {{ f.name }} = {% if f.parameters and f.parameters.properties %}(_: {
+{% for n, p in f.parameters.properties.items() %}{% if p.description %}// {{ p.description }}
+{% endif %}{{ n }}{% if n not in (f.parameters.required or []) %}?{% endif %}: {{ ts(p) }}{% if p.default is defined %}, // default: {{ p.default | tojson }}{% endif %},
+{% endfor %}}) => any;
+
+{% else %}() => any;
+
+{% endif %}{% endfor %}} // namespace functions{% endif %}<|end|>{% endif %}
+{%- set ns = namespace(last=none) %}
+{%- for m in msgs %}
+{%- if m.role == 'assistant' and m.tool_calls %}
+{%- set ns2 = namespace(answered=false) %}{% for later in msgs[loop.index:] %}{% if later.role == 'assistant' and not later.tool_calls %}{% set ns2.answered = true %}{% endif %}{% endfor %}
+{%- if m.content and not ns2.answered %}<|start|>assistant<|channel|>analysis<|message|>{{ m.content }}<|end|>{% endif %}
+{%- set c = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>{{ c.arguments | tojson }}<|call|>
+{%- set ns.last = c.name %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% set ns.last = none %}
+{%- elif m.role == 'tool' %}<|start|>functions.{{ ns.last }} to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>
+{%- elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>",
+                  "<|endoftext|>"]
+
+
+def make_harmony_model(tmp: Path, seed: int = 0) -> Path:
+    """A tiny random gpt-oss (transformers' own, saved) whose tokenizer holds harmony's special
+    tokens and whose template is gpt-oss's; it stops at <|return|> and <|call|>, as gpt-oss does."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    base, _, merges = tiny_vocab()
+    tokens = base + HARMONY_TOKENS
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss", vocab_size=len(tokens), hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=16, max_position_embeddings=4096, bos_token_id=1, eos_token_id=tokens.index("<|return|>"),
+        pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    d = tmp / "tiny-gpt-oss-hf"
+    model.save_pretrained(d)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(base[:3])
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    tok.save(str(d / "tokenizer.json"))
+    stops = [tokens.index("<|return|>"), tokens.index("<|call|>")]
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": HARMONY, "bos_token": base[1], "eos_token": "<|return|>", "add_bos_token": False}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return d
