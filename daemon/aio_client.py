@@ -227,6 +227,12 @@ class AsyncClient:
     async def detokenize(self, token_ids: list[int]) -> str:
         return (await self.call("detokenize", token_ids=list(token_ids)))["text"]
 
+    def loading(self, rid: str) -> dict | None:
+        """The latest `loading` event of a request whose model is being loaded (docs/protocol.md
+        §3.10), or None."""
+        box = self._inboxes.get(rid)
+        return None if box is None else box.loading
+
     async def abort(self, rid: str) -> None:
         await self._send({"type": "abort", "id": rid})
 

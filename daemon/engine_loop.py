@@ -94,6 +94,7 @@ class EngineLoop(threading.Thread):
         self.ready.wait(timeout)
         if self.error is not None:
             raise self.error
+        self.drain_outbox()  # the ("ready",) its caller is waiting for here
         return self.engine
 
     # -- called from the socket thread ---------------------------------------------
@@ -173,6 +174,7 @@ class EngineLoop(threading.Thread):
         try:
             self.engine = self._make_engine()
             self.snapshot = (0, time.time(), self.engine.stats())
+            self._emit(("ready",))  # before `ready` is set: start_engine() takes it back out
         except BaseException as e:
             self.error = e
             self._emit(("failed", internal_error(log, "building the engine failed", e)
@@ -180,7 +182,6 @@ class EngineLoop(threading.Thread):
             return
         finally:
             self.ready.set()
-        self._emit(("ready",))
         try:
             while not self._stopping:
                 self._wake.clear()

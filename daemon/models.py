@@ -62,6 +62,8 @@ class Slot:
                "load_from": self.load_from, "expires_at": None}
         if self.expires_at is not None:
             out["expires_at"] = unix_now + max(self.expires_at - mono_now, 0.0)
+        if self.state == "loading":
+            out["elapsed"] = mono_now - self.load_started
         if self.info is not None:
             out["kind"] = "embed" if self.info.get("pooling") else "generate"
             out["device"], out["max_model_len"] = self.info["device"], self.info["max_model_len"]

@@ -218,3 +218,24 @@ def test_ridge_models_lists_them(served, capsys):
     rows = {line.split()[0]: line.split() for line in out[2:]}
     assert rows["alpha"][1:4] == ["*", "generate", "ready"] and rows["alpha"][6] in ("10", "9")  # minutes left
     assert rows["beta"][2].startswith("available")
+
+
+def test_an_http_stream_says_its_model_is_loading(served):
+    """SSE comments while the model loads (clients skip them), then the stream as ever."""
+    from ridge.daemon.gateway.generation import LOADING_PEEK_S
+
+    d, c = served
+    wait_state(c, "beta", "available")
+    req = urllib.request.Request(d.url + "/v1/completions", json.dumps(
+        {"model": "beta", "prompt": "hi", "max_tokens": 3, "stream": True, "keep_alive": 0,
+         "ignore_eos": True}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        body = r.read().decode()
+    events = [e for e in body.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    pieces = [json.loads(e.removeprefix("data: ")) for e in events[:-1] if e.startswith("data: ")]
+    assert pieces and all(p["model"] == "beta" for p in pieces)
+    assert pieces[-1]["choices"][0]["finish_reason"] == "length"
+    if listing(c)["beta"]["load_seconds"] > 2 * LOADING_PEEK_S:  # a load too quick to be reported is fine
+        assert events[0].startswith(": loading beta: "), body

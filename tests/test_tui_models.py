@@ -19,11 +19,11 @@ def _models(now: float) -> list[dict]:
             {"name": "coder", "default": False, "state": "ready", "bytes": 3 * GIB, "keep_alive": -1,
              "expires_at": None, "requests": 2},
             {"name": "embed", "default": False, "state": "loading", "bytes": 0, "keep_alive": 300,
-             "expires_at": None, "requests": 1}]
+             "expires_at": None, "requests": 1, "elapsed": 2.5}]
 
 
 def test_model_line_counts_from_the_snapshot_time():
-    assert model_line(_models(1000.0), 1000.0) == "SmolLM2* 512M unloads in 4m32s · coder 3.00G kept · embed loading"
+    assert model_line(_models(1000.0), 1000.0) == "SmolLM2* 512M unloads in 4m32s · coder 3.00G kept · embed loading 2.5s"
     one = [{**_models(0.0)[0], "keep_alive": 60, "expires_at": None, "requests": 1}]
     assert model_line(one, 5.0) == "SmolLM2* 512M 1 req"
 
@@ -43,4 +43,4 @@ def test_top_shows_the_models_and_when_each_unloads():
     last = frames[-1]
     reply = {**last.reply, "models": _models(float(last.reply["time"]))}
     shown = _text(frames[:-1] + [replace(last, reply=reply)])
-    assert shown.startswith("models SmolLM2* 512M unloads in 4m32s · coder 3.00G kept · embed loading")
+    assert shown.startswith("models SmolLM2* 512M unloads in 4m32s · coder 3.00G kept · embed loading 2.5s")

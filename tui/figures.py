@@ -284,6 +284,8 @@ def model_line(models: list[dict], now: float) -> str:
             else:
                 when = "kept" if m.get("keep_alive") == -1 else f"{m.get('requests', 0)} req"
             parts.append(f"{name} {size(m.get('bytes'))} {when}")
+        elif state == "loading":
+            parts.append(f"{name} loading {duration(m.get('elapsed'))}")
         else:
             parts.append(f"{name} {state}")
     return " · ".join(parts)

@@ -139,6 +139,10 @@ def served(link, fields: dict) -> str:
     return fields.get("model") or link.model["name"]
 
 
+LOADING_PEEK_S = 0.25  # how long a stream's first frame may take before the gateway looks for a model load
+LOADING_EVERY_S = 1.0  # an SSE comment this often while it loads
+
+
 async def generate(request: Request, kind: str) -> Response:
     link = request.app.state.link
     client = await link.connect()
@@ -186,15 +190,39 @@ async def _next_delta(stream):
 
 async def _streamed(request: Request, link, client, kind: str, gen: Generation) -> Response:
     streams = [client.stream(**p, **gen.params) for p in gen.prompts]
+    first = asyncio.ensure_future(until_disconnect(request, _all_or_none([_next_delta(s) for s in streams])))
+    chunks = R.Chunks(kind, served(link, gen.params), gen.include_usage)
+    while not (await asyncio.wait({first}, timeout=LOADING_PEEK_S))[0]:
+        if any(client.loading(s.id) for s in streams):  # its model loads: the 200 now, then progress
+            chunks.created = int(time.time())
+            return SSEResponse(_loading(link, kind, gen, chunks, streams, client, first), streams)
     try:
-        firsts = await until_disconnect(request, _all_or_none([_next_delta(s) for s in streams]))
+        firsts = first.result()
     except RidgeError as e:
         for s in streams:
             await s.aclose()
         raise link.failed(e) from None
-    chunks = R.Chunks(kind, served(link, gen.params), gen.include_usage)
     chunks.created = int(time.time())
     return SSEResponse(_events(link, kind, gen, chunks, streams, firsts), streams)
+
+
+async def _loading(link, kind: str, gen: Generation, chunks: R.Chunks, streams: list, client, first):
+    """SSE comments (which clients skip) while the request's model loads (docs/protocol.md §3.10),
+    then the stream; an error past the 200 is an error event, as mid-stream."""
+    while not first.done():
+        ev = next((e for s in streams if (e := client.loading(s.id))), None)
+        if ev is not None:
+            yield f": loading {ev['model']}: {ev['stage']} {ev['elapsed']:.1f} s\n\n".encode()
+        await asyncio.wait({first}, timeout=LOADING_EVERY_S)
+    try:
+        firsts = first.result()
+    except RidgeError as e:
+        err = link.failed(e)
+        yield R.error_event(err.message, err.type, err.code)
+        yield R.DONE
+        return
+    async for event in _events(link, kind, gen, chunks, streams, firsts):
+        yield event
 
 
 class SSEResponse(StreamingResponse):
