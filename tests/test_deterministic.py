@@ -61,6 +61,11 @@ def alone(loaded, request_prompt):
     return outputs(make_engine(loaded, deterministic=True), request_prompt)
 
 
+def test_a_prefix_hit_changes_nothing(alone):
+    """The greedy runs after the first find its prompt's blocks cached: the same tokens as computed."""
+    assert alone[0][0] == alone[1][0] and len(alone[0][0]) == N
+
+
 def test_batch_of_16_changes_nothing(loaded, request_prompt, alone):
     eng = make_engine(loaded, deterministic=True, prefill_chunk=16)
     assert outputs(eng, request_prompt, mates=15, seed=1) == alone
