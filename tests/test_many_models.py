@@ -70,6 +70,7 @@ def models_dir(tmp_path_factory):
     # beta is larger, so that what it holds shows in the process's RSS: ~50 MB of fp32 weights
     make_tiny(d, seed=2, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
               head_dim=64)[0].rename(d / "beta.gguf")
+    (d / "broken.gguf").write_bytes(b"GGUF" + bytes(60))  # listed by its name; loading it fails
     return d
 
 
@@ -148,7 +149,7 @@ def test_an_unknown_model_is_not_found(served):
     err = json.loads(e.value.read())["error"]
     assert (err["code"], err["param"], err["type"]) == ("model_not_found", "model", "not_found_error")
     with urllib.request.urlopen(d.url + "/v1/models", timeout=30) as r:
-        assert sorted(m["id"] for m in json.load(r)["data"]) == ["alpha", "beta", "short"]
+        assert sorted(m["id"] for m in json.load(r)["data"]) == ["alpha", "beta", "broken", "short"]
     sock = dealer(d)
     try:
         sock.send(msgpack.packb({"v": 2, "type": "generate", "id": "old", "prompt": "x", "model": "beta"}))
@@ -239,3 +240,12 @@ def test_an_http_stream_says_its_model_is_loading(served):
     assert pieces[-1]["choices"][0]["finish_reason"] == "length"
     if listing(c)["beta"]["load_seconds"] > 2 * LOADING_PEEK_S:  # a load too quick to be reported is fine
         assert events[0].startswith(": loading beta: "), body
+
+
+def test_a_model_that_fails_to_load_fails_its_requests_only(served):
+    d, c = served
+    with pytest.raises(RidgeError, match="model_load_failed") as e:
+        c.generate("hi", model="broken", max_tokens=1)
+    assert "broken" in e.value.message
+    assert listing(c)["broken"]["state"] == "available" and c.models()["counts"]["failed"] == 1
+    assert c.generate("hi", model="beta", keep_alive=0, max_tokens=1).token_ids  # the daemon serves on
