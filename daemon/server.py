@@ -412,7 +412,9 @@ class Server:
                   "aborts": dict(self.aborts), "held_bytes": self._held_bytes(), "state": self.state,
                   "pid": os.getpid(),
                   "cpu_s": {"socket_thread": time.thread_time(), "process": time.process_time()}}
-        return message(type_, rid, model=self.model, stats=st, daemon=daemon, time=t, seq=seq,
+        slot = self.models.primary()  # the model whose engine the figures are (Models.primary)
+        model = slot.info if slot is not None and slot.info is not None else self.model
+        return message(type_, rid, model=model, stats=st, daemon=daemon, time=t, seq=seq,
                        models=self._loaded_models())
 
     def _loaded_models(self) -> list[dict]:
