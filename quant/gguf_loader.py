@@ -1,5 +1,5 @@
 """GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py; phi3, olmo2 and
-granite in quant/gguf_families.py; qwen3moe and Mixtral in quant/gguf_moe.py) -> ModelConfig
+granite in quant/gguf_families.py; qwen3moe, Mixtral and gpt-oss in quant/gguf_moe.py) -> ModelConfig
 + a Hugging Face-named fp32 state dict.
 
 Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
@@ -16,7 +16,7 @@ from .errors import ModelLoadError
 from .gguf_families import (CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, check_keys,
                             family_fields)
 from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
-from .gguf_moe import expert_tensors, moe_arch, moe_fields
+from .gguf_moe import GPT_OSS_LAYER_NAMES, expert_tensors, moe_arch, moe_fields
 from .progress import progress
 
 _LAYER_NAMES = {
@@ -42,7 +42,7 @@ _GLOBAL_NAMES = {
 }
 
 
-_ARCH_LAYER_NAMES = {"gemma2": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
+_ARCH_LAYER_NAMES = {"gemma2": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES}, "gpt_oss": {**_LAYER_NAMES, **GPT_OSS_LAYER_NAMES},
                      "gemma3_text": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
                      **{arch: {**_LAYER_NAMES, **names} for arch, names in FAMILY_LAYER_NAMES.items()}}
 
@@ -71,7 +71,7 @@ def _field(reader, key, default=None):
 
 
 # general.architecture values this reader knows (llama.cpp writes Mistral as llama).
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", *GEMMA_GGUF, *FAMILY_GGUF)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", *GEMMA_GGUF, *FAMILY_GGUF)
 
 
 def read_config(reader, path) -> ModelConfig:
@@ -107,7 +107,7 @@ def read_config(reader, path) -> ModelConfig:
         kw.update(gemma_fields(arch, a, kw, names, path))
     if arch in FAMILY_GGUF:
         kw.update(family_fields(arch, a, kw, names, reader, path))
-    if kw["arch"] in ("qwen3_moe", "mixtral"):
+    if kw["arch"] in ("qwen3_moe", "mixtral", "gpt_oss"):
         kw.update(moe_fields(kw["arch"], a, kw, names, path))
     check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
     return ModelConfig(**kw)

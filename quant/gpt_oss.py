@@ -8,6 +8,8 @@ gpt-oss checkpoints ship each layer's experts stacked, with biases, in one of tw
 - dequantized, as transformers' model holds them: gate_up_proj [E, H, 2I], down_proj [E, I, H].
 Either way gate_up's 2I outputs interleave gate and up (gate j at 2j, up j at 2j + 1), and
 gate_up_proj_bias [E, 2I] with them; ridge's layout is [gate | up] rows, [E, 2I, H].
+A GGUF (quant/gguf_moe.py) holds them split, as llama.cpp's converter writes them: gate_exps and
+up_exps [E, I, H], down_exps [E, H, I], each with its _bias (read from MXFP4 by the gguf package).
 
 MXFP4 is dequantized at load (exactly: e2m1 times a power of two is exact in bf16 and fp32),
 then quantized to FP8 like any bf16 checkpoint (--weights fp8): an expert weight then takes a
@@ -46,6 +48,11 @@ def gpt_oss_experts(sd: dict, m: str, path) -> dict[str, torch.Tensor]:
             raise ModelLoadError(path, f"missing tensor {m}{name}")
         return sd[m + name]
 
+    if m + "experts.gate_exps" in sd:
+        return {"experts.gate_up_proj.weight": torch.cat((need("experts.gate_exps"), need("experts.up_exps")), 1),
+                "experts.gate_up_proj.bias": torch.cat((need("experts.gate_exps_bias"), need("experts.up_exps_bias")), 1),
+                "experts.down_proj.weight": need("experts.down_exps"), "experts.down_proj.bias": need("experts.down_exps_bias"),
+                "router.weight": need("router.weight"), "router.bias": need("router.bias")}
     if m + "experts.gate_up_proj_blocks" in sd:
         gate_up = dequantize_mxfp4(need("experts.gate_up_proj_blocks"), need("experts.gate_up_proj_scales"))
         down = dequantize_mxfp4(need("experts.down_proj_blocks"), need("experts.down_proj_scales"))

@@ -20,6 +20,7 @@ from ridge.quant.errors import ModelLoadError
 from ridge.quant.experts import FP8Experts
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.hf_loader import read_hf_config
+from ridge.quant.hf_moe import GPT_OSS_ROPE
 from test_families import (BASE, V, _write_config, assert_match, build_hf, check_greedy_through_engine, hf_logits,
                            with_ridge_weights)
 from tiny_models import write_gguf
@@ -464,3 +465,111 @@ def test_a_moe_model_step_through_triton(variants, name):
     with ops.use_triton():
         got = prompt_logits(lm.model, ids[:40])
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+def _write_gpt_oss_gguf(path, model, hf_cfg: dict):
+    """A gpt-oss GGUF as llama.cpp's converter writes one (conversion/gpt_oss.py, GptOssModel):
+    gate and up split out of the interleaved gate_up, the experts in MXFP4 (the gguf package's
+    quantizer, ggml's block layout), biases and sinks in F32, the tiny vocabulary."""
+    import gguf
+    from gguf.quants import quantize
+
+    from tiny_models import tiny_vocab
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    c = hf_cfg
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(c["rope_parameters"]["factor"])
+    w.add_rope_scaling_orig_ctx_len(c["rope_parameters"]["original_max_position_embeddings"])
+    w.add_expert_count(c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    tokens, types, merges = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name, t, q=False):
+        arr = t.detach().float().contiguous().numpy()
+        if q:
+            data = quantize(arr, mx)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=mx)
+        else:
+            w.add_tensor(name, arr)
+
+    put("token_embd.weight", model.model.embed_tokens.weight)
+    put("output_norm.weight", model.model.norm.weight)
+    put("output.weight", model.lm_head.weight)
+    for i, layer in enumerate(model.model.layers):
+        a, m, b = layer.self_attn, layer.mlp, f"blk.{i}."
+        put(b + "attn_norm.weight", layer.input_layernorm.weight)
+        put(b + "post_attention_norm.weight", layer.post_attention_layernorm.weight)
+        for p, proj in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("output", a.o_proj)):
+            put(b + f"attn_{p}.weight", proj.weight)
+            put(b + f"attn_{p}.bias", proj.bias)
+        put(b + "attn_sinks.weight", a.sinks)
+        put(b + "ffn_gate_inp.weight", m.router.weight)
+        put(b + "ffn_gate_inp.bias", m.router.bias)
+        gate_up = m.experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], gate and up interleaved
+        put(b + "ffn_gate_exps.weight", gate_up[:, 0::2], q=True)
+        put(b + "ffn_up_exps.weight", gate_up[:, 1::2], q=True)
+        put(b + "ffn_gate_exps.bias", m.experts.gate_up_proj_bias[:, 0::2])
+        put(b + "ffn_up_exps.bias", m.experts.gate_up_proj_bias[:, 1::2])
+        put(b + "ffn_down_exps.weight", m.experts.down_proj.transpose(1, 2), q=True)
+        put(b + "ffn_down_exps.bias", m.experts.down_proj_bias)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _mxfp4_experts(model) -> None:
+    """Experts drawn wider (so that MXFP4's steps are not all zero) and rounded through the gguf
+    package's MXFP4, so that the file holds the model's weights exactly; routers and sinks as above."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    _routers(model)
+    mx = GGMLQuantizationType.MXFP4
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(ex, name)
+            t = (p * 8).transpose(1, 2).contiguous().numpy()  # [E, out, in]: blocks along the input
+            back = torch.from_numpy(dequantize(quantize(t, mx), mx).copy()).reshape(t.shape)
+            p.copy_(back.transpose(1, 2))
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(tmp_path):
+    """llama.cpp's gpt-oss layout read back: the config as the HF path reads it (YaRN with
+    llama.cpp's truncated bounds, which the HF model is given), logits as transformers'."""
+    rope = {**GPT_OSS_ROPE, "truncate": True, "rope_theta": 150000.0}
+    model, path = build_hf(tmp_path, "gpt_oss", {**VARIANTS["gpt_oss"][1], "rope_parameters": rope},
+                           edit=_mxfp4_experts)
+    hf_cfg = json.loads((path / "config.json").read_text())
+    gguf_path = _write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", model, hf_cfg)
+    ours = load_model(gguf_path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    hf = load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    fields = ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_router", "moe_act",
+              "swiglu_alpha", "swiglu_limit", "sliding_window", "layer_types", "attention_sinks", "o_bias",
+              "attention_bias")
+    assert {f: getattr(ours.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
+    assert ours.config.rope_scaling["rope_type"] == "yarn"  # its bounds are checked by the logits
+    ids = torch.randint(3, V, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert_match(prompt_logits(ours.model, ids), hf_logits(model, ids))
