@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ridge.kernels.fp8_scales import expand_scale
 
-QUANT_VERSION = 2
+QUANT_VERSION = 3  # 3: scales per group or block (kernels/fp8_scales.py), recipes (quant/recipe.py)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Internal (fused) names of the decoder layers' linear weights.

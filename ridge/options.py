@@ -109,6 +109,14 @@ class Option:
 
 _KIND_WORDS = {list: "a list of strings (or one comma-separated string)"}
 
+# How FP8 weights are made at conversion (quant/recipe.py). Read where conversion happens:
+# `ridge bench accuracy --fp8-recipe`, and RIDGE_FP8_RECIPE for every load (quant/convert.py).
+FP8_RECIPE = Option("fp8_recipe", str, "channel",
+                    "FP8 weights: a recipe spec (channel | g128 | g64 | g32 | b128, then +gptq for "
+                    "error-compensating rounding on ridge's calibration text, +bf16:<layer>.<qkv|o|gate_up|down>,... "
+                    "for weights kept in bf16), or auto: the fewest bytes within the KL budget on the "
+                    "calibration text (docs/benchmarks.md)")
+
 
 def _words(raw) -> tuple[str, ...]:
     """A list option's value: a TOML list of strings, or one string of comma-separated words."""

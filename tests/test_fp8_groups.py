@@ -96,3 +96,58 @@ def test_cpu_layer_upcasts_groups_exactly(grouping):
     x = torch.randn(3, 200)
     assert torch.equal(layer.weight, dequantize(q, s))
     torch.testing.assert_close(layer(x), F.linear(x, dequantize(q, s)))
+
+
+@pytest.mark.parametrize("grouping", ["channel", "g32", "b128"])
+def test_gptq_lowers_the_product_error(grouping):
+    from ridge.quant.gptq import gptq_fp8
+
+    g = torch.Generator().manual_seed(2)
+    n, k = 144, 200
+    w = weight(n, k)
+    x = torch.randn(512, k, generator=g) @ (torch.eye(k) + 0.5 * torch.randn(k, k, generator=g) / k ** 0.5)
+    q0, s0 = quantize_fp8(w, "mse", grouping)
+    q1, s1 = gptq_fp8(w, x.t() @ x, grouping)
+    assert s1.shape == s0.shape and q1.dtype == FP8 and scale_block(s1, (n, k)) == scale_block(s0, (n, k))
+    plain = ((x @ (dequantize(q0, s0) - w).t()) ** 2).sum()
+    comp = ((x @ (dequantize(q1, s1) - w).t()) ** 2).sum()
+    assert comp < 0.8 * plain
+
+
+def test_recipe_spec_bytes_and_bf16_weights():
+    from ridge.quant.recipe import Recipe
+
+    r = Recipe.parse("g64+gptq+bf16:29.down,0.down")
+    assert r == Recipe("g64", True, ("layers.0.down_proj.weight", "layers.29.down_proj.weight"))
+    assert r.spec == "g64+gptq+bf16:0.down,29.down" and Recipe.parse(r.spec) == r
+    shapes = {"layers.0.down_proj.weight": (64, 96), "layers.0.o_proj.weight": (64, 100)}
+    assert Recipe("g64", keep=("layers.0.down_proj.weight",)).weight_bytes(shapes) == 2 * 64 * 96 + 64 * 100 + 4 * 64 * 2
+    assert Recipe("b128").weight_bytes(shapes) == 64 * 96 + 64 * 100 + 4 * 2
+    for bad in ("g48", "g64+fast", "g64+bf16:down0"):
+        with pytest.raises(ValueError):
+            Recipe.parse(bad)
+    sd = {"layers.0.down_proj.weight": weight(64, 96), "layers.0.o_proj.weight": weight(64, 100, 1)}
+    out = Recipe.parse("g32+bf16:0.down").quantize(sd)
+    assert out["layers.0.down_proj.weight"].dtype == torch.bfloat16 and "layers.0.down_proj.weight_scale" not in out
+    assert out["layers.0.o_proj.weight"].dtype == FP8 and out["layers.0.o_proj.weight_scale"].shape == (64, 4)
+
+
+def test_convert_records_the_recipe_and_keys_the_cache_by_it(tmp_path):
+    from tiny_models import make_tiny
+
+    from ridge.models.fp8_calibrate import calibrate
+    from ridge.quant.convert import convert
+
+    path, *_ = make_tiny(tmp_path)
+    a = convert(path, recipe="g32+bf16:1.down", show_progress=False)
+    b = convert(path, recipe="g32+bf16:1.down", show_progress=False)
+    c = convert(path, recipe="g32+gptq", calibrate=calibrate, show_progress=False)
+    assert not a.from_cache and b.from_cache and a.identity == b.identity != c.identity
+    assert a.recipe["spec"] == b.recipe["spec"] == "g32+bf16:1.down" and c.recipe["spec"] == "g32+gptq"
+    assert b.state_dict["layers.1.down_proj.weight"].dtype == torch.bfloat16
+    assert b.state_dict["layers.0.down_proj.weight_scale"].shape == (64, 3)  # 96 = 3 groups of 32
+    plain = convert(path, recipe="g32", show_progress=False).state_dict
+    for name in ("layers.0.qkv_proj.weight", "layers.1.down_proj.weight"):  # GPTQ moved some roundings
+        assert not torch.equal(plain[name].view(torch.uint8), c.state_dict[name].view(torch.uint8))
+    with pytest.raises(ValueError, match="calibration"):
+        convert(path, recipe="auto", use_cache=False, show_progress=False)

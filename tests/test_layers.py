@@ -165,6 +165,7 @@ KERNEL_ENTRIES = {
     # the start-up measurement, its result, and the batch-invariant formats (deterministic mode)
     "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens", "choose_invariant", "invariant_unavailable"},
     "ridge.kernels.moe": {"CpuExperts"},  # a mixture of experts' CpuLinear per expert product, held as FP8Linear's
+    "ridge.kernels.fp8_scales": None,  # the FP8 scale layouts: data the converter writes and every product reads
 }
 
 

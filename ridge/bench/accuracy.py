@@ -1,7 +1,10 @@
 """`ridge bench accuracy`: what FP8 costs, measured against fp32 on a few
-hundred positions of text (tests/data/eval_text.txt or --text FILE):
-FP8 weight scaling rules and the output head, KV cache scaling, the CPU
-small-step bf16 format, and the self-draft's agreement per depth."""
+hundred positions of each text (tests/data/eval_text.txt, prose, and
+tests/data/eval_code.txt, code, or --text FILE ...): the FP8 recipe the
+conversion chose or was given (--fp8-recipe) with its weight bytes, any recipes
+listed with --recipes, FP8 weight scaling rules and the output head, KV cache
+scaling, the CPU small-step bf16 format, and the self-draft's agreement per depth.
+No text scored here is one the recipes were tuned or calibrated on."""
 from __future__ import annotations
 
 import json
@@ -11,13 +14,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-EVAL_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "eval_text.txt"
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+EVAL_TEXTS = (str(DATA / "eval_text.txt"), str(DATA / "eval_code.txt"))
 
 
 def add_accuracy_parser(sub, common) -> None:
-    a = sub.add_parser("accuracy", help="FP8 weights / KV vs fp32: top-1 agreement and KL over a text")
+    from ridge.options import FP8_RECIPE
+
+    a = sub.add_parser("accuracy", help="FP8 weights / KV vs fp32: top-1 agreement and KL over texts")
     common(a, workload=False)
-    a.add_argument("--text", default=str(EVAL_TEXT), help="text file to score")
+    a.add_argument("--text", nargs="+", default=list(EVAL_TEXTS), help="text files to score (default: prose and code)")
+    FP8_RECIPE.add_to(a)
+    a.add_argument("--recipes", default="", help="more FP8 recipe specs to score, comma-separated (quant/recipe.py)")
+    a.add_argument("--only-recipes", action="store_true", help="score the recipes only (no KV, CPU or self-draft rows)")
 
 
 def agreement(logits: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -35,18 +44,49 @@ def _model(conv, sd):
     return m
 
 
-def _weights(conv, ids, ref) -> list[dict]:
+def _scored(case: str, m, texts: dict[str, list[int]], refs: dict, kv: str = "fp32", **extra) -> dict:
+    """One row: the case, then top-1 and KL per text (keys top1/kl for the first, top1_<name>...)."""
     from ridge.models.oneshot import prompt_logits
+
+    row = {"case": case, **extra}
+    for i, (name, ids) in enumerate(texts.items()):
+        a = agreement(prompt_logits(m, ids, kv_dtype=kv), refs[name])
+        row.update(a if i == 0 else {f"{k}_{name}": v for k, v in a.items()})
+    return row
+
+
+def _recipes(conv, chosen, specs: list[str], texts, refs) -> list[dict]:
+    from ridge.models.fp8_calibrate import build, calibrate
+    from ridge.quant.recipe import Recipe, linear_shapes
+
+    shapes = linear_shapes(conv.state_dict)
+    today = Recipe().weight_bytes(shapes)
+    rows = []
+    for spec, sd, how in [(chosen.recipe["spec"], chosen.state_dict, "chosen" if chosen.recipe.get("measured") else "given")] + \
+            [(s, None, "listed") for s in specs]:
+        r = Recipe.parse(spec)
+        if sd is None:
+            hess = calibrate(conv.config, conv.state_dict, conv.freq_factors, conv.tokenizer, spec)[1] if r.gptq else None
+            sd = r.quantize(conv.state_dict, hessians=hess)
+        m = build(conv.config, sd, conv.freq_factors)
+        b = r.weight_bytes(shapes)
+        case = f"FP8 recipe {spec} ({how}), {b / 1e6:.1f} MB linear weights ({b / today:.3f}x per-channel)"
+        rows.append(_scored(case, m, texts, refs, recipe=spec, bytes=b))
+        if how != "listed":
+            rows.append(_scored(case + ", fp8 KV", m, texts, refs, "fp8", recipe=spec, bytes=b))
+    return rows
+
+
+def _weights(conv, texts, refs) -> list[dict]:
     from ridge.quant.fp8 import quantize_fp8, quantize_state_dict
 
     rows = []
     for rule in ("absmax", "mse"):
         m = _model(conv, quantize_state_dict(conv.state_dict, rule))
-        rows.append({"case": f"FP8 weights, {rule} per-channel scales, head kept", **agreement(prompt_logits(m, ids), ref)})
+        rows.append(_scored(f"FP8 weights, {rule} per-channel scales, head kept", m, texts, refs))
     sd = quantize_state_dict(conv.state_dict)
     sd["lm_head.weight"], sd["lm_head.weight_scale"] = quantize_fp8(conv.state_dict["embed_tokens.weight"])
-    m = _model(conv, sd)
-    rows.append({"case": "FP8 weights, mse, head quantized too", **agreement(prompt_logits(m, ids), ref)})
+    rows.append(_scored("FP8 weights, mse, head quantized too", _model(conv, sd), texts, refs))
     return rows
 
 
@@ -85,34 +125,52 @@ def run_accuracy(args, rep) -> None:
     from ridge.engine.cpu_format import choose_cpu_format, cpu_layers
     from ridge.kernels import native
     from ridge.kernels.cpu_linear import ShapeFormat
+    from ridge.models.fp8_calibrate import build, calibrate
     from ridge.models.oneshot import prompt_logits
-    from ridge.quant.fp8 import quantize_state_dict
     from ridge.quant.convert import convert
 
     conv = convert(args.model, quantize=False, use_cache=False, show_progress=False)
-    ids = conv.tokenizer.encode(Path(args.text).read_text())
+    chosen = convert(args.model, recipe=args.fp8_recipe, calibrate=calibrate, show_progress=False)
+    texts = {Path(t).stem.removeprefix("eval_"): conv.tokenizer.encode(Path(t).read_text()) for t in args.text}
     ref_model = _model(conv, conv.state_dict)
-    ref = prompt_logits(ref_model, ids)
-    rows = _weights(conv, ids, ref) + _kv(ref_model, ids, ref)
-    fp8 = _model(conv, quantize_state_dict(conv.state_dict))
-    base = prompt_logits(fp8, ids)
-    choose_cpu_format(fp8, 1 << 40, "bf16:100000")
-    rows.append({"case": "CPU bf16 small-step format vs the fp32 FP8 path", **agreement(prompt_logits(fp8, ids), base)})
-    isa = native.fp8_linear_isa()
-    if isa:  # every product of the layers through ridge's e4m3 kernel (the head is not FP8)
-        for layer in cpu_layers(fp8):
-            layer.use(ShapeFormat([], fp8=[(1 << 30, True)]), isa)
-        rows.append({"case": f"CPU e4m3 kernel ({'AVX-512 BF16' if isa == 2 else 'AVX2'}) vs the fp32 FP8 path",
-                     **agreement(prompt_logits(fp8, ids), base)})
-    rows += _self_draft(ref_model, ids)
-    rep.data["env"].update(model=conv.config.name, positions=len(ids), text=args.text)
+    refs = {name: prompt_logits(ref_model, ids) for name, ids in texts.items()}
+    specs = [s.strip() for s in args.recipes.split(",") if s.strip()]
+    rows = _recipes(conv, chosen, specs, texts, refs)
+    first = next(iter(texts))
+    ids, ref = texts[first], refs[first]
+    if not args.only_recipes:
+        rows += _weights(conv, texts, refs) + _kv(ref_model, ids, ref)
+        fp8 = build(conv.config, chosen.state_dict, conv.freq_factors)
+        base = prompt_logits(fp8, ids)
+        choose_cpu_format(fp8, 1 << 40, "bf16:100000")
+        rows.append({"case": "CPU bf16 small-step format vs the fp32 FP8 path", **agreement(prompt_logits(fp8, ids), base)})
+        isa = native.fp8_linear_isa()
+        if isa:  # every product of the layers through ridge's e4m3 kernel (the head is not FP8)
+            for layer in cpu_layers(fp8):
+                layer.use(ShapeFormat([], fp8=[(1 << 30, True)]), isa)
+            rows.append({"case": f"CPU e4m3 kernel ({'AVX-512 BF16' if isa == 2 else 'AVX2'}) vs the fp32 FP8 path",
+                         **agreement(prompt_logits(fp8, ids), base)})
+        rows += _self_draft(ref_model, ids)
+    rep.data["env"].update(model=conv.config.name, positions={n: len(i) for n, i in texts.items()}, text=args.text,
+                           fp8_recipe=chosen.recipe)
     rep.add("accuracy", rows)
-    print(f"\n# accuracy against fp32, {len(ids)} positions — command: {rep.data['command']}", file=rep.out)
-    print("| case | top-1 agreement | mean KL (nats) |\n|---|---|---|", file=rep.out)
-    for r in rows:
-        kl = "-" if "kl" not in r else f"{r['kl']:.5f}"
-        print(f"| {r['case']} | {r['top1']:.4f} | {kl} |", file=rep.out)
+    _print(rep, chosen, texts, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep.data, f, indent=1, default=str)
         print(f"wrote {args.json}", file=sys.stderr)
+
+
+def _print(rep, chosen, texts: dict, rows: list[dict]) -> None:
+    names = list(texts)
+    print(f"\n# accuracy against fp32, {', '.join(f'{n}: {len(texts[n])}' for n in names)} positions; FP8 recipe "
+          f"{chosen.recipe['spec']} (asked: {chosen.recipe['asked']}) — command: {rep.data['command']}", file=rep.out)
+    head = " | ".join(f"top-1 {n} | KL {n}" for n in names)
+    print(f"| case | {head} |\n|---|{'---|---|' * len(names)}", file=rep.out)
+    for r in rows:
+        cells = []
+        for i, n in enumerate(names):
+            sfx = "" if i == 0 else f"_{n}"
+            top1, kl = r.get("top1" + sfx), r.get("kl" + sfx)
+            cells += ["-" if top1 is None else f"{top1:.4f}", "-" if kl is None else f"{kl:.5f}"]
+        print(f"| {r['case']} | {' | '.join(cells)} |", file=rep.out)

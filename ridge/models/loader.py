@@ -18,6 +18,7 @@ from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
 
 from .families import model_class
+from .fp8_calibrate import calibrate
 from .llama import CausalLM
 
 
@@ -43,16 +44,18 @@ def default_device() -> torch.device:
 
 
 def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use_cache=True,
-               show_progress=True, rule="mse") -> LoadedModel:
-    """weights: fp8 (e4m3 with a scale per output channel, chosen by `rule`), or bf16 / fp32 (the
-    source's values unquantized in that dtype). The engine passes its `--weights`; this default
+               show_progress=True, rule="mse", recipe=None) -> LoadedModel:
+    """weights: fp8 (e4m3 made by the FP8 recipe `recipe`, None for RIDGE_FP8_RECIPE or the declared
+    default: quant/recipe.py, measured on the calibration text by fp8_calibrate where it asks), or
+    bf16 / fp32 (the source's values unquantized in that dtype). The engine passes its `--weights`; this default
     is for callers without options (tests, tools)."""
     if weights not in WEIGHT_BYTES:
         raise ValueError(f"--weights {weights!r}: choose {', '.join(WEIGHT_BYTES)}")
     t0 = time.perf_counter()
     device = torch.device(device) if device is not None else default_device()
     dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
-    conv = convert(path, quantize=weights == "fp8", rule=rule, use_cache=use_cache, show_progress=show_progress)
+    conv = convert(path, quantize=weights == "fp8", rule=rule, recipe=recipe, calibrate=calibrate,
+                   use_cache=use_cache, show_progress=show_progress)
     if weights != "fp8":
         _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device

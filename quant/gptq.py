@@ -1,0 +1,72 @@
+"""Error-compensating FP8 rounding (GPTQ, Frantar et al. 2022), done once at conversion.
+
+Plain rounding treats each weight alone. GPTQ rounds the columns of W [N, K] in order and,
+after each, moves the rounding error onto the columns not yet rounded, in proportion to how
+the layer's inputs correlate (H = X^T X over a calibration text): the product W X keeps what it
+can of the error's cancellation. The scales stay the MSE search's (quant/fp8.py), taken per group
+from the weights as compensated when the group's first column comes up, so the result is an
+ordinary FP8 weight in the same layout; only which e4m3 value each weight rounds to changes."""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import FP8, FP8_MAX, grouping_block, search_scale
+
+DAMP = 0.01  # of H's mean diagonal, added to it: keeps the inverse finite where inputs are nearly collinear
+LAZY = 128  # columns updated together before the rest of W sees their error (the paper's lazy batch)
+
+
+def _inverse_factor(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1, damped; a dead input (zero variance) gets a unit diagonal."""
+    h = h.double().clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(DAMP * h.diagonal().mean())
+    inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(inv, upper=True).float()
+
+
+def _group_scale(w: torch.Tensor, bn: int, rule: str) -> torch.Tensor:
+    """w: [N, g] columns of one group -> the per-row scale [N] (bn rows share one for blocks)."""
+    n, g = w.shape
+    if bn == 1:
+        return search_scale(w, rule)
+    rows = -(-n // bn)
+    tiles = torch.nn.functional.pad(w, (0, 0, 0, rows * bn - n)).reshape(rows, bn * g)
+    return search_scale(tiles, rule).repeat_interleave(bn)[:n]
+
+
+def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
+             rule: str = "mse") -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K], h: [K, K] the inputs' X^T X -> (fp8 [N, K], scale) in quantize_fp8's layout."""
+    w = w.float().clone()
+    n, k = w.shape
+    bn, bk = grouping_block(grouping, (n, k))
+    u = _inverse_factor(h)
+    q = torch.empty(n, k, dtype=FP8)
+    col_scale = torch.empty(n, k)  # each weight's scale, while the groups are found
+    scales = []
+    for i1 in range(0, k, LAZY):
+        i2 = min(i1 + LAZY, k)
+        w1, err = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1)
+        for i in range(i2 - i1):
+            c = i1 + i
+            if c % bk == 0:  # a new group: its scale from the columns as compensated so far
+                end = min(c + bk, k)
+                cols = w1[:, i:i + (end - c)] if end <= i2 else torch.cat((w1[:, i:], w[:, i2:end]), 1)
+                s = _group_scale(cols, bn, rule)
+                scales.append(s)
+                col_scale[:, c:end] = s[:, None]
+            s = col_scale[:, c]
+            qc = (w1[:, i] / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            q[:, c] = qc
+            e = (w1[:, i] - qc.float() * s) / u[c, c]
+            w1[:, i:] -= e[:, None] * u[c, i1 + i:i2][None, :]
+            err[:, i] = e
+        w[:, i2:] -= err @ u[i1:i2, i2:]
+    scale = torch.stack(scales, 1)  # [N, groups]
+    if grouping == "channel":
+        return q, scale[:, 0]
+    if bn > 1:
+        scale = scale[::bn]
+    return q, scale.contiguous()

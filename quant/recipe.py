@@ -1,0 +1,106 @@
+"""An FP8 recipe: how a model's linear weights are quantized at conversion.
+
+A recipe is a scale grouping (quant/fp8.py GROUPINGS), whether the rounding is
+error-compensating (GPTQ on the calibration text, quant/gptq.py), and the linear weights
+kept in bf16 (the most sensitive, by measured KL per byte: docs/benchmarks.md). Its spec is
+one string, the value of `--fp8-recipe` and what the converted model's metadata records:
+
+    g64                     1 x 64 groups, MSE scales, every linear weight FP8
+    g64+gptq+bf16:0.down,29.down
+                            and GPTQ rounding, layer 0's and 29's down projections in bf16
+
+Weight names in a spec are short: `<layer>.<qkv|o|gate_up|down>`."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_state_dict
+
+KINDS = ("qkv", "o", "gate_up", "down")
+_SHORT = re.compile(r"^(\d+)\.(qkv|o|gate_up|down)$")
+_LONG = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down)_proj\.weight$")
+
+
+def long_name(short: str) -> str:
+    m = _SHORT.match(short)
+    if not m:
+        raise ValueError(f"weight {short!r} in an FP8 recipe: write <layer>.<{'|'.join(KINDS)}>, e.g. 0.down")
+    return f"layers.{m[1]}.{m[2]}_proj.weight"
+
+
+def short_name(name: str) -> str:
+    m = _LONG.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is no decoder layer's linear weight")
+    return f"{m[1]}.{m[2]}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    grouping: str = "channel"
+    gptq: bool = False
+    keep: tuple[str, ...] = ()  # fused names of the linear weights kept in bf16, sorted
+
+    def __post_init__(self):
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"FP8 grouping {self.grouping!r}: choose {', '.join(GROUPINGS)}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Recipe":
+        parts = spec.strip().split("+")
+        grouping, gptq, keep = parts[0], False, ()
+        for p in parts[1:]:
+            if p == "gptq":
+                gptq = True
+            elif p.startswith("bf16:"):
+                keep = tuple(sorted(long_name(s) for s in p[5:].split(",") if s))
+            else:
+                raise ValueError(f"FP8 recipe {spec!r}: {p!r} is neither gptq nor bf16:<weights>")
+        return cls(grouping, gptq, keep)
+
+    @property
+    def spec(self) -> str:
+        out = self.grouping + ("+gptq" if self.gptq else "")
+        if self.keep:
+            out += "+bf16:" + ",".join(short_name(n) for n in sorted(self.keep, key=_order))
+        return out
+
+    def weight_bytes(self, shapes: dict[str, tuple[int, int]]) -> int:
+        """The bytes of the linear weights and their scales (fp32) under this recipe."""
+        total = 0
+        for name, (n, k) in shapes.items():
+            if name in self.keep:
+                total += 2 * n * k
+            else:
+                bn, bk = grouping_block(self.grouping, (n, k))
+                total += n * k + 4 * -(-n // bn) * -(-k // bk)
+        return total
+
+    def quantize(self, sd: dict[str, torch.Tensor], rule: str = "mse",
+                 hessians: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The state dict with this recipe's FP8 (and bf16) linear weights. gptq needs hessians
+        (weight name -> its input's X^T X on the calibration text, ridge/models/fp8_calibrate.py)."""
+        if not self.gptq:
+            return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep))
+        from .gptq import gptq_fp8
+
+        if hessians is None:
+            raise ValueError(f"FP8 recipe {self.spec}: GPTQ needs the calibration text's input statistics")
+        plain = {n: t for n, t in sd.items() if n not in hessians or n in self.keep}
+        out = quantize_state_dict(plain, rule, self.grouping, frozenset(self.keep))
+        for name, t in sd.items():
+            if name in hessians and name not in self.keep and t.dtype != FP8:
+                out[name], out[name + "_scale"] = gptq_fp8(t, hessians[name], self.grouping, rule)
+        return out
+
+
+def _order(name: str) -> tuple[int, int]:
+    m = _LONG.match(name)
+    return (int(m[1]), KINDS.index(m[2])) if m else (1 << 30, 0)
+
+
+def linear_shapes(sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    return {n: tuple(t.shape) for n, t in sd.items() if is_linear_weight(n) and t.dim() == 2}

@@ -1,0 +1,135 @@
+"""The measured half of FP8 conversion: a model's fp32 forward on the calibration text
+shipped with ridge (quant/calibration.txt, never an evaluation text) gives
+
+- each linear layer's input statistics X^T X, which GPTQ rounding needs (quant/gptq.py);
+- each linear weight's sensitivity: the KL from fp32 when it alone is quantized;
+- the KL of a whole recipe, by which `--fp8-recipe auto` picks the fewest bytes that meet
+  the budget (FP8_KL_BUDGET, nats per position on the calibration text).
+
+quant/ cannot run a model (it sits below models/), so convert() takes calibrate() as its
+calibrate callback from the loader."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ridge.kernels.fp8_scales import dequantize
+from ridge.quant.convert import CALIBRATION
+from ridge.quant.fp8 import GROUPINGS, is_linear_weight, quantize_fp8
+from ridge.quant.recipe import Recipe, linear_shapes, short_name
+
+from .families import model_class
+from .oneshot import prompt_logits
+
+log = logging.getLogger("ridge.quant")
+FP8_KL_BUDGET = 0.006  # on the calibration text: the evaluation target is 0.008 on texts it never saw
+MAX_BF16 = 8  # the most sensitive weights auto tries keeping in bf16, one at a time
+SENSITIVITY_TOKENS = 128  # the ranking's slice of the calibration text: a ranking needs less than a KL
+
+
+def kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    return F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                    reduction="none").sum(-1).mean().item()
+
+
+def build(cfg, sd: dict[str, torch.Tensor], freq) -> torch.nn.Module:
+    with torch.device("meta"):
+        m = model_class(cfg)(cfg)
+    m.load_weights(sd, torch.device("cpu"), torch.float32, freq)
+    return m.eval()
+
+
+def calibration_ids(tokenizer, cfg) -> list[int]:
+    """The calibration text's tokens, as many as the model's positions hold."""
+    return tokenizer.encode(CALIBRATION.read_text())[:cfg.max_position]
+
+
+@torch.inference_mode()
+def hessians(model, ids: list[int]) -> dict[str, torch.Tensor]:
+    """Weight name -> X^T X (fp64 summed, returned fp32) of its layer's inputs over ids."""
+    out: dict[str, torch.Tensor] = {}
+    mods = [(name + ".weight", mod) for name, mod in model.named_modules() if is_linear_weight(name + ".weight")]
+
+    def wrap(key, forward):
+        def seen(x):  # the layers call .forward directly (no module hooks run): an instance attribute
+            x2 = x.reshape(-1, x.shape[-1]).double()
+            out[key] = out.get(key, 0) + x2.t() @ x2
+            return forward(x)
+        return seen
+
+    for key, mod in mods:
+        mod.forward = wrap(key, mod.forward)
+    try:
+        prompt_logits(model, ids)
+    finally:
+        for _, mod in mods:
+            del mod.forward
+    return {k: v.float() for k, v in out.items()}
+
+
+@torch.inference_mode()
+def sensitivity(model, sd: dict[str, torch.Tensor], ids: list[int], grouping: str) -> dict[str, float]:
+    """Weight name -> the KL from fp32 with only that weight quantized (MSE scales, grouping)."""
+    ref = prompt_logits(model, ids)
+    out = {}
+    for name in linear_shapes(sd):
+        mod = model.get_submodule(name.removesuffix(".weight"))
+        q, s = quantize_fp8(sd[name], "mse", grouping)
+        orig = mod.weight
+        mod.weight = dequantize(q, s)
+        try:
+            out[name] = kl(prompt_logits(model, ids), ref)
+        finally:
+            mod.weight = orig
+    return out
+
+
+def recipe_kl(cfg, sd, freq, recipe: Recipe, ids, ref, hess=None) -> float:
+    return kl(prompt_logits(build(cfg, recipe.quantize(sd, hessians=hess), freq), ids), ref)
+
+
+def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
+    """quant/convert.py's calibrate: -> (recipe, GPTQ's input statistics or None, what auto measured or None)."""
+    if spec == "auto":
+        return choose_recipe(cfg, sd, freq, tokenizer)
+    recipe = Recipe.parse(spec)
+    hess = hessians(build(cfg, sd, freq), calibration_ids(tokenizer, cfg)) if recipe.gptq else None
+    return recipe, hess, None
+
+
+def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: float = FP8_KL_BUDGET,
+                  groupings: tuple[str, ...] = ("g128", "g64", "g32")):
+    """The recipe of fewest bytes whose KL on the calibration text meets budget: groupings
+    coarse to fine, then GPTQ, then the most sensitive weights (KL per byte) kept in bf16 one by
+    one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
+    ids = calibration_ids(tokenizer, cfg)
+    model = build(cfg, sd, freq)
+    ref = prompt_logits(model, ids)
+    hess = hessians(model, ids)
+    shapes = linear_shapes(sd)
+    tried = []
+
+    def measure(r: Recipe) -> float:
+        v = recipe_kl(cfg, sd, freq, r, ids, ref, hess if r.gptq else None)
+        tried.append({"recipe": r.spec, "kl": v, "bytes": r.weight_bytes(shapes)})
+        log.info("FP8 recipe %s: KL %.5f on the calibration text, %d weight bytes", r.spec, v, tried[-1]["bytes"])
+        return v
+
+    cands = sorted((Recipe(g, gptq) for g in groupings if g in GROUPINGS for gptq in (False, True)),
+                   key=lambda r: (r.weight_bytes(shapes), r.gptq))
+    for r in cands:
+        if measure(r) <= budget:
+            return r, hess if r.gptq else None, {"budget": budget, "tried": tried}
+    best = min(cands, key=lambda r: next(t["kl"] for t in tried if t["recipe"] == r.spec))
+    sens = sensitivity(model, sd, ids[:SENSITIVITY_TOKENS], best.grouping)
+    extra = {n: 2 * shapes[n][0] * shapes[n][1] - Recipe(best.grouping).weight_bytes({n: shapes[n]}) for n in sens}
+    order = sorted(sens, key=lambda n: -sens[n] / extra[n])[:MAX_BF16]
+    r = best
+    for n in order:
+        r = Recipe(best.grouping, best.gptq, tuple(sorted((*r.keep, n))))
+        if measure(r) <= budget:
+            break
+    return r, hess if r.gptq else None, {"budget": budget, "tried": tried,
+                                         "sensitivity": {short_name(k): sens[k] for k in order}}
