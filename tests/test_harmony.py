@@ -124,3 +124,15 @@ def test_a_forced_call_round_trip(served, stream):
         text = c.call("detokenize", token_ids=shown["token_ids"], skip_special_tokens=False)["text"]
     assert f"<|start|>assistant to=functions.{call.function.name}<|channel|>commentary json<|message|>" in text
     assert '"Sunny, 18 degrees"<|end|>' in text and second.usage.prompt_tokens == shown["count"]
+
+
+def test_auto_answers_text_or_one_valid_call(served):
+    _, oai = served
+    r = oai.chat.completions.create(model="gpt-oss", messages=ASK, tools=TOOLS, seed=1, temperature=1.0, n=2,
+                                    max_tokens=200, extra_body={"max_reasoning_tokens": 4})
+    for ch in r.choices:
+        if ch.message.tool_calls:
+            valid_calls(ch.message.tool_calls, ch.finish_reason)
+            assert len(ch.message.tool_calls) == 1
+        else:
+            assert ch.finish_reason in ("stop", "length") and "<|" not in (ch.message.content or "")
