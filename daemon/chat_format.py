@@ -61,8 +61,8 @@ def read_format(template: str | None) -> tuple[str | None, bool]:
     """-> (the tool format, whether the template reads `tools`)."""
     t = template or ""
     reads_tools = re.search(r"\btools\b", t) is not None
-    if "<|channel|>" in t:  # gpt-oss: ridge renders harmony itself, tools included
-        return HARMONY, True
+    if "<|channel|>" in t:  # gpt-oss: ridge renders harmony itself (hello's tool_prompt "ridge")
+        return HARMONY, False
     if "<tool_call>" in t:
         return HERMES, reads_tools
     if "[TOOL_CALLS]" in t:
