@@ -19,7 +19,7 @@ import zmq
 
 from .endpoint import find_daemon, ipc_path, probe
 
-VERSION = 3  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9)
+VERSION = 4  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
 # Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
 # sees a slow reader and merges its deltas (docs/protocol.md §4.4) instead of this process buffering
 # without bound. What a reader has not taken yet is merged per request here too (Inbox).
@@ -322,6 +322,15 @@ class Client:
         if dimensions is not None:
             fields["dimensions"] = dimensions
         return self.call("embed", **fields)
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None, **fields) -> dict:
+        """A reranker's judgement of each document against the query (docs/protocol.md §3.11);
+        fields: instruction, model, keep_alive; -> the reply: finish_reason, results (index and
+        relevance_score, the best first), usage."""
+        fields = {"query": query, "documents": list(documents), **{k: v for k, v in fields.items() if v is not None}}
+        if top_n is not None:
+            fields["top_n"] = top_n
+        return self.call("rerank", **fields)
 
     def models(self) -> dict:
         """The models the daemon can serve, loaded or not (docs/protocol.md §3.10)."""

@@ -65,7 +65,9 @@ class Slot:
         if self.state == "loading":
             out["elapsed"] = mono_now - self.load_started
         if self.info is not None:
-            out["kind"] = "embed" if self.info.get("pooling") else "generate"
+            from ridge.engine.pooling import kind_of  # the engine's modules load torch: on first use
+
+            out["kind"] = kind_of(self.info.get("pooling"))
             out["device"], out["max_model_len"] = self.info["device"], self.info["max_model_len"]
             out["model"] = self.info  # hello's map for it (§7.1): what Ollama's /api/show tells
         return out
@@ -359,13 +361,15 @@ class Models:
     def _kind(self, e: Entry) -> str:
         slot = self.slots.get(e.name)
         if slot is not None and slot.info is not None:
-            return "embed" if slot.info.get("pooling") else "generate"
+            from ridge.engine.pooling import kind_of
+
+            return kind_of(slot.info.get("pooling"))
         pooling = e.options.get("pooling", self.default_pooling)
         if (e.path, pooling) not in self._kinds:
-            from ridge.engine.pooling import resolve_pooling
+            from ridge.engine.pooling import kind_of, resolve_pooling
 
             try:
-                kind = "embed" if resolve_pooling(pooling, e.path) else "generate"
+                kind = kind_of(resolve_pooling(pooling, e.path))
             except Exception:  # unreadable metadata: it is found out when it loads
                 kind = "generate"
             self._kinds[(e.path, pooling)] = kind

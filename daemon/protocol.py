@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-VERSION = 3  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9)
-SUPPORTED = (1, 2, 3)
+VERSION = 4  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
+SUPPORTED = (1, 2, 3, 4)
 PUB_TOPIC = b"stats"
 MAX_ID_BYTES = 128
 MAX_MESSAGES = 1024
@@ -18,7 +18,7 @@ MAX_DEPTH = 32
 MAX_EMBED_INPUTS = 2048  # inputs in one embed (OpenAI's limit)
 
 CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat", "embed",
-                "models")
+                "models", "rerank")
 FINISH_REASONS = ("stop", "length", "abort", "error", "tool_calls")
 
 # error codes (docs/protocol.md §5)
@@ -233,7 +233,7 @@ def envelope(msg: dict) -> Envelope:
         raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {t[:64]!r}; known: {', '.join(CLIENT_TYPES)}", rid)
     if "id" in msg and request_id_of(msg) is None:
         raise fail("id", f"a string of 1-{MAX_ID_BYTES} bytes", rid)
-    if t in ("generate", "abort", "embed") and rid is None:
+    if t in ("generate", "abort", "embed", "rerank") and rid is None:
         raise ProtocolError(MISSING_FIELD, f"id is required on {t}", None)
     body = {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
     return Envelope(t, rid, body, msg["v"])

@@ -70,7 +70,7 @@ class ServerConfig:
 def make_validator(engine, model: dict, limits: Limits) -> Validator:
     return Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"], model["block_size"],
                      model["num_kv_blocks"], limits, engine.grammars,
-                     model["hidden_size"] if model.get("pooling") else None)
+                     model["hidden_size"] if model.get("pooling") else None, model.get("pooling") == "rank")
 
 
 class Server:
@@ -93,7 +93,7 @@ class Server:
         self.admission = Admission()
         self._frame_bytes = 0
         self.finishers = {"generate": self._admit, "tokenize": self._send_frame, "detokenize": self._send_frame,
-                          "embed": self._admit_embed}
+                          "embed": self._admit_embed, "rerank": self._admit_embed}
         self.ctx = zmq.Context.instance()
         self.routers: list[zmq.Socket] = []
         self.pub: zmq.Socket | None = None
@@ -111,7 +111,7 @@ class Server:
         self.handlers = {"hello": self._hello, "generate": self._generate, "abort": self._abort,
                          "tokenize": self._tokenize, "detokenize": self._detokenize, "stats": self._stats,
                          "health": self._health, "heartbeat": self._heartbeat, "embed": self._embed,
-                         "models": self._models}
+                         "models": self._models, "rerank": self._rerank}
 
     @property
     def loop(self):
@@ -297,10 +297,14 @@ class Server:
         self._admitting(env.id)
         self.models.request(peer, env, "embed", self._frame_bytes, self.cfg.limits.max_queue)
 
+    def _rerank(self, peer: Peer, env) -> None:
+        self._admitting(env.id)
+        self.models.request(peer, env, "rerank", self._frame_bytes, self.cfg.limits.max_queue)
+
     def _admit_waiting(self, w, slot) -> None:
         """A generate or embed whose model is loaded: to the admission workers, with that model's validator."""
         try:
-            work = slot.validator.generate if w.kind == "generate" else slot.validator.embed
+            work = getattr(slot.validator, w.kind)  # generate, embed or rerank
             p = self.admission.submit(w.peer, w.env, work, w.size)
         except Exception as e:
             self.models.release(slot, w.keep)
@@ -338,7 +342,7 @@ class Server:
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
-        inf = peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version)
+        inf = peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version, req.top_n)
         inf.owner = owner
         owner[0].loop.embed(eid, req.inputs, req.dimensions)
         if p.aborted:
@@ -369,7 +373,7 @@ class Server:
             self._engine_abort(inf)
         self.models.abort_waiting(peer, env.id)  # still waiting for its model: aborted once admitted
         for p in self.admission.pending_for(peer):  # still being validated: aborted once admitted
-            if p.env.type in ("generate", "embed") and p.env.id == env.id:
+            if p.env.type in ("generate", "embed", "rerank") and p.env.id == env.id:
                 p.aborted = True
 
     def _tokenize(self, peer: Peer, env) -> None:

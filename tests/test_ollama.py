@@ -3,7 +3,11 @@ package: a tiny chat model with a Hermes template (tools, thinking) on a
 live daemon with its Ollama listener. At temperature 0 every answer is what
 the daemon's own `generate` gives for the same chat, so the translation is
 checked, not only the shapes. /api/embed is tested in test_embeddings.py, on
-its embedding daemon's Ollama listener, against transformers."""
+its embedding daemon's Ollama listener, against transformers.
+
+The same daemon holds a reranker (test_rerank.py's tiny qwen3, a config.toml
+entry with pooling = "rank"), loaded on request: the daemon's `rerank` and
+/v1/rerank (on the listener's OpenAI routes) against transformers' score."""
 from __future__ import annotations
 
 import json
@@ -16,8 +20,9 @@ from chat_models import make_chat_model
 from ridge.daemon.client import Client
 from ridge.daemon.gateway.ollama_api import PINNED, keep_alive
 from ridge.daemon.gateway.openai_api import ApiError
-from test_daemon_harness import Daemon
+from test_daemon_harness import Daemon, Raw
 from test_gateway import ask, free_port, wait_http
+from test_rerank import DOCS, QUERY, ranker, reference  # noqa: F401  ranker: the fixture, built here too
 
 GREEDY = {"temperature": 0, "num_predict": 12}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
@@ -32,12 +37,17 @@ def ollama_daemon(tmp, model: str, name: str, *flags) -> Daemon:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    """The chat model as the default, "tiny"; the same files as "other" in the models directory."""
+def daemon(tmp_path_factory, ranker):
+    """The chat model as the default, "tiny"; the same files as "other" in the models directory; the
+    reranker as "ranker", an entry of config.toml."""
     tmp = tmp_path_factory.mktemp("ollama")
     model = make_chat_model(tmp, "hermes")
     (tmp / "models").mkdir()
     (tmp / "models" / "other").symlink_to(model)
+    (tmp / "xdg-config" / "ridge").mkdir(parents=True)
+    (tmp / "xdg-config" / "ridge" / "config.toml").write_text(
+        f'[models.ranker]\npath = "{ranker[1]}"\npooling = "rank"\nweights = "fp32"\nkv_dtype = "fp32"\n'
+        'num_kv_blocks = 128\n')
     d = ollama_daemon(tmp, str(model), "tiny", "--num-kv-blocks", 256, "--max-num-seqs", 8,
                       "--models-dir", tmp / "models")
     yield d
@@ -127,7 +137,7 @@ def test_tool_history_renders_as_the_openai_chat_does(client, ridge):
 
 def test_models_tags_ps_show_and_version(client, daemon):
     tags = client.list()
-    assert [m.model for m in tags.models] == ["tiny", "other"] and tags.models[0].details.family == "llama"
+    assert [m.model for m in tags.models] == ["tiny", "other", "ranker"] and tags.models[0].details.family == "llama"
     assert tags.models[1].size == tags.models[0].size > 0 and tags.models[0].digest != tags.models[1].digest
     running = client.ps()
     assert [m.model for m in running.models] == ["tiny"] and running.models[0].size > 0
@@ -176,3 +186,43 @@ def test_keep_alive_reads_gos_durations():
     for bad in ("", "5", "m", "5d", "1h x"):
         with pytest.raises(ApiError):
             keep_alive(bad)
+
+
+# -- reranking, on the same daemon ---------------------------------------------------------------------
+def test_rerank_over_http_against_transformers(ranker, daemon):
+    model, path, vocab, _ = ranker
+    want = reference(model, path, vocab, QUERY, DOCS)
+    body = {"model": "ranker", "query": QUERY, "documents": [DOCS[0], {"text": DOCS[1]}, *DOCS[2:]], "top_n": 3}
+    status, got = ask(daemon.url, "POST", "/v1/rerank", {"Content-Type": "application/json"}, body)
+    assert status == 200, got
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])[:3]
+    assert [r["index"] for r in got["results"]] == order
+    assert max(abs(r["relevance_score"] - want[r["index"]]) for r in got["results"]) < 1e-5
+    assert [r["document"]["text"] for r in got["results"]] == [DOCS[i] for i in order]
+    assert got["model"] == "ranker" and got["usage"]["prompt_tokens"] > 0
+    status, bare = ask(daemon.url, "POST", "/v2/rerank", {"Content-Type": "application/json"},
+                       {"model": "ranker", "query": QUERY, "documents": DOCS, "return_documents": False})
+    assert status == 200 and len(bare["results"]) == len(DOCS) and "document" not in bare["results"][0]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"model": "ranker", "query": QUERY, "documents": []}, "documents"),
+    ({"model": "ranker", "query": "", "documents": ["a"]}, "query"),
+    ({"model": "ranker", "query": QUERY, "documents": ["a"], "top_n": 0}, "top_n"),
+    ({"model": "ranker", "documents": ["a"]}, "query"),
+    ({"query": QUERY, "documents": ["a"]}, "not a reranker"),
+])
+def test_bad_rerank_requests_are_400(daemon, body, words):
+    status, reply = ask(daemon.url, "POST", "/v1/rerank", {"Content-Type": "application/json"}, body)
+    assert status == 400 and words in reply["error"]["message"], reply
+
+
+def test_the_protocol_refuses_rerank_before_version_4_and_embed_on_a_ranker(daemon):
+    raw = Raw(daemon.endpoint)
+    old = raw.call({"v": 3, "type": "rerank", "id": "a", "model": "ranker", "query": "q", "documents": ["d"]}, 30)
+    assert old["type"] == "error" and old["code"] == "unknown_type"
+    embed = raw.call({"v": 4, "type": "embed", "id": "b", "model": "ranker", "input": ["d"]}, timeout=30)
+    assert embed["type"] == "error" and "reranker" in embed["message"]
+    with Client(daemon.endpoint, timeout=30) as c:
+        ok = c.rerank("q", ["d", "e"], top_n=1, model="ranker")
+    assert len(ok["results"]) == 1 and ok["finish_reason"] == "stop" and ok["usage"]["prompt_tokens"] > 0

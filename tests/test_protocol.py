@@ -62,8 +62,8 @@ def test_envelope_checks_version_type_and_id():
     assert code_of(P.envelope, {"type": "stats"}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": True, "type": "stats"}) == P.INVALID_FIELD
     with pytest.raises(P.ProtocolError) as e:
-        P.envelope({"v": 4, "type": "stats", "id": "q"})
-    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2, 3]} and e.value.request_id == "q"
+        P.envelope({"v": 5, "type": "stats", "id": "q"})
+    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2, 3, 4]} and e.value.request_id == "q"
     assert code_of(P.envelope, {"v": 1}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": 1, "type": "boom"}) == P.UNKNOWN_TYPE
     assert code_of(P.envelope, {"v": 1, "type": "generate"}) == P.MISSING_FIELD

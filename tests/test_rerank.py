@@ -2,8 +2,9 @@
 qwen3 model built by transformers with "yes" and "no" in its vocabulary, judged
 through ridge with fp32 weights, against transformers' own computation of
 Qwen3-Reranker's score (softmax over the two logits at the prompt's last
-position, the prompt tokenized as its model card's code does it); then a live
-daemon and gateway through plain HTTP."""
+position, the prompt tokenized as its model card's code does it). The daemon's
+rerank and /v1/rerank are tested in test_ollama.py, on its daemon of many
+models."""
 from __future__ import annotations
 
 import json

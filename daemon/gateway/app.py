@@ -20,6 +20,7 @@ from ridge.errors import internal_error
 
 from . import anthropic_api, openapi, responses_api
 from .embeddings_api import embeddings
+from .rerank_api import ROUTES as RERANK_ROUTES
 from . import responses as R
 from .door import HostRule, is_json, origin_allowed
 from .generation import ClientGone, generate
@@ -214,6 +215,7 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
               Route("/v1/responses/{response_id}", responses_api.retrieve, methods=["GET"]),
               Route("/v1/responses/{response_id}", responses_api.delete, methods=["DELETE"]),
               Route("/openapi.json", openapi_json)]
+    routes += [Route(path, handler, methods=["POST"]) for path, handler in RERANK_ROUTES]
     if ollama_api:
         from .ollama_routes import ROUTES
         routes += ROUTES

@@ -9,8 +9,9 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from . import turn
 from .generation import DEFAULT_BODY_LIMIT, model_fields, read_json, served, until_disconnect
-from .openai_api import ApiError, bad, parsed
+from .openai_api import bad, parsed
 from .schemas import EmbeddingRequest
 
 
@@ -39,10 +40,7 @@ async def embeddings(request: Request) -> Response:
     if req.dimensions is not None:
         fields["dimensions"] = req.dimensions
     reply = await until_disconnect(request, link.call("embed", **fields))
-    if reply["finish_reason"] != "stop":
-        raise ApiError(500 if reply["finish_reason"] == "error" else 503,
-                       f"the embedding request ended: {reply.get('error') or reply.get('detail') or 'aborted'}",
-                       "server_error", code="internal")
+    turn.ended(reply, "embedding")
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(reply["data"])]
     return JSONResponse({"object": "list", "data": data, "model": served(link, fields), "usage": reply["usage"]})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -165,10 +165,7 @@ async def _embedded(request: Request, link, inputs: list, dimensions: int | None
     if dimensions is not None:
         fields["dimensions"] = dimensions
     reply = await until_disconnect(request, link.call("embed", **fields))
-    if reply["finish_reason"] != "stop":
-        raise ApiError(500 if reply["finish_reason"] == "error" else 503,
-                       f"the embedding request ended: {reply.get('error') or reply.get('detail') or 'aborted'}",
-                       "server_error", code="internal")
+    turn.ended(reply, "embedding")
     return reply
 
 

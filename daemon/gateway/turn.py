@@ -42,6 +42,16 @@ def settled(f) -> None:
                        code="shutting_down" if f.detail == "shutdown" else "aborted", retry_after=1.0)
 
 
+def ended(reply: dict, what: str) -> dict:
+    """An embed's or rerank's reply (docs/protocol.md §3.9, §3.11), settled: anything but `stop` is
+    an error (an abort by the daemon, a 503: it is draining)."""
+    if reply["finish_reason"] != "stop":
+        raise ApiError(500 if reply["finish_reason"] == "error" else 503,
+                       f"the {what} request ended: {reply.get('error') or reply.get('detail') or 'aborted'}",
+                       "server_error", code="internal")
+    return reply
+
+
 async def whole(request, link, client, gen: Generation):
     """The request's final (daemon/client.Completion), settled."""
     try:
