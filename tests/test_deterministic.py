@@ -135,3 +135,24 @@ def test_padded_rows_are_cut_off():
     run = cpu_linear_plan._pad_rows(lambda x: x @ layer.weight.T, 16)
     x = torch.randn(3, 8)
     assert run(x).shape == (3, 32) and torch.allclose(run(x), x @ layer.weight.T, atol=1e-5)
+
+
+def test_bench_determinism_reports_divergence_and_cost(tmp_path):
+    """`ridge bench determinism` end to end on a tiny model: the deterministic rows never diverge."""
+    import json
+
+    from tiny_models import make_tiny
+
+    from ridge.cli import main
+
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "det.json"
+    assert main(["bench", "determinism", "--model", str(path), "--device", "cpu", "--threads", "1",
+                 "--num-kv-blocks", "96", "--ridge-point", "8", "--prefill-chunk", "32", "--tokens", "4", "--ks", "3",
+                 "--batches", "1", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    rows = res["divergence"]
+    assert [r["setting"] for r in rows if r["deterministic"]] == ["batch of 3", "ngram k=3"]
+    assert all(d is None for r in rows if r["deterministic"] for d in r["first_diff"])
+    assert res["cost"][0]["batch"] == 1 and res["cost"][0]["ratio"] > 0

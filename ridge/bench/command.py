@@ -12,6 +12,7 @@
     ridge bench hashing    block identity's cost: hashing and hit checks per prompt and per decode step
     ridge bench contention throughput beside another CPU-heavy process, adaptive vs fixed threads
     ridge bench window     a sliding-window model's decode step at 1, 2 and 4 windows of context
+    ridge bench determinism a request's tokens alone, batched and speculated; --deterministic's cost
     ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
     ridge bench all        the set, into one JSON
 
@@ -109,6 +110,7 @@ def add_bench_parser(subparsers) -> None:
     from .structured import add_structured_parser
     from .moe import add_moe_parser
     from .window import add_window_parser
+    from .determinism import add_determinism_parser
     add_spec_parser(sub, _common)
     add_accuracy_parser(sub, _common)
     add_prefix_parser(sub, _common)
@@ -117,6 +119,7 @@ def add_bench_parser(subparsers) -> None:
     add_hashing_parser(sub, _common)
     add_contention_parser(sub, _common)
     add_window_parser(sub, _common)
+    add_determinism_parser(sub, _common)
     add_moe_parser(sub, _common)
 
     for name, sp in sub.choices.items():
@@ -347,6 +350,11 @@ def run_bench(args) -> int:
     if name == "window":
         from .window import run_window
         run_window(args, rep)
+        _write_json(rep, args)
+        return 0
+    if name == "determinism":
+        from .determinism import run_determinism
+        run_determinism(args, rep)
         _write_json(rep, args)
         return 0
     if name == "moe":
