@@ -73,8 +73,8 @@ def _decode_rate(eng, batch: int, tokens: int, rng: random.Random) -> float:
 def cost(base, loaded, batches: list[int], rounds: int) -> list[dict]:
     from ridge.engine.engine import LLMEngine
 
-    engines = {det: LLMEngine(replace(base, deterministic=det, enable_prefix_caching=False, num_kv_blocks=1024),
-                              loaded=loaded) for det in (False, True)}
+    engines = {det: LLMEngine(replace(base, deterministic=det, enable_prefix_caching=False), loaded=loaded)
+               for det in (False, True)}
     rng, rows = random.Random(0), []
     for b in batches:
         tokens = 40 if b == 1 else 24
@@ -93,7 +93,8 @@ def run_determinism(args, rep) -> None:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
-    base = replace(engine_config(args), kv_disk=False, max_num_seqs=16, deterministic=False)
+    cfg = engine_config(args)  # a pool of 1024 blocks each unless --num-kv-blocks: up to ten engines share the RAM
+    base = replace(cfg, kv_disk=False, max_num_seqs=16, deterministic=False, num_kv_blocks=cfg.num_kv_blocks or 1024)
     first = LLMEngine(base)
     loaded = first.loaded
     rep.set_env(first)
