@@ -303,3 +303,18 @@ def test_ollama_embed(qwen3, served):
     with pytest.raises(ollama.ResponseError) as e:
         c.chat(model="tiny-embed", messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 400
+
+
+def test_bench_embeddings_end_to_end(tmp_path, monkeypatch):
+    """`ridge bench embeddings` on a tiny shape: both sides run, alternate and embed alike."""
+    from ridge.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = tmp_path / "embed.json"
+    rc = main(["bench", "embeddings", "--device", "cpu", "--threads", "1", "--weights", "fp32", "--batches", "1,4",
+               "--ridge-point", "8", "--cpu-weight-format", "fp32", "--num-kv-blocks", "64", "--prefill-chunk", "64",
+               "--inputs", "4", "--rounds", "2", "--lengths", "4-12", "--hidden", "64", "--layers", "1", "--heads", "4",
+               "--kv-heads", "2", "--head-dim", "16", "--inter", "96", "--vocab", "300", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]["embeddings"]["rows"]
+    assert rc == 0 and [r["batch"] for r in rows] == [1, 4]
+    assert all(r["min_cosine"] >= 0.9999 and len(r["rounds"]) == 2 and r["ratio"] > 0 for r in rows)

@@ -14,6 +14,7 @@
     ridge bench window     a sliding-window model's decode step at 1, 2 and 4 windows of context
     ridge bench determinism a request's tokens alone, batched and speculated; --deterministic's cost
     ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
+    ridge bench embeddings embedding throughput at batch 1 and 64 against transformers on the same model
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -109,6 +110,7 @@ def add_bench_parser(subparsers) -> None:
     from .speculative import add_spec_parser
     from .structured import add_structured_parser
     from .moe import add_moe_parser
+    from .embeddings import add_embeddings_parser
     from .window import add_window_parser
     from .determinism import add_determinism_parser
     add_spec_parser(sub, _common)
@@ -121,6 +123,7 @@ def add_bench_parser(subparsers) -> None:
     add_window_parser(sub, _common)
     add_determinism_parser(sub, _common)
     add_moe_parser(sub, _common)
+    add_embeddings_parser(sub, _common)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -360,6 +363,11 @@ def run_bench(args) -> int:
     if name == "moe":
         from .moe import run_moe
         run_moe(args, rep)
+        _write_json(rep, args)
+        return 0
+    if name == "embeddings":
+        from .embeddings import run_embeddings
+        run_embeddings(args, rep)
         _write_json(rep, args)
         return 0
     if name == "structured":
