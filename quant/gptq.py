@@ -18,12 +18,21 @@ LAZY = 128  # columns updated together before the rest of W sees their error (th
 
 def _inverse_factor(h: torch.Tensor) -> torch.Tensor:
     """The upper Cholesky factor of H^-1, damped; a dead input (zero variance) gets a unit diagonal."""
-    h = h.double().clone()
+    h = h.float().clone()
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(DAMP * h.diagonal().mean())
     inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inv, upper=True).float()
+    return torch.linalg.cholesky(inv, upper=True)
+
+
+def round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """v (fp32, within +-448) rounded to the nearest e4m3 value, ties to even, in fp32: what
+    v.to(float8_e4m3fn) gives, without torch's fp8 cast, which is slow on CPU and runs here once
+    a column. 3 mantissa bits: the step is 2^(e-3) in the binade [2^e, 2^(e+1)), 2^-9 below 2^-6."""
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -9))).clamp(min=-6)
+    step = torch.exp2(e - 3)
+    return (torch.round(v / step) * step).clamp(-FP8_MAX, FP8_MAX)
 
 
 def _group_scale(w: torch.Tensor, bn: int, rule: str) -> torch.Tensor:
@@ -43,7 +52,7 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
     n, k = w.shape
     bn, bk = grouping_block(grouping, (n, k))
     u = _inverse_factor(h)
-    q = torch.empty(n, k, dtype=FP8)
+    q = torch.empty(n, k)  # e4m3 values in fp32 until the end
     col_scale = torch.empty(n, k)  # each weight's scale, while the groups are found
     scales = []
     for i1 in range(0, k, LAZY):
@@ -58,12 +67,13 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
                 scales.append(s)
                 col_scale[:, c:end] = s[:, None]
             s = col_scale[:, c]
-            qc = (w1[:, i] / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            qc = round_e4m3((w1[:, i] / s).clamp(-FP8_MAX, FP8_MAX))
             q[:, c] = qc
-            e = (w1[:, i] - qc.float() * s) / u[c, c]
+            e = (w1[:, i] - qc * s) / u[c, c]
             w1[:, i:] -= e[:, None] * u[c, i1 + i:i2][None, :]
             err[:, i] = e
         w[:, i2:] -= err @ u[i1:i2, i2:]
+    q = q.to(FP8)  # exact: every value is an e4m3 one
     scale = torch.stack(scales, 1)  # [N, groups]
     if grouping == "channel":
         return q, scale[:, 0]

@@ -151,3 +151,12 @@ def test_convert_records_the_recipe_and_keys_the_cache_by_it(tmp_path):
         assert not torch.equal(plain[name].view(torch.uint8), c.state_dict[name].view(torch.uint8))
     with pytest.raises(ValueError, match="calibration"):
         convert(path, recipe="auto", use_cache=False, show_progress=False)
+
+
+def test_gptq_rounds_as_torch_casts_to_e4m3():
+    from ridge.quant.gptq import round_e4m3
+
+    g = torch.Generator().manual_seed(3)
+    v = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 200.0)]).clamp(-448, 448)
+    v = torch.cat([v, torch.tensor([0.0, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 15.5, 17.0, 7.9999995])])
+    assert torch.equal(round_e4m3(v), v.to(FP8).float())
