@@ -114,8 +114,10 @@ class ModelRunner:
             hidden = self.graphs.run(shape, batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
-        if self.pooling:
+        if self.pooling:  # an embedding model's engine runs only pooled requests, and none reads its sample:
+            # the head's product (a row of vocab x hidden each, as much as a short input's whole forward) is skipped
             pool_step(out, batch.last_row, hidden)
+            return batch, hidden.new_zeros(batch.sample_rows.numel(), self.model.cfg.vocab_size, dtype=torch.float32)
         return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()
