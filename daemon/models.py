@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 from . import protocol as P
 from .protocol import ProtocolError, message
@@ -93,6 +94,7 @@ class Models:
         self._last_snapshot = (0, time.time(), {})
         self.default_pooling = "auto"  # the daemon's --pooling, which [models.NAME] pooling overrides
         self._kinds: dict = {}  # (path, pooling) -> generate | embed, read from the model's metadata once
+        self.poolings: dict[str, str] = {}  # path -> the pooling its last load resolved (none: it generates)
 
     # -- the default model, built by `ridge serve` before the sockets bind -----------
     def adopt(self, entry: Entry, loop, engine) -> Slot:
@@ -110,9 +112,15 @@ class Models:
         return self.keep_alive if entry.keep is None else entry.keep
 
     def _measure(self, slot: Slot) -> None:
-        mem = slot.engine.memory
-        slot.weight_bytes, slot.kv_bytes = int(mem.weight_bytes), int(mem.kv_pool_bytes)
+        from ridge.engine.pooling import kind_of
+
+        eng, e = slot.engine, slot.entry
+        slot.weight_bytes, slot.kv_bytes = int(eng.memory.weight_bytes), int(eng.memory.kv_pool_bytes)
         self.sizes[slot.name] = slot.bytes
+        # What its metadata said, kept: a GGUF's is read whole (SmolLM2's 49K-token vocabulary took
+        # 10 s of a reload on this CPU), and it is the same file next time.
+        self.poolings[e.path] = eng.pooling or "none"
+        self._kinds[(e.path, e.options.get("pooling", self.default_pooling))] = kind_of(eng.pooling)
 
     # -- requests ------------------------------------------------------------------
     def request(self, peer, env, kind: str, size: int, max_waiting: int) -> None:
@@ -227,8 +235,11 @@ class Models:
         log.info("loading %s (%s)%s", slot.name, slot.entry.path,
                  " from the weights parked in host RAM" if parked else "")
         share = slot.entry.options.get("kv_memory_gib") or self.kv_share_gib
+        entry = slot.entry
+        if entry.options.get("pooling", self.default_pooling) == "auto" and entry.path in self.poolings:
+            entry = replace(entry, options={**entry.options, "pooling": self.poolings[entry.path]})
         try:
-            slot.loop = self._build(slot.entry, parked[0] if parked else None, share)
+            slot.loop = self._build(entry, parked[0] if parked else None, share)
         except Exception as e:
             self._failed(slot, f"{type(e).__name__}: {e}")
             return
