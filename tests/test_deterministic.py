@@ -14,7 +14,7 @@ from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.kernels import cpu_linear_plan
 from ridge.kernels.cpu_linear import CpuLinear
 
-N = 16
+N = 12
 
 
 @pytest.fixture(scope="module")
