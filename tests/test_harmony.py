@@ -136,3 +136,14 @@ def test_auto_answers_text_or_one_valid_call(served):
             assert len(ch.message.tool_calls) == 1
         else:
             assert ch.finish_reason in ("stop", "length") and "<|" not in (ch.message.content or "")
+
+
+def test_the_final_channel_holds_the_response_format(served):
+    _, oai = served
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = oai.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=200, seed=2,
+                                    extra_body={"max_reasoning_tokens": 3}, response_format={
+                                        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
