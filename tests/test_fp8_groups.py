@@ -10,6 +10,7 @@ from ridge.kernels.cpu_linear import pack_fp8
 from ridge.kernels.fp8_scales import column_groups, dequantize, expand_scale, scale_block
 from ridge.kernels.linear import FP8, fp8_linear_ref, fp8_w8a8_triton, fp8_weight_only_triton
 from ridge.quant.fp8 import quantize_fp8
+from ridge.quant.recipe import long_name
 from ridge.quant.linear import FP8Linear
 
 GROUPINGS = ["channel", "g128", "g64", "g32", "b128"]
@@ -160,3 +161,24 @@ def test_gptq_rounds_as_torch_casts_to_e4m3():
     v = torch.cat([torch.randn(4000, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 200.0)]).clamp(-448, 448)
     v = torch.cat([v, torch.tensor([0.0, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 15.5, 17.0, 7.9999995])])
     assert torch.equal(round_e4m3(v), v.to(FP8).float())
+
+
+def test_auto_takes_the_fewest_bytes_within_the_budget(tmp_path):
+    from tiny_models import make_tiny
+
+    from ridge.models.fp8_calibrate import choose_recipe
+    from ridge.quant.convert import convert
+
+    path, *_ = make_tiny(tmp_path)
+    conv = convert(path, quantize=False, use_cache=False, show_progress=False)
+    args = (conv.config, conv.state_dict, conv.freq_factors, conv.tokenizer)
+    easy, _, measured = choose_recipe(*args, budget=float("inf"), groupings=("g32", "g64"))
+    assert easy.spec == "g64" and [t["recipe"] for t in measured["tried"]] == ["g64"]  # the fewest bytes
+    hard, hess, measured = choose_recipe(*args, budget=0.0, groupings=("g32",), max_bf16=2)  # unreachable
+    tried = [t["recipe"] for t in measured["tried"]]
+    assert tried[:2] == ["g32", "g32+gptq"] and len(tried) == 4 and len(hard.keep) == 2
+    kls = [t["kl"] for t in measured["tried"]]
+    assert kls[3] < kls[2] < min(kls[:2])  # each weight kept in bf16 lowers the KL
+    sens = measured["sensitivity"]  # the two of most KL per byte, in that order
+    assert [long_name(n) for n in sens] == sorted(hard.keep, key=list(map(long_name, sens)).index)
+    assert (hess is not None) == hard.gptq

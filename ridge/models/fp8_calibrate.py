@@ -100,7 +100,7 @@ def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
 
 
 def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: float = FP8_KL_BUDGET,
-                  groupings: tuple[str, ...] = ("g128", "g64", "g32")):
+                  groupings: tuple[str, ...] = ("g128", "g64", "g32"), max_bf16: int = MAX_BF16):
     """The recipe of fewest bytes whose KL on the calibration text meets budget: groupings
     coarse to fine, then GPTQ, then the most sensitive weights (KL per byte) kept in bf16 one by
     one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
@@ -125,7 +125,7 @@ def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: flo
     best = min(cands, key=lambda r: next(t["kl"] for t in tried if t["recipe"] == r.spec))
     sens = sensitivity(model, sd, ids[:SENSITIVITY_TOKENS], best.grouping)
     extra = {n: 2 * shapes[n][0] * shapes[n][1] - Recipe(best.grouping).weight_bytes({n: shapes[n]}) for n in sens}
-    order = sorted(sens, key=lambda n: -sens[n] / extra[n])[:MAX_BF16]
+    order = sorted(sens, key=lambda n: -sens[n] / extra[n])[:max_bf16]
     r = best
     for n in order:
         r = Recipe(best.grouping, best.gptq, tuple(sorted((*r.keep, n))))
