@@ -45,6 +45,7 @@ class Slot:
         self.expires_at: float | None = None  # monotonic; None while it has requests, or pinned
         self.load_started = self.load_seconds = None
         self.load_from: str | None = None  # host (parked weights) | cache (converted on disk) | convert
+        self.parked = None  # the parked LoadedModel a load in progress was given
         self.weight_bytes = self.kv_bytes = 0
         self.queued_at = time.monotonic()
         self._progress_at = 0.0
@@ -232,6 +233,7 @@ class Models:
         parked = self.parked.pop(slot.name, None)
         slot.state, slot.load_started = "loading", time.monotonic()
         slot.load_from = "host" if parked is not None else None
+        slot.parked = parked[0] if parked else None
         log.info("loading %s (%s)%s", slot.name, slot.entry.path,
                  " from the weights parked in host RAM" if parked else "")
         share = slot.entry.options.get("kv_memory_gib") or self.kv_share_gib
@@ -256,8 +258,9 @@ class Models:
             return
         engine = slot.engine = slot.loop.engine
         slot.load_seconds = time.monotonic() - slot.load_started
-        if slot.load_from is None:
+        if engine.loaded is not slot.parked:  # none was parked, or the copy failed (serve.new_engine)
             slot.load_from = "cache" if engine.loaded.from_cache else "convert"
+        slot.parked = None
         self._measure(slot)
         try:
             slot.validator, slot.info = self._ready(slot, engine)
@@ -463,9 +466,16 @@ def park(engine):
 
 
 def unpark(loaded, device: str | None):
-    """The weights park() kept, back on the device they ran on: a copy, not a conversion."""
+    """The weights park() kept, back on the device they ran on: a copy, not a conversion. Raises
+    if a tensor stayed behind (one held where _move does not look)."""
     if loaded.device.type == "cuda":
-        _move(loaded.model, lambda t: t.to(loaded.device, non_blocking=True))
         import torch
+
+        _move(loaded.model, lambda t: t.to(loaded.device, non_blocking=True))
         torch.cuda.synchronize(loaded.device)
+        left = [t for m in loaded.model.modules()
+                for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
+                if isinstance(t, torch.Tensor) and t.device != loaded.device]
+        if left:
+            raise RuntimeError(f"{len(left)} tensors of the parked model are not on {loaded.device}")
     return loaded

@@ -116,7 +116,13 @@ def new_engine(values: dict, loaded=None):
 
     from .models import unpark
 
-    return LLMEngine(engine_config(values), loaded=unpark(loaded, values["device"]) if loaded is not None else None)
+    if loaded is not None:
+        try:
+            loaded = unpark(loaded, values["device"])
+        except Exception as e:  # the copy failed: the model loads as if never parked
+            log.warning("the parked weights of %s could not be used (%s); loading it again", values["model"], e)
+            loaded = None
+    return LLMEngine(engine_config(values), loaded=loaded)
 
 
 def run_serve(args) -> int:
