@@ -154,6 +154,24 @@ def test_a_batch_of_64_through_the_engine(qwen3):
     assert eng.kv_cache_manager.get_computed_blocks("probe", inputs[0] * 4)[1] == 0  # no KV kept
 
 
+def test_an_embedding_step_takes_whole_prefills(qwen3):
+    """With no --prefill-chunk an embedding engine's step is sized for whole prefills of every
+    sequence it holds, not a generating engine's latency chunk (max_num_seqs + 2 T*): 16 inputs
+    of 20-60 tokens run in one step, embedded as transformers embeds them."""
+    model, _, lm = qwen3
+    eng = make_engine(lm, prefill_chunk=None, num_kv_blocks=128)
+    chunk = eng.budget_info["budget"]  # a generating engine's chunk at this ridge point
+    assert eng.sched_config.max_num_batched_tokens == eng.sched_config.long_prefill_token_threshold == 16 * chunk
+    steps = []
+    eng.step_observers.append(lambda out, seconds: steps.append(out.num_scheduled_tokens))
+    inputs = vocab_prompts(lm, [20 + (i * 13) % 41 for i in range(16)], seed=3)
+    assert sum(map(len, inputs)) > 16 + chunk  # more than a generating engine's step holds
+    out = eng.embed(inputs)
+    assert steps == [sum(map(len, inputs))]
+    assert min(cosines(out.embeddings, [reference(model, ids, "last") for ids in inputs])) >= 0.9999
+    assert_no_leak(eng)
+
+
 def test_kinds_refuse_each_others_requests(qwen3):
     _, _, lm = qwen3
     with pytest.raises(InvalidRequest, match="embedding model"):

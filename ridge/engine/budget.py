@@ -48,3 +48,12 @@ def default_token_budget(device: torch.device, bytes_per_weight: float, fp8: boo
     budget = int(min(max(BUDGET_MULTIPLE * knee, MIN_BUDGET), MAX_BUDGET))
     budget = -(-budget // 16) * 16
     return budget, {"ridge_point": ridge, "ridge_source": source, "knee_tokens": knee, "budget": budget}
+
+
+def pooled_token_budget(chunk: int, max_num_seqs: int) -> int:
+    """An embedding engine's step (and its prefill chunk): whole prefills of every sequence it
+    holds, up to MAX_BUDGET. Its requests keep no KV and no decode waits behind a long step, so
+    the chunk that bounds a generating engine's step for latency would only split a batch into
+    many small steps, each paying the per-step and per-layer costs again (issue 28: 64 inputs
+    of 16-64 tokens took 20 steps of 128 tokens, 3.4x the time of one step of all 2527)."""
+    return int(min(max(max_num_seqs * chunk, chunk), MAX_BUDGET))

@@ -21,7 +21,7 @@ from ridge.models.loader import LoadedModel, load_model
 from ridge.kernels import native, ops
 from ridge.kernels.timing import section
 
-from .budget import default_token_budget
+from .budget import default_token_budget, pooled_token_budget
 from .config import EngineConfig
 from .cpu_format import CpuFormats, choose_cpu_format, fp8_max_tokens, invariant_unavailable, keep_freed_memory
 from .kv_tiers import build_tiers
@@ -65,6 +65,8 @@ class LLMEngine:
             keep_freed_memory()
         self.thread_governor = ThreadGovernor(torch.get_num_threads()) \
             if self.device.type == "cpu" and config.adaptive_threads else None
+        # What the model is (--pooling, else its metadata): last or mean for an embedding model, None if it generates.
+        self.pooling = resolve_pooling(config.pooling, self.loaded.path)
         self._plan_budget()
         budget = self.sched_config.max_num_batched_tokens
         head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens
@@ -106,8 +108,6 @@ class LLMEngine:
                                            self.runner.bufs.width) if spec is not None else None
         self.constraints = Constraints(self.tokenizer, self.loaded.config.vocab_size)
         self.runner.speculator, self.runner.constraints = self.speculator, self.constraints
-        # What the model is (--pooling, else its metadata): last or mean for an embedding model, None if it generates.
-        self.pooling = resolve_pooling(config.pooling, self.loaded.path)
         self.runner.pooling = self.pooling is not None
         self.judged = judged_tokens(self.tokenizer, self.loaded.path) if self.pooling == "rank" else None
         self.embeddings: dict[str, tuple] = {}  # embedding request id -> (its inputs' requests, dimensions)
@@ -145,7 +145,11 @@ class LLMEngine:
         b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
         chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point)
         chunk = c.prefill_chunk or chunk
-        self.sched_config = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_seqs + chunk,
+        # An embedding engine's step is sized for whole prefills, a generating one's for its decodes' latency.
+        step = c.max_num_seqs + chunk
+        if self.pooling is not None:
+            chunk = step = c.prefill_chunk or pooled_token_budget(chunk, c.max_num_seqs)
+        self.sched_config = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=step,
                                             long_prefill_token_threshold=chunk, block_size=c.block_size,
                                             max_model_len=self.max_model_len)
         self.budget_info["prefill_chunk"] = chunk
