@@ -323,11 +323,12 @@ def test_ollama_embed(qwen3, served):
     assert e.value.status_code == 400
 
 
-def test_bench_embeddings_end_to_end(tmp_path, monkeypatch):
-    """`ridge bench embeddings` on a tiny shape: both sides run, alternate and embed alike."""
+def test_bench_embeddings_end_to_end(tmp_path):
+    """`ridge bench embeddings` on a tiny shape: both sides run, alternate and embed alike. The
+    model is cached under the suite's XDG_CACHE_HOME (conftest.py) beside the CPU kernels: a
+    cache of its own would build those kernels again (half a minute)."""
     from ridge.cli import main
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     out = tmp_path / "embed.json"
     rc = main(["bench", "embeddings", "--device", "cpu", "--threads", "1", "--weights", "fp32", "--batches", "1,4",
                "--ridge-point", "8", "--cpu-weight-format", "fp32", "--num-kv-blocks", "64", "--prefill-chunk", "64",
