@@ -23,7 +23,7 @@ serve: setup
 	$(BIN)/ridge serve
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) *.egg-info
