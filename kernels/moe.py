@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
 
@@ -109,15 +110,91 @@ def fused_moe_ref(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
 
 @dataclass(eq=False)
 class CpuExperts:
-    """One MoE layer's CPU expert products: per expert, the CpuLinear of its gate_up [2I, H] and
-    of its down [H, I] weight (views of the layer's stacked upcast weights), whose formats the
-    start-up measurement chooses per shape and row count like any linear layer's
-    (kernels/cpu_linear_plan.py): an expert's product sees the rows routed to it."""
+    """One MoE layer's CPU expert products, in one of two forms.
+    packed (where the C kernel takes the layer, native_takes): the e4m3 bytes of every expert in
+    the kernel's layout, gate_up [E, 2I/16, H/2, 16, 2] and down [E, H/16, I/2, 16, 2] (uint8),
+    and their channel scales times 256 ([E, 2I], [E, H]); the layer holds no upcast copy and has
+    no per-expert formats to choose (gate_up and down empty).
+    Else per expert the CpuLinear of its gate_up [2I, H] and of its down [H, I] weight (views of
+    the layer's stacked upcast weights), whose formats the start-up measurement chooses per
+    shape and row count like any linear layer's (kernels/cpu_linear_plan.py): an expert's
+    product sees the rows routed to it."""
     gate_up: list[CpuLinear]
     down: list[CpuLinear]
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def layers(self) -> list[CpuLinear]:
         return self.gate_up + self.down
+
+    @classmethod
+    def packed_from(cls, w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    s_down: torch.Tensor) -> "CpuExperts":
+        """The packed form from the stacked e4m3 weights and their [E, rows] scales."""
+        return cls([], [], make_packed(w_gate_up, s_gate_up, w_down, s_down))
+
+    def copies(self) -> list[torch.Tensor]:
+        """What the products read beyond the layer's buffers."""
+        return [t for m in self.layers() for t in m.copies.values()] + list(self.packed or ())
+
+
+def pack_experts(w: torch.Tensor) -> torch.Tensor:
+    """e4m3 [E, N, K] -> the C kernel's [E, N/16, K/2, 16, 2] bytes (cpu_linear.pack_fp8's layout
+    per expert)."""
+    E, n, k = w.shape
+    return w.view(torch.uint8).view(E, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+_ACT_CODE = {"silu": 0, "swigluoai": 1, "gelu": 2, "gelu_pytorch_tanh": 3}  # fp8_moe's act
+
+
+def native_takes(num_experts: int, hidden: int, inter: int) -> bool:
+    """Whether the C kernel (kernels/csrc/fp8_linear.c, fp8_moe) can run a layer of these shapes
+    on this machine: the library built with its AVX2 product (native.fp8_linear_isa), widths in
+    whole 16-column blocks. Decided once at load, since the layer then keeps only the e4m3
+    bytes."""
+    return native.fp8_linear_isa() >= 1 and hidden % 16 == 0 and inter % 16 == 0 and num_experts > 0
+
+
+def make_packed(w_gate_up: torch.Tensor, s_gate_up: torch.Tensor, w_down: torch.Tensor,
+                s_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """CpuExperts.packed from the stacked e4m3 weights and their [E, rows] scales."""
+    return (pack_experts(w_gate_up), (s_gate_up.float() * 256).contiguous(), pack_experts(w_down),
+            (s_down.float() * 256).contiguous())
+
+
+def native_fits(x, topk_ids, cpu: CpuExperts | None, act: str) -> bool:
+    """Whether fused_moe_native takes this call: a layer packed for the kernel, the library
+    loaded (native.off() turns it off), a contract activation."""
+    return cpu is not None and cpu.packed is not None and native.library() is not None and act in _ACT_CODE \
+        and topk_ids.shape[1] <= 64
+
+
+def fused_moe_native(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
+                     b_gate_up=None, b_down=None, act="silu", swiglu_alpha=1.702, swiglu_limit=7.0, cpu=None):
+    """The contract in one C call over the e4m3 bytes of cpu.packed (w_* are the layer's e4m3
+    buffers, read only for their shapes): the slots sorted by expert, each active expert's
+    gate_up, activation, down, bias and routing weight, the k terms summed in ascending expert
+    order; the thread team shares (expert, 16-column block) items. fp32 throughout (AVX2 FMA)."""
+    check_args(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, b_gate_up, b_down, act)
+    E, I2, H = w_gate_up.shape
+    T, k = topk_ids.shape
+    gu, s_gu, dn, s_dn = cpu.packed
+    assert gu.shape == (E, I2 // 16, H // 2, 16, 2) and dn.shape == (E, H // 16, I2 // 4, 16, 2), (gu.shape, dn.shape)
+    out = torch.empty((T, H), dtype=torch.float32)
+    if T == 0:
+        return out.to(x.dtype)
+    xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    w = topk_weights.contiguous()
+    bg = None if b_gate_up is None else b_gate_up.float().contiguous()
+    bd = None if b_down is None else b_down.float().contiguous()
+    rc = native.library().fp8_moe(xf.data_ptr(), T, H, I2 // 2, E, k, ids.data_ptr(), w.data_ptr(), gu.data_ptr(),
+                                  s_gu.data_ptr(), None if bg is None else bg.data_ptr(), dn.data_ptr(),
+                                  s_dn.data_ptr(), None if bd is None else bd.data_ptr(), _ACT_CODE[act],
+                                  swiglu_alpha, swiglu_limit, out.data_ptr(), native.fp8_linear_isa(),
+                                  torch.get_num_threads())
+    assert rc == 0, "fp8_moe: no AVX2 product in this build"
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *,
@@ -129,7 +206,11 @@ def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
     cpu: the layer's CpuExperts (each product in its chosen format); None: F.linear on the
     stacked weights (an FP8 one upcast per active expert). act_fn: h [n, 2I] -> [n, I], the
     activation's CPU implementation (ops chooses it; None: act_and_mul). One token (a batch-1
-    decode step) skips the sort, gather and scatter: its k experts run on its row in order."""
+    decode step) skips the sort, gather and scatter: its k experts run on its row in order.
+    A CpuExperts in the packed form (no per-expert layers: native.off() after a packed load)
+    counts as None."""
+    if cpu is not None and not cpu.gate_up:
+        cpu = None
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = _product(rows, w_gate_up, w_gate_up_scale, b_gate_up, e, None if cpu is None else cpu.gate_up[e])
         h = act_fn(h) if act_fn is not None else act_and_mul(h, act, swiglu_alpha, swiglu_limit)

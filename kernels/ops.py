@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import activation, attention_native, kv_cache, native, norm, rope as rope_impl
+from . import activation, attention_native, kv_cache, moe, native, norm, rope as rope_impl
 from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_native, silu_and_mul_ref
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
@@ -30,7 +30,7 @@ from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
 from .kv_cache import write_kv_native, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
-from .moe import fused_moe_cpu, fused_moe_ref
+from .moe import fused_moe_cpu, fused_moe_native, fused_moe_ref
 from .norm import rms_norm_native, rms_norm_ref, rms_norm_torch
 from .rope import rope_native, rope_ref, rope_torch
 from .timing import section
@@ -106,6 +106,15 @@ def keeps_fp8(device: torch.device) -> bool:
     once at load (fp8 * scale is exact in fp32), since torch's fp8 cast per step is far too slow;
     the layer's CPU formats (cpu_linear.CpuLinear) then choose per step size."""
     return device.type == "cuda"
+
+
+def moe_packs_fp8(device: torch.device, num_experts: int, hidden: int, inter: int) -> bool:
+    """Whether a mixture of experts' FP8 experts stay e4m3 on the device for ridge's CPU kernel
+    (moe.fused_moe_native, packed at load: CpuExperts.packed_from), instead of keeps_fp8's CPU
+    upcast: on CPU where the kernel takes the layer's shapes (moe.native_takes). It runs every
+    row count faster than the upcast's per-expert products (docs/benchmarks.md) in a quarter of
+    the bytes less the packed copy."""
+    return device.type == "cpu" and moe.native_takes(num_experts, hidden, inter)
 
 
 # -- the CPU choices: each takes its op's arguments and returns the backend that runs them. The
@@ -211,10 +220,15 @@ def _silu_and_mul_any(h):
     return _silu_and_mul_cpu(h)(h)
 
 
-def _fused_moe_cpu(*args, act="silu", **kw):
-    """The grouped CPU path, its experts' activation chosen as silu_and_mul's is (the C kernel
-    where it fits)."""
-    return fused_moe_cpu(*args, act=act, act_fn=_silu_and_mul_any if act == "silu" else None, **kw)
+def _fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *, act="silu",
+                   cpu=None, **kw):
+    """The C kernel over the layer's e4m3 bytes where it takes the call (moe.native_fits: a layer
+    loaded packed for it; faster at every row count measured, docs/benchmarks.md); else the
+    grouped path, its experts' activation chosen as silu_and_mul's is."""
+    args = (x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights)
+    if moe.native_fits(x, topk_ids, cpu, act):
+        return fused_moe_native(*args, act=act, cpu=cpu, **kw)
+    return fused_moe_cpu(*args, act=act, cpu=cpu, act_fn=_silu_and_mul_any if act == "silu" else None, **kw)
 
 
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):

@@ -34,6 +34,10 @@ class FP8Experts(nn.Module):
         """tensors: "gate_up_proj.weight" [E, 2I, H], "down_proj.weight" [E, H, I], their
         "_scale"s [E, rows] where FP8, and ".bias"es [E, rows] where the layer has them."""
         keep = ops.keeps_fp8(device)
+        # Where ops says so (CPU, ridge's MoE kernel): the e4m3 bytes and their packed copy, no upcast.
+        E, I2, H = self.shapes["gate_up_proj"]
+        native = not keep and all(tensors.get(f"{n}.weight") is not None and tensors[f"{n}.weight"].dtype == FP8
+                                  for n in self.shapes) and ops.moe_packs_fp8(device, E, H, I2 // 2)
         cpu: dict[str, list[CpuLinear]] = {}
         for name, short in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
             w, s, b = (tensors.get(f"{name}.{k}") for k in ("weight", "weight_scale", "bias"))
@@ -44,7 +48,7 @@ class FP8Experts(nn.Module):
                 raise ValueError(f"experts' {name}: " + ("a bias for a layer without one" if b is not None
                                                          else "no bias for a layer with one"))
             scale = None
-            if w.dtype == FP8 and keep:  # the grouped kernel reads e4m3
+            if w.dtype == FP8 and (keep or native):  # the grouped kernel reads e4m3, so does the CPU one
                 weight, scale = w.to(device), s.float().to(device)
             elif w.dtype == FP8:
                 weight = (w.float() * s.float()[..., None]).to(dtype).to(device)
@@ -57,6 +61,8 @@ class FP8Experts(nn.Module):
             setattr(self, f"w_{short}_scale", scale)
             setattr(self, f"b_{short}", None if b is None else b.to(device=device, dtype=dtype))
         self.cpu = CpuExperts(cpu["gate_up"], cpu["down"]) if cpu else None
+        if native:
+            self.cpu = CpuExperts.packed_from(self.w_gate_up, self.w_gate_up_scale, self.w_down, self.w_down_scale)
 
     def cpu_weights(self) -> list[CpuLinear]:
         """Every expert's CPU products, as kernels' CPU formats see them (made here for weights
@@ -67,7 +73,7 @@ class FP8Experts(nn.Module):
 
     def cpu_copies(self) -> list[torch.Tensor]:
         """The copies the experts' chosen CPU formats read (bf16, packed e4m3), beyond the buffers."""
-        return [t for m in (self.cpu.layers() if self.cpu else []) for t in m.copies.values()]
+        return self.cpu.copies() if self.cpu else []
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         b = self._buffers

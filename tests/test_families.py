@@ -143,7 +143,9 @@ def _copy_mlp(ours, mlp, cfg) -> None:
     """ridge's MLP weights into transformers': fused (phi3), gate and up, or a mixture of
     experts' stacked experts (tests/test_moe.py), whose router stays as shipped."""
     if hasattr(ours, "experts"):
-        gate_up, down = ours.experts.w_gate_up.float(), ours.experts.w_down.float()  # [E, 2I, H], [E, H, I]
+        gate_up, down = (w.float() if s is None else w.float() * s[..., None]  # e4m3 where CPU kernels read it
+                         for w, s in ((ours.experts.w_gate_up, ours.experts.w_gate_up_scale),
+                                      (ours.experts.w_down, ours.experts.w_down_scale)))  # [E, 2I, H], [E, H, I]
         if hasattr(mlp, "router"):  # gpt-oss: [E, H, 2I] with gate and up interleaved, [E, I, H]
             gate, up = gate_up.transpose(1, 2).chunk(2, dim=-1)
             gate_up, down = torch.stack((gate, up), dim=-1).flatten(-2), down.transpose(1, 2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ridge.config import ModelShape
-from ridge.kernels import ops
+from ridge.kernels import native, ops
 from ridge.kernels.moe import CpuExperts, fused_moe_cpu, fused_moe_ref
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
@@ -86,16 +86,18 @@ def test_cpu_path_activations_biases_and_int32_ids(act):
 
 
 def test_cpu_path_through_the_experts_cpu_formats():
-    """FP8Experts on CPU: the stacked weights upcast at load, a CpuLinear per expert product
-    (what the format measurement chooses among); in bf16 copies for steps of up to 4 rows the
-    products differ from fp32 by bf16's rounding of the activations and weights only."""
+    """FP8Experts on CPU without ridge's C kernels: the stacked weights upcast at load, a
+    CpuLinear per expert product (what the format measurement chooses among); in bf16 copies
+    for steps of up to 4 rows the products differ from fp32 by bf16's rounding of the
+    activations and weights only. (With the kernels: tests/test_moe_native.py.)"""
     from ridge.kernels.cpu_linear import ShapeFormat
 
     E, H, inter, k = 8, 64, 32, 2
     w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=1, fp8=True)
     mod = FP8Experts(E, H, inter)
-    mod.load({"gate_up_proj.weight": w13, "gate_up_proj.weight_scale": s13, "down_proj.weight": w2,
-              "down_proj.weight_scale": s2}, torch.device("cpu"), torch.float32)
+    with native.off():
+        mod.load({"gate_up_proj.weight": w13, "gate_up_proj.weight_scale": s13, "down_proj.weight": w2,
+                  "down_proj.weight_scale": s2}, torch.device("cpu"), torch.float32)
     assert mod.w_gate_up.dtype == torch.float32 and mod.w_gate_up_scale is None
     assert isinstance(mod.cpu, CpuExperts) and len(mod.cpu_weights()) == 2 * E
     assert mod.cpu.gate_up[3].weight.data_ptr() == mod.w_gate_up[3].data_ptr(), "a view of the stacked weight"
@@ -460,7 +462,8 @@ def test_a_moe_model_step_through_triton(variants, name):
     """The whole model through ops.use_triton() (the interpreter: the grouped expert kernel,
     and for gpt-oss the sinks, biases and clamped SwiGLU in it) against the CPU path."""
     _, _, path, ids = variants(name)
-    lm = load_model(path, device="cpu", weights="fp8", use_cache=False, show_progress=False)
+    with native.off():  # the experts upcast at load, so that the grouped kernel runs fp32 as the CPU path does
+        lm = load_model(path, device="cpu", weights="fp8", use_cache=False, show_progress=False)
     expected = prompt_logits(lm.model, ids[:40])
     with ops.use_triton():
         got = prompt_logits(lm.model, ids[:40])

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
+#include "common.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -220,6 +222,124 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
     }
 }
 
+/* ---- a mixture-of-experts layer's experts in one call ---------------------------------- */
+
+/* rows [n][K] through one 16-column block wb of a packed [N/16][K/2][16][2] weight -> y
+   (ldy apart): up to 2 rows convert the bytes as they stream, more convert the block once
+   into buf (K * 16 floats) and run 3-row tiles over it. */
+T256 static void block256(const float *x, int64_t n, int64_t K, const uint8_t *wb, const float *s, float *y,
+                          int64_t ldy, float *buf) {
+    if (n <= 2) {
+        (n == 1 ? v1 : v2)(x, K, K / 2, wb, s, 0, y, ldy);
+        return;
+    }
+    for (int64_t q = 0; q < K * 16; q += 16) e4m3_f32x16(wb + q, (__m256 *)(buf + q), (__m256 *)(buf + q + 8));
+    for (int64_t m0 = 0; m0 < n; m0 += 3) {
+        int mr = n - m0 < 3 ? (int)(n - m0) : 3;
+        F256[mr](x + m0 * K, K, K / 2, buf, s, 0, y + m0 * ldy, ldy);
+    }
+}
+
+/* act(gate) * up, the contract's activations (kernels/moe.py): 0 SiLU, 1 gpt-oss's clamped
+   SwiGLU, 2 GELU (erf), 3 GELU's tanh form; sigmoid(z) from e = exp(-|z|) <= 1, as
+   silu_and_mul does. */
+static INL float gated(float g, float u, int act, float alpha, float limit) {
+    if (act == 2) return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+    if (act == 3) return 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g))) * u;
+    if (act == 1) {
+        g = g < limit ? g : limit;
+        u = u < -limit ? -limit : u > limit ? limit : u;
+        float z = g * alpha, e = exp_neg(z < 0.0f ? z : -z);
+        return (u + 1.0f) * (g * ((z < 0.0f ? e : 1.0f) / (1.0f + e)));
+    }
+    float e = exp_neg(g < 0.0f ? g : -g);
+    return (g < 0.0f ? g * e : g) / (1.0f + e) * u;
+}
+
+/* out [T][H] = sum over each token's k slots, in ascending expert order, of
+   weight * (down_e(act(gate_up_e(x) + b_gu[e])) + b_dn[e]) (the contract of kernels/moe.py).
+   ids [T][k] int64 (distinct per token, each in [0, E)), weights [T][k] fp32; w_gu
+   [E][2I/16][H/2][16][2] and w_dn [E][H/16][I/2][16][2] e4m3 bytes (pack_fp8 per expert), s_gu
+   [E][2I] and s_dn [E][H] the channel scales times 256; b_gu [E][2I], b_dn [E][H] fp32 or NULL.
+   I % 16 == 0, H % 16 == 0 (the caller checks).
+   The slots are sorted by expert once (a counting sort, stable); then the team splits the work
+   by (active expert, 16-column block) twice: gate and up blocks c and I/16 + c with the
+   activation on the 16 columns they make, then down with its bias and the routing weight, so
+   a step whose experts have 1-2 rows each still has (experts x blocks) items to share. */
+T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
+                         const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu,
+                         const uint8_t *w_dn, const float *s_dn, const float *b_dn, int act, float alpha,
+                         float limit, float *out, int nthreads) {
+    const int64_t S = T * k, ib = I / 16, hb = H / 16;
+    int64_t *off = calloc((size_t)E + 1, sizeof(int64_t)), *pos = malloc((size_t)S * sizeof(int64_t));
+    int64_t *tok = malloc((size_t)S * sizeof(int64_t)), *active = malloc((size_t)E * sizeof(int64_t));
+    float *ws = malloc((size_t)S * 4), *xs = malloc((size_t)(S * H) * 4), *a = malloc((size_t)(S * I) * 4);
+    float *ys = malloc((size_t)(S * H) * 4);
+    for (int64_t s = 0; s < S; s++) off[ids[s] + 1]++;
+    int64_t na = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (off[e + 1]) active[na++] = e;
+        off[e + 1] += off[e];
+    }
+    int64_t *fill = malloc((size_t)E * sizeof(int64_t));
+    memcpy(fill, off, (size_t)E * sizeof(int64_t));
+    for (int64_t s = 0; s < S; s++) {
+        int64_t p = fill[ids[s]]++;
+        pos[s] = p, tok[p] = s / k, ws[p] = weights[s];
+    }
+    free(fill);
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = aligned_alloc(64, (size_t)((H > I ? H : I) * 16 * 2) * 4);
+        float *tmp = malloc((size_t)(T * 32) * 4);  /* an expert has at most T rows */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < na * ib; item++) {
+            const int64_t e = active[item / ib], c = item % ib, r0 = off[e], n = off[e + 1] - r0;
+            const uint8_t *w = w_gu + e * 2 * I * H;
+            const float *s = s_gu + e * 2 * I;
+            block256(xs + r0 * H, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf);
+            block256(xs + r0 * H, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16);
+            const float *bg = b_gu ? b_gu + e * 2 * I + c * 16 : NULL, *bu = bg ? bg + I : NULL;
+            for (int64_t r = 0; r < n; r++)
+                for (int j = 0; j < 16; j++) {
+                    float g = tmp[r * 32 + j], u = tmp[r * 32 + 16 + j];
+                    if (bg) g += bg[j], u += bu[j];
+                    a[(r0 + r) * I + c * 16 + j] = gated(g, u, act, alpha, limit);
+                }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < na * hb; item++) {
+            const int64_t e = active[item / hb], c = item % hb, r0 = off[e], n = off[e + 1] - r0;
+            float *y = ys + r0 * H + c * 16;
+            block256(a + r0 * I, n, I, w_dn + e * H * I + c * 16 * I, s_dn + e * H + c * 16, y, H, buf);
+            const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
+            for (int64_t r = 0; r < n; r++)
+                for (int j = 0; j < 16; j++) y[r * H + j] = (bd ? y[r * H + j] + bd[j] : y[r * H + j]) * ws[r0 + r];
+        }
+        /* A token's slots sit in ascending expert order by their sorted positions. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t q[64], m = k < 64 ? k : 64;
+            for (int64_t j = 0; j < m; j++) {
+                int64_t v = pos[t * k + j], i = j;
+                for (; i > 0 && q[i - 1] > v; i--) q[i] = q[i - 1];
+                q[i] = v;
+            }
+            float *o = out + t * H;
+            memcpy(o, ys + q[0] * H, (size_t)H * 4);
+            for (int64_t j = 1; j < m; j++) {
+                const float *yj = ys + q[j] * H;
+                for (int64_t h = 0; h < H; h++) o[h] += yj[h];
+            }
+        }
+        free(tmp);
+        free(buf);
+    }
+    free(off), free(pos), free(tok), free(active), free(ws), free(xs), free(a), free(ys);
+}
+
 /* 2: AVX-512 BF16, 1: AVX2 + F16C + FMA, 0: neither (the caller keeps torch's formats). */
 int fp8_linear_isa(void) {
     __builtin_cpu_init();
@@ -245,6 +365,17 @@ int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const flo
                float *y, int isa, int nthreads) {
     return fp8_linear_grouped(x, M, K, w, scale, N, K, y, isa, nthreads);
 }
+/* One MoE layer's experts (moe_256's contract); k <= 64. The AVX2 tiles run on an AVX-512
+   machine too (isa 2): the layer takes fp32 products there as well. Returns 0, or -1 where
+   neither is built. */
+int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
+            const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu, const uint8_t *w_dn,
+            const float *s_dn, const float *b_dn, int act, float alpha, float limit, float *out, int isa,
+            int nthreads) {
+    if (isa < 1 || k > 64 || I % 16 || H % 16) return -1;
+    moe_256(x, T, H, I, E, k, ids, weights, w_gu, s_gu, b_gu, w_dn, s_dn, b_dn, act, alpha, limit, out, nthreads);
+    return 0;
+}
 #else
 int fp8_linear_isa(void) { return 0; }
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
@@ -255,6 +386,15 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
 int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
                float *y, int isa, int nthreads) {
     (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)y; (void)isa; (void)nthreads;
+    return -1;
+}
+int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
+            const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu, const uint8_t *w_dn,
+            const float *s_dn, const float *b_dn, int act, float alpha, float limit, float *out, int isa,
+            int nthreads) {
+    (void)x; (void)T; (void)H; (void)I; (void)E; (void)k; (void)ids; (void)weights; (void)w_gu; (void)s_gu;
+    (void)b_gu; (void)w_dn; (void)s_dn; (void)b_dn; (void)act; (void)alpha; (void)limit; (void)out; (void)isa;
+    (void)nthreads;
     return -1;
 }
 #endif

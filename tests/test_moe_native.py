@@ -1,0 +1,90 @@
+"""The CPU mixture-of-experts kernel (kernels/csrc/fp8_linear.c, fp8_moe; kernels/moe.py's
+fused_moe_native) against fused_moe_ref, and FP8Experts' packed CPU layout (the e4m3 bytes
+only, no upcast)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.kernels import native, ops
+from ridge.kernels.moe import CpuExperts, fused_moe_native, fused_moe_ref, native_fits
+from ridge.quant.experts import FP8Experts
+from test_moe import _experts, _rel, _routing
+
+pytestmark = pytest.mark.skipif(native.fp8_linear_isa() < 1, reason="needs ridge's C kernels with AVX2")
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_the_kernel_matches_the_reference(k):
+    """Uneven loads (the last experts get no tokens), one token and many (more than an expert's
+    3-row tile), odd widths in whole 16-column blocks."""
+    E, H, inter = 12, 80, 48
+    w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=k, fp8=True)
+    cpu = CpuExperts.packed_from(w13, s13, w2, s2)
+    for T in (1, 2, 5, 43):
+        ids, w = _routing(T, E, k, seed=T)
+        x = torch.randn(T, H)
+        ref = fused_moe_ref(x, w13, s13, w2, s2, ids, w)
+        assert _rel(fused_moe_native(x, w13, s13, w2, s2, ids, w, cpu=cpu), ref) <= 1e-6, (T, k)
+        if T == 43:
+            assert torch.bincount(ids.reshape(-1), minlength=E)[-1] == 0, "an expert without tokens"
+
+
+def _loaded(E: int, H: int, inter: int, act: str, seed: int):
+    """An FP8Experts with biases loaded on CPU from random e4m3 experts, and those tensors."""
+    w13, s13, w2, s2, b13, b2 = _experts(E, H, inter, seed=seed, fp8=True, bias=True)
+    mod = FP8Experts(E, H, inter, act=act, bias=True)
+    mod.load({"gate_up_proj.weight": w13, "gate_up_proj.weight_scale": s13, "gate_up_proj.bias": b13,
+              "down_proj.weight": w2, "down_proj.weight_scale": s2, "down_proj.bias": b2},
+             torch.device("cpu"), torch.float32)
+    return mod, dict(w_gate_up=w13, w_gate_up_scale=s13, w_down=w2, w_down_scale=s2, b_gate_up=b13, b_down=b2)
+
+
+def _ref(x, ids, w, t: dict, act: str):
+    return fused_moe_ref(x, t["w_gate_up"], t["w_gate_up_scale"], t["w_down"], t["w_down_scale"], ids, w,
+                         b_gate_up=t["b_gate_up"], b_down=t["b_down"], act=act)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "swigluoai"])
+def test_every_activation_with_biases_through_ops(act):
+    """A layer's forward (ops.fused_moe -> the kernel) with biases, each contract activation,
+    int32 ids, inputs past swigluoai's clamp at 7."""
+    mod, t = _loaded(6, 48, 16, act, seed=3)
+    ids, w = _routing(19, 6, 3, seed=5, skew=False)
+    x = torch.randn(19, 48) * 3
+    assert native_fits(x, ids, mod.cpu, act)
+    assert _rel(mod.forward(x, ids.int(), w), _ref(x, ids, w, t, act)) <= 1e-6
+
+
+def test_a_row_gets_the_same_bits_at_any_batch():
+    """Batch-invariant: a token's output does not depend on the other tokens in the step (its
+    products accumulate in one order whatever tile its expert's row count picks)."""
+    E, H, inter, T, k = 8, 64, 32, 24, 2
+    w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=7, fp8=True)
+    cpu = CpuExperts.packed_from(w13, s13, w2, s2)
+    ids, w = _routing(T, E, k, seed=8)
+    x = torch.randn(T, H)
+    whole = fused_moe_native(x, w13, s13, w2, s2, ids, w, cpu=cpu)
+    for t in (0, 11, 23):
+        alone = fused_moe_native(x[t:t + 1], w13, s13, w2, s2, ids[t:t + 1], w[t:t + 1], cpu=cpu)
+        assert torch.equal(alone[0], whole[t])
+
+
+def test_experts_load_packed_on_cpu_and_run_the_kernel():
+    """On CPU with the kernel the layer holds its e4m3 bytes and the kernel's packed copy (2 bytes
+    a weight, no fp32 upcast) and has no per-expert formats to measure; under native.off() it
+    falls back to the grouped torch path on the same bytes, and the references read them too."""
+    E, H, inter, k, T = 8, 64, 32, 2, 9
+    mod, t = _loaded(E, H, inter, "swigluoai", seed=1)
+    assert mod.w_gate_up.dtype == mod.w_down.dtype == torch.float8_e4m3fn and mod.cpu_weights() == []
+    packed = [c for c in mod.cpu_copies() if c.dtype == torch.uint8]
+    assert sum(c.numel() for c in packed) == t["w_gate_up"].numel() + t["w_down"].numel()
+    ids, w = _routing(T, E, k, seed=2)
+    x = torch.randn(T, H)
+    ref = _ref(x, ids, w, t, "swigluoai")
+    assert _rel(mod.forward(x, ids, w), ref) <= 1e-6
+    with native.off():
+        assert not native_fits(x, ids, mod.cpu, mod.act)
+        assert _rel(mod.forward(x, ids, w), ref) <= 1e-6
+    with ops.use_triton(False):
+        assert _rel(mod.forward(x, ids, w), ref) == 0.0
