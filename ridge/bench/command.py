@@ -15,6 +15,7 @@
     ridge bench determinism a request's tokens alone, batched and speculated; --deterministic's cost
     ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
     ridge bench embeddings embedding throughput at batch 1 and 64 against transformers on the same model
+    ridge bench loading    time to first token while a model loads on request (host RAM, cache, cold)
     ridge bench all        the set, into one JSON
 
 Every command prints tables headed by the device, threads, KV dtype and the
@@ -124,6 +125,8 @@ def add_bench_parser(subparsers) -> None:
     add_determinism_parser(sub, _common)
     add_moe_parser(sub, _common)
     add_embeddings_parser(sub, _common)
+    from .loading import add_loading_parser
+    add_loading_parser(sub)
 
     for name, sp in sub.choices.items():
         sp.set_defaults(func=run_bench, bench_parser=sp, bench_name=name)
@@ -326,8 +329,11 @@ def part_kv(rep: Report, args, loaded=None):
 def run_bench(args) -> int:
     import torch
 
-    rep = Report(command_line(args), md=args.md)
     name = args.bench_name
+    if name == "loading":
+        from .loading import run_loading
+        return run_loading(args)
+    rep = Report(command_line(args), md=args.md)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = None

@@ -82,6 +82,8 @@ def run_contention(engine, wl, in_flight: int, compete_threads: int) -> dict:
             kept = beside["useful_tok_s"] / alone["useful_tok_s"] if alone["useful_tok_s"] else None
             res[mode] = {"alone_tok_s": alone["useful_tok_s"], "beside_tok_s": beside["useful_tok_s"],
                          "competitor_cores": comp.cores, "share_left": left, "kept": kept,
+                         # fewer cores beside than the competitor left: ridge waited rather than ran slowly
+                         "own_cores_alone": alone["cpu_util"], "own_cores_beside": beside["cpu_util"],
                          "kept_of_share": kept / left if kept is not None and left else None}
     finally:
         engine.thread_governor = governor if engine.config.adaptive_threads else None
@@ -91,9 +93,11 @@ def run_contention(engine, wl, in_flight: int, compete_threads: int) -> dict:
 
 def contention_table(rep, res: dict) -> None:
     rows = [[mode, f"{r['alone_tok_s']:.1f}", f"{r['beside_tok_s']:.1f}", f"{r['competitor_cores']:.2f}",
-             f"{r['share_left']:.2f}", f"{r['kept']:.2f}", f"{r['kept_of_share']:.2f}"]
+             f"{r['own_cores_alone']:.2f} / {r['own_cores_beside']:.2f}", f"{r['share_left']:.2f}",
+             f"{r['kept']:.2f}", f"{r['kept_of_share']:.2f}"]
             for mode in ("adaptive", "fixed") if (r := res.get(mode))]
     rep.table(f"W1 at {res['in_flight']} in flight beside a {res['compete_threads']}-thread torch job "
               f"({res['threads']} threads, {res['cores']} cores)",
-              ["threads", "alone tok/s", "beside tok/s", "competitor cores", "share left", "kept", "kept / share"],
+              ["threads", "alone tok/s", "beside tok/s", "competitor cores", "ridge cores alone / beside",
+               "share left", "kept", "kept / share"],
               rows)

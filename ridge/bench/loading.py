@@ -12,7 +12,7 @@ $XDG_CACHE_HOME/ridge/bench-loading/converted (the warm-up's loads, not timed). 
 embedded SmolLM2-135M and a random Llama-3.2-1B-shaped directory (bf16 safetensors, written
 once under $XDG_CACHE_HOME/ridge/bench-loading).
 
-    python -m ridge.bench.loading [--rounds 3] [--cold-rounds 1] [--skip-1b]"""
+    ridge bench loading [--rounds 3] [--cold-rounds 1] [--skip-1b]"""
 from __future__ import annotations
 
 import argparse
@@ -161,14 +161,27 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ridge.bench.loading", description=__doc__.split("\n\n")[0])
+def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds from host RAM and from the converted cache")
     p.add_argument("--cold-rounds", type=int, default=1, help="rounds that convert the source")
     p.add_argument("--skip-1b", action="store_true", help="only the embedded model")
-    args = p.parse_args(argv)
+
+
+def add_loading_parser(sub) -> None:
+    """`ridge bench loading`: the daemons it starts take their own options, not the engine's."""
+    _options(sub.add_parser("loading", help="time to first token while a model loads on request, "
+                                            "against the loaded model's"))
+
+
+def run_loading(args) -> int:
     print(report(measure(args.rounds, args.cold_rounds, not args.skip_1b)))
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="ridge bench loading", description=__doc__.split("\n\n")[0])
+    _options(p)
+    return run_loading(p.parse_args(argv))
 
 
 if __name__ == "__main__":
