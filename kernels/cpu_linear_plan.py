@@ -215,7 +215,10 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
         known = {int(n): tuple(t) for n, t in entry.items() if n.isdigit()}
         gemv_s = entry.get("gemv")
         fp8_ok = isa > 0 and all(m.scale is not None for m in group) and shape[0] % 16 == 0 and shape[1] % 2 == 0
-        fp8_known = {int(n): t for n, t in entry.get("fp8", {}).items()}
+        # The e4m3 kernel's time depends on the scales' layout (a multiply-add per group as it
+        # closes): per-channel timings are "fp8", those of G groups along K "fp8 G groups".
+        fp8_name = _fp8_entry(group[0].scale) if fp8_ok else "fp8"
+        fp8_known = {int(n): t for n, t in entry.get(fp8_name, {}).items()}
         todo = [n for n in sizes if n not in known]
         fp8_todo = [n for n in sizes if n not in fp8_known] if fp8_ok else []
         if todo or gemv_s is None:
@@ -236,12 +239,18 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
             best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
             fp8_known.update(measure_fp8(packs, [m.scale * 256 for m in cold], fp8_todo, isa, best))
             dirty = True
-        mine[name] = {**{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
-                      **({"fp8": {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
+        mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
+                      **({fp8_name: {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
         plans[shape] = _format(sizes, known, gemv_s, fp8_known if fp8_ok else {})
     if dirty:
         _save_cache(cache)
     return plans
+
+
+def _fp8_entry(scale: torch.Tensor) -> str:
+    """scale: a CpuLinear's, [N] or [groups, N]."""
+    return "fp8" if scale.dim() == 1 or scale.shape[0] == 1 else f"fp8 {scale.shape[0]} groups"
+
 
 def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float,
             fp8: dict[int, float]) -> ShapeFormat:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8, FP8_MAX, grouping_block, search_scale
+from .fp8 import FP8, FP8_MAX, grouping_block, scale_dtype, search_scale
 
 DAMP = 0.01  # of H's mean diagonal, added to it: keeps the inverse finite where inputs are nearly collinear
 LAZY = 128  # columns updated together before the rest of W sees their error (the paper's lazy batch)
@@ -35,14 +35,15 @@ def round_e4m3(v: torch.Tensor) -> torch.Tensor:
     return (torch.round(v / step) * step).clamp(-FP8_MAX, FP8_MAX)
 
 
-def _group_scale(w: torch.Tensor, bn: int, rule: str) -> torch.Tensor:
-    """w: [N, g] columns of one group -> the per-row scale [N] (bn rows share one for blocks)."""
+def _group_scale(w: torch.Tensor, bn: int, rule: str, dtype: torch.dtype) -> torch.Tensor:
+    """w: [N, g] columns of one group -> the per-row scale [N] (bn rows share one for blocks),
+    its values those of dtype (the stored scale's)."""
     n, g = w.shape
     if bn == 1:
-        return search_scale(w, rule)
+        return search_scale(w, rule, scale_dtype=dtype)
     rows = -(-n // bn)
     tiles = torch.nn.functional.pad(w, (0, 0, 0, rows * bn - n)).reshape(rows, bn * g)
-    return search_scale(tiles, rule).repeat_interleave(bn)[:n]
+    return search_scale(tiles, rule, scale_dtype=dtype).repeat_interleave(bn)[:n]
 
 
 def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
@@ -51,6 +52,7 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
     w = w.float().clone()
     n, k = w.shape
     bn, bk = grouping_block(grouping, (n, k))
+    sdt = scale_dtype(grouping)
     u = _inverse_factor(h)
     q = torch.empty(n, k)  # e4m3 values in fp32 until the end
     col_scale = torch.empty(n, k)  # each weight's scale, while the groups are found
@@ -63,7 +65,7 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
             if c % bk == 0:  # a new group: its scale from the columns as compensated so far
                 end = min(c + bk, k)
                 cols = w1[:, i:i + (end - c)] if end <= i2 else torch.cat((w1[:, i:], w[:, i2:end]), 1)
-                s = _group_scale(cols, bn, rule)
+                s = _group_scale(cols, bn, rule, sdt)
                 scales.append(s)
                 col_scale[:, c:end] = s[:, None]
             s = col_scale[:, c]
@@ -74,7 +76,7 @@ def gptq_fp8(w: torch.Tensor, h: torch.Tensor, grouping: str = "channel",
             err[:, i] = e
         w[:, i2:] -= err @ u[i1:i2, i2:]
     q = q.to(FP8)  # exact: every value is an e4m3 one
-    scale = torch.stack(scales, 1)  # [N, groups]
+    scale = torch.stack(scales, 1).to(sdt)  # [N, groups], exact: each was rounded to sdt
     if grouping == "channel":
         return q, scale[:, 0]
     if bn > 1:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_state_dict
+from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_state_dict, scale_dtype
 
 KINDS = ("qkv", "o", "gate_up", "down")
 _SHORT = re.compile(r"^(\d+)\.(qkv|o|gate_up|down)$")
@@ -69,14 +69,14 @@ class Recipe:
         return out
 
     def weight_bytes(self, shapes: dict[str, tuple[int, int]]) -> int:
-        """The bytes of the linear weights and their scales (fp32) under this recipe."""
-        total = 0
+        """The bytes of the linear weights and their scales (fp8.scale_dtype) under this recipe."""
+        total, sb = 0, scale_dtype(self.grouping).itemsize
         for name, (n, k) in shapes.items():
             if name in self.keep:
                 total += 2 * n * k
             else:
                 bn, bk = grouping_block(self.grouping, (n, k))
-                total += n * k + 4 * -(-n // bn) * -(-k // bk)
+                total += n * k + sb * -(-n // bn) * -(-k // bk)
         return total
 
     def quantize(self, sd: dict[str, torch.Tensor], rule: str = "mse",

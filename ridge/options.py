@@ -109,10 +109,11 @@ class Option:
 
 _KIND_WORDS = {list: "a list of strings (or one comma-separated string)"}
 
-# How FP8 weights are made at conversion (quant/recipe.py). Read where conversion happens:
-# `ridge bench accuracy --fp8-recipe`, and RIDGE_FP8_RECIPE for every load (quant/convert.py).
+# How FP8 weights are made at conversion (quant/recipe.py). The engine's --fp8-recipe
+# (EngineConfig.fp8_recipe: serve, generate, bench) takes its help from this; where none is
+# given, quant/convert.py reads RIDGE_FP8_RECIPE, else this default.
 FP8_RECIPE = Option("fp8_recipe", str, "channel",
-                    "FP8 weights: a recipe spec (channel | g128 | g64 | g32 | b128, then +gptq for "
+                    "FP8 weights: a recipe spec (channel | g128 | g64 | g32 | g16 | b128, then +gptq for "
                     "error-compensating rounding on ridge's calibration text, +bf16:<layer>.<qkv|o|gate_up|down>,... "
                     "for weights kept in bf16), or auto: the fewest bytes within the KL budget on the "
                     "calibration text (docs/benchmarks.md)")

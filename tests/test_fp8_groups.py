@@ -13,7 +13,7 @@ from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.recipe import long_name
 from ridge.quant.linear import FP8Linear
 
-GROUPINGS = ["channel", "g128", "g64", "g32", "b128"]
+GROUPINGS = ["channel", "g128", "g64", "g32", "g16", "b128"]
 
 
 def weight(n, k, seed=0):
@@ -25,10 +25,12 @@ def weight(n, k, seed=0):
 
 @pytest.mark.parametrize("grouping,shape,block", [
     ("channel", (48, 200), (1, 200)), ("g128", (48, 200), (1, 128)), ("g64", (48, 576), (1, 64)),
-    ("g32", (16, 100), (1, 32)), ("b128", (200, 136), (128, 128)), ("b128", (96, 576), (96, 128))])  # one block of all 96 rows
+    ("g32", (16, 100), (1, 32)), ("g16", (16, 100), (1, 16)), ("b128", (200, 136), (128, 128)),
+    ("b128", (96, 576), (96, 128))])  # one block of all 96 rows
 def test_layout_is_read_off_the_scale(grouping, shape, block):
     q, s = quantize_fp8(weight(*shape), "mse", grouping)
     assert q.dtype == FP8 and q.shape == shape
+    assert s.dtype == (torch.float32 if grouping == "channel" else torch.bfloat16)
     assert s.shape == ((shape[0],) if grouping == "channel" else (-(-shape[0] // block[0]), -(-shape[1] // block[1])))
     assert scale_block(s, shape) == block
     full = expand_scale(s, shape)
@@ -47,7 +49,27 @@ def test_groups_lower_the_error_and_mse_beats_absmax():
             q, s = quantize_fp8(w, rule, g)
             errs[g, rule] = ((dequantize(q, s) - w) ** 2).sum().item()
         assert errs[g, "mse"] <= errs[g, "absmax"]
-    assert errs["g32", "mse"] < errs["g64", "mse"] < errs["g128", "mse"] < errs["channel", "mse"]
+    assert errs["g16", "mse"] < errs["g32", "mse"] < errs["g64", "mse"] < errs["g128", "mse"] < errs["channel", "mse"]
+
+
+def test_mse_search_refines_past_its_clippings_and_weights_the_error():
+    from ridge.quant.fp8 import CLIPS, search_scale
+
+    t = weight(64, 576).view(64, 18, 32)
+    imp = torch.rand(18, 32, generator=torch.Generator().manual_seed(4)) ** 4  # a few columns matter
+
+    def err(s, w=1.0):  # the squared error at scales s [64, 18], per tile
+        return ((((t / s[..., None]).clamp(-448, 448).to(FP8).float() * s[..., None] - t) ** 2) * w).sum(-1)
+
+    amax = t.abs().amax(-1) / 448
+    clipped = torch.stack([err((amax * c).to(torch.bfloat16).float()) for c in CLIPS]).amin(0)
+    s = search_scale(t, "mse", scale_dtype=torch.bfloat16)
+    assert torch.equal(s, s.to(torch.bfloat16).float())  # what the search measured is what is stored
+    assert (err(s) <= clipped).all() and err(s).sum() < 0.9 * clipped.sum()
+    s32 = search_scale(t, "mse")
+    assert err(s32).sum() < 1.01 * err(s).sum()  # bf16 scales cost next to nothing
+    sw = search_scale(t, "mse", imp)
+    assert err(sw, imp).sum() < 0.95 * err(s32, imp).sum()
 
 
 def emulated(x, q, s, b, w8a8):
@@ -60,7 +82,7 @@ def emulated(x, q, s, b, w8a8):
     return (out + (b.double() if b is not None else 0)).to(x.dtype)
 
 
-@pytest.mark.parametrize("grouping,M,N,K", [("g32", 5, 32, 100), ("g64", 1, 32, 100), ("g128", 17, 48, 200),
+@pytest.mark.parametrize("grouping,M,N,K", [("g32", 5, 32, 100), ("g16", 2, 16, 84), ("g64", 1, 32, 100), ("g128", 17, 48, 200),
                                             ("b128", 3, 144, 136)])
 def test_triton_gemms_with_groups(grouping, M, N, K):
     g = torch.Generator().manual_seed(1)
@@ -73,7 +95,7 @@ def test_triton_gemms_with_groups(grouping, M, N, K):
 
 
 @pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")
-@pytest.mark.parametrize("grouping,N,K", [("g32", 32, 100), ("g64", 48, 576), ("g128", 16, 200),
+@pytest.mark.parametrize("grouping,N,K", [("g32", 32, 100), ("g16", 32, 90), ("g64", 48, 576), ("g128", 16, 200),
                                           ("b128", 144, 136), ("channel", 16, 130)])
 def test_e4m3_kernel_with_groups(grouping, N, K):
     q, s = quantize_fp8(weight(N, K), "mse", grouping)
@@ -122,8 +144,9 @@ def test_recipe_spec_bytes_and_bf16_weights():
     assert r == Recipe("g64", True, ("layers.0.down_proj.weight", "layers.29.down_proj.weight"))
     assert r.spec == "g64+gptq+bf16:0.down,29.down" and Recipe.parse(r.spec) == r
     shapes = {"layers.0.down_proj.weight": (64, 96), "layers.0.o_proj.weight": (64, 100)}
-    assert Recipe("g64", keep=("layers.0.down_proj.weight",)).weight_bytes(shapes) == 2 * 64 * 96 + 64 * 100 + 4 * 64 * 2
-    assert Recipe("b128").weight_bytes(shapes) == 64 * 96 + 64 * 100 + 4 * 2
+    assert Recipe("g64", keep=("layers.0.down_proj.weight",)).weight_bytes(shapes) == 2 * 64 * 96 + 64 * 100 + 2 * 64 * 2
+    assert Recipe("b128").weight_bytes(shapes) == 64 * 96 + 64 * 100 + 2 * 2  # bf16 scales
+    assert Recipe().weight_bytes(shapes) == 64 * 96 + 64 * 100 + 4 * 64 * 2  # fp32 per channel
     for bad in ("g48", "g64+fast", "g64+bf16:down0"):
         with pytest.raises(ValueError):
             Recipe.parse(bad)

@@ -229,6 +229,16 @@ def test_weights_parse_from_flag_variable_and_file(tmp_path):
     assert engine_config(r.values).weights == "fp32" and r.sources["weights"] == "env RIDGE_WEIGHTS"
 
 
+def test_fp8_recipe_reaches_the_engine_from_serve_flags_and_variable(tmp_path):
+    assert engine_config(parse()).fp8_recipe is None  # quant/convert.py: RIDGE_FP8_RECIPE, else FP8_RECIPE's
+    assert engine_config(resolve(parse("--fp8-recipe", "g16", serve=True), {"XDG_CONFIG_HOME": str(tmp_path)})
+                         .values).fp8_recipe == "g16"
+    r = resolve(parse(serve=True), {"XDG_CONFIG_HOME": str(tmp_path), "RIDGE_FP8_RECIPE": "g32+bf16:0.down"})
+    assert engine_config(r.values).fp8_recipe == "g32+bf16:0.down"
+    with pytest.raises(ValueError, match="g48"):
+        EngineConfig(fp8_recipe="g48")  # refused before any model loads
+
+
 def test_unknown_weights_are_refused_naming_the_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse("--weights", "int4")

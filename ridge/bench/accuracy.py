@@ -19,12 +19,9 @@ EVAL_TEXTS = (str(DATA / "eval_text.txt"), str(DATA / "eval_code.txt"))
 
 
 def add_accuracy_parser(sub, common) -> None:
-    from ridge.options import FP8_RECIPE
-
     a = sub.add_parser("accuracy", help="FP8 weights / KV vs fp32: top-1 agreement and KL over texts")
     common(a, workload=False)
     a.add_argument("--text", nargs="+", default=list(EVAL_TEXTS), help="text files to score (default: prose and code)")
-    FP8_RECIPE.add_to(a)
     a.add_argument("--recipes", default="", help="more FP8 recipe specs to score, comma-separated (quant/recipe.py)")
     a.add_argument("--only-recipes", action="store_true", help="score the recipes only (no KV, CPU or self-draft rows)")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ridge.options import Option, add_options, fill, options_of
+from ridge.options import FP8_RECIPE, Option, add_options, fill, options_of
 from ridge.plan import WEIGHT_BYTES
 
 
@@ -50,9 +50,10 @@ class EngineConfig:
     adaptive_threads: bool = _opt(True, "on CPU keep the thread count fixed, even while other processes hold "
                                         "cores (default: the team shrinks to the cores left free)",
                                   flag="--fixed-threads")
-    weights: str = _opt("fp8", "weights in memory: fp8 (e4m3, a scale per output channel; upcast at load on CPU), "
+    weights: str = _opt("fp8", "weights in memory: fp8 (e4m3, scaled as --fp8-recipe says; upcast at load on CPU), "
                         "or the source's values unquantized in bf16 (on CPU held in fp32) or fp32",
                         choices=tuple(WEIGHT_BYTES))
+    fp8_recipe: str | None = _opt(None, FP8_RECIPE.help + f" (default: {FP8_RECIPE.default})", example="g32")
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
                                      example=295.0)
     speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off")
@@ -76,6 +77,10 @@ class EngineConfig:
         if self.weights not in WEIGHT_BYTES:
             raise ValueError(f"--weights {self.weights!r}: choose {', '.join(WEIGHT_BYTES)}")
         self.speculative_config
+        if self.fp8_recipe not in (None, "auto"):
+            from ridge.quant.recipe import Recipe
+
+            Recipe.parse(self.fp8_recipe)
 
     @property
     def speculative_config(self):
