@@ -200,6 +200,30 @@ def test_bench_overhead_end_to_end(tmp_path):
         assert sum(v for k, v in bd.items() if k != "total") == pytest.approx(bd["total"])
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_bench_host_end_to_end(tmp_path, interleave):
+    """A row per context with the host parts adding up to the host time; interleaved, each
+    context on its own engine over the one model."""
+    from tiny_models import make_tiny
+
+    from ridge.bench.host import HOST_PARTS
+    from ridge.cli import main
+
+    path, _, _ = make_tiny(tmp_path, "llama")
+    out = tmp_path / "host.json"
+    rc = main(["bench", "host", "--model", str(path), "--device", "cpu", "--threads", "1", "--num-kv-blocks", "96",
+               "--no-kv-disk", "--max-num-seqs", "4", "--batch", "3", "--contexts", "40,120", "--steps", "2",
+               "--json", str(out)] + (["--interleave"] if interleave else []))
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["host"]
+    assert [r["context"] for r in rows] == [40, 120]
+    for r in rows:
+        assert set(r["parts_ms"]) == set(HOST_PARTS) and all(v > 0 for v in r["parts_ms"].values())
+        assert r["host_ms"] == pytest.approx(sum(r["parts_ms"].values())) and r["step_ms"] > r["host_ms"]
+        assert r["mean_context"] >= r["context"]
+    assert rows[0]["host_vs_first"] == 1.0
+
+
 def test_bench_hashing_end_to_end(tmp_path):
     """The lookup rows time a full hit (the bench asserts it), the decode row both hashes."""
     from ridge.cli import main

@@ -407,7 +407,7 @@ def run_bench(args) -> int:
         part_overhead(rep, engine, args)
     elif name == "host":
         from .host import host_table, run_host
-        rows = run_host(engine, args.batch, _ints(args.contexts), args.steps)
+        rows = run_host(engine, args.batch, _ints(args.contexts), args.steps, args.interleave)
         rep.add("host", rows)
         host_table(rep, rows)
     elif name == "contention":

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import statistics
 
-from .profile import step_breakdown
+from ridge.kernels.timing import set_timer
+
+from .profile import Breakdown, step_breakdown
 from .runs import greedy_params
 from .workloads import QUESTIONS, long_prompt
 
@@ -24,6 +26,10 @@ def add_host_parser(sub, common) -> None:
     h.add_argument("--batch", type=int, default=64, help="requests in the step")
     h.add_argument("--contexts", default="512,4096", help="comma list of context lengths (tokens)")
     h.add_argument("--steps", type=int, default=16, help="timed steps per context")
+    h.add_argument("--interleave", action="store_true",
+                   help="each context on its own engine over the one model, their steps taken in turn: every "
+                        "context's host work then follows a step of each, so what the previous step left in "
+                        "the CPU caches is the same for all (a GPU's attention leaves nothing there)")
 
 
 class SharedPrefixDecode:
@@ -65,26 +71,62 @@ class SharedPrefixDecode:
             self.engine.step()
 
 
-def run_host(engine, batch: int, contexts: list[int], steps: int) -> list[dict]:
+def run_host(engine, batch: int, contexts: list[int], steps: int, interleave: bool = False) -> list[dict]:
     if batch > engine.config.max_num_seqs:
         raise ValueError(f"--batch {batch} > --max-num-seqs {engine.config.max_num_seqs}")
-    rows = []
-    for ctx in contexts:
+    rows = _interleaved(engine, batch, contexts, steps) if interleave else []
+    for ctx in contexts if not interleave else ():
         fx = SharedPrefixDecode(engine, batch, ctx, steps, f"host{ctx}")
         try:
             fx.step()  # warm
             with step_breakdown(engine) as bd:
                 for _ in range(steps):
                     bd.step(fx.step)
-            ms = bd.per_step_ms()
         finally:
             fx.close()
-        parts = {k: ms.get(k, 0.0) for k in HOST_PARTS}
-        rows.append({"context": ctx, "mean_context": fx.context, "batch": batch, "host_ms": sum(parts.values()),
-                     "parts_ms": parts, "step_ms": ms["total"]})
+        rows.append(_row(ctx, fx, batch, bd.per_step_ms()))
     base = rows[0]["host_ms"]
     for r in rows:
         r["host_vs_first"] = r["host_ms"] / base if base else None
+    return rows
+
+
+def _row(ctx: int, fx: SharedPrefixDecode, batch: int, ms: dict) -> dict:
+    parts = {k: ms.get(k, 0.0) for k in HOST_PARTS}
+    return {"context": ctx, "mean_context": fx.context, "batch": batch, "host_ms": sum(parts.values()),
+            "parts_ms": parts, "step_ms": ms["total"]}
+
+
+def _interleaved(engine, batch: int, contexts: list[int], steps: int) -> list[dict]:
+    """The contexts' fixtures on sibling engines (one loaded model, a KV pool each), one step of
+    each in turn, each timed by its own Breakdown."""
+    from dataclasses import replace
+
+    from ridge.engine.engine import LLMEngine
+
+    engines = {ctx: engine if i == 0 else LLMEngine(replace(engine.config), loaded=engine.loaded)
+               for i, ctx in enumerate(contexts)}
+    fixtures, rows = {}, []
+    try:
+        for ctx, e in engines.items():
+            fixtures[ctx] = SharedPrefixDecode(e, batch, ctx, steps, f"hosti{ctx}")
+        for fx in fixtures.values():
+            fx.step()  # warm
+        bds = {ctx: Breakdown(engine.device) for ctx in fixtures}
+        for _ in range(steps):
+            for ctx, fx in fixtures.items():
+                previous = set_timer(bds[ctx])
+                try:
+                    bds[ctx].step(fx.step)
+                finally:
+                    set_timer(previous)
+        rows = [_row(ctx, fx, batch, bds[ctx].per_step_ms()) for ctx, fx in fixtures.items()]
+    finally:
+        for fx in fixtures.values():
+            fx.close()
+        for e in engines.values():
+            if e is not engine:
+                e.close()
     return rows
 
 
