@@ -434,6 +434,19 @@ def test_moe_knee_reduces_to_the_dense_one():
     assert moe_token_budget_knee(one, 295.0, 2) == pytest.approx(token_budget_knee(295.0, 2), rel=1e-6)
 
 
+def test_a_moe_prefill_chunk_grows_by_experts_over_k():
+    """Each expert sees the rows a dense layer's product sees at the dense chunk (T k / E rows at
+    T tokens); never less than the dense chunk, never past MAX_BUDGET."""
+    from ridge.engine.budget import MAX_BUDGET, default_token_budget, moe_prefill_chunk
+
+    assert moe_prefill_chunk(64, 32, 4) == 512 and moe_prefill_chunk(64, 8, 8) == 64
+    assert moe_prefill_chunk(64, 60, 4) == 960 and moe_prefill_chunk(64, 10, 3) == 224  # whole 16s, rounded up
+    assert moe_prefill_chunk(1024, 128, 8) == MAX_BUDGET
+    dense, _ = default_token_budget(torch.device("cpu"), 4, False, given_ridge=10.0)
+    moe, info = default_token_budget(torch.device("cpu"), 4, False, given_ridge=10.0, experts=(32, 4))
+    assert dense == 64 and moe == info["budget"] == 512
+
+
 def test_plan_cli_moe_flags(capsys):
     from ridge.cli import main
 

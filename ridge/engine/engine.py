@@ -144,7 +144,9 @@ class LLMEngine:
         c = self.config
         fp8 = ops.keeps_fp8(self.device) and self.loaded.weights == "fp8"
         b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
-        chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point)
+        mc = self.loaded.config  # a mixture of experts' chunk grows by E / k (engine/budget.py)
+        experts = (mc.num_experts, mc.num_experts_per_tok) if mc.num_experts else None
+        chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point, experts)
         chunk = c.prefill_chunk or chunk
         # An embedding engine's step is sized for whole prefills, a generating one's for its decodes' latency.
         step = c.max_num_seqs + chunk
