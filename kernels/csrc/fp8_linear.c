@@ -262,19 +262,19 @@ static INL float gated(float g, float u, int act, float alpha, float limit) {
    [E][2I/16][H/2][16][2] and w_dn [E][H/16][I/2][16][2] e4m3 bytes (pack_fp8 per expert), s_gu
    [E][2I] and s_dn [E][H] the channel scales times 256; b_gu [E][2I], b_dn [E][H] fp32 or NULL.
    I % 16 == 0, H % 16 == 0 (the caller checks).
-   The slots are sorted by expert once (a counting sort, stable); then the team shares gate_up
-   by (active expert, 16-column block): gate and up blocks c and I/16 + c with the activation on
-   the 16 columns they make, so a step whose experts have 1-2 rows each still has (experts x
-   I/16) items; and down by 16-column block of H, every active expert in turn, which leaves
-   that block of the output whole (no buffer of per-slot rows, no pass to sum them). */
+   The slots are sorted by expert once (a counting sort, stable); then the team splits the work
+   by (active expert, 16-column block) twice: gate and up blocks c and I/16 + c with the
+   activation on the 16 columns they make, then down with its bias and the routing weight, so
+   a step whose experts have 1-2 rows each still has (experts x blocks) items to share. */
 T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
                          const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu,
                          const uint8_t *w_dn, const float *s_dn, const float *b_dn, int act, float alpha,
                          float limit, float *out, int nthreads) {
     const int64_t S = T * k, ib = I / 16, hb = H / 16;
-    int64_t *off = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *off = calloc((size_t)E + 1, sizeof(int64_t)), *pos = malloc((size_t)S * sizeof(int64_t));
     int64_t *tok = malloc((size_t)S * sizeof(int64_t)), *active = malloc((size_t)E * sizeof(int64_t));
     float *ws = malloc((size_t)S * 4), *xs = malloc((size_t)(S * H) * 4), *a = malloc((size_t)(S * I) * 4);
+    float *ys = malloc((size_t)(S * H) * 4);
     for (int64_t s = 0; s < S; s++) off[ids[s] + 1]++;
     int64_t na = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -285,7 +285,7 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
     memcpy(fill, off, (size_t)E * sizeof(int64_t));
     for (int64_t s = 0; s < S; s++) {
         int64_t p = fill[ids[s]]++;
-        tok[p] = s / k, ws[p] = weights[s];
+        pos[s] = p, tok[p] = s / k, ws[p] = weights[s];
     }
     free(fill);
 #pragma omp parallel num_threads(nthreads)
@@ -301,33 +301,51 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
             const float *s = s_gu + e * 2 * I;
             block256(xs + r0 * H, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf);
             block256(xs + r0 * H, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16);
-            const float *bg = b_gu ? b_gu + e * 2 * I + c * 16 : NULL, *bu = bg ? bg + I : NULL;
-            for (int64_t r = 0; r < n; r++)
-                for (int j = 0; j < 16; j++) {
-                    float g = tmp[r * 32 + j], u = tmp[r * 32 + 16 + j];
-                    if (bg) g += bg[j], u += bu[j];
-                    a[(r0 + r) * I + c * 16 + j] = gated(g, u, act, alpha, limit);
+            if (b_gu) {
+                const float *bg = b_gu + e * 2 * I + c * 16, *bu = bg + I;
+                for (int64_t r = 0; r < n; r++)
+                    for (int j = 0; j < 16; j++) tmp[r * 32 + j] += bg[j], tmp[r * 32 + 16 + j] += bu[j];
+            }
+            for (int64_t r = 0; r < n; r++) {
+                float *ar = a + (r0 + r) * I + c * 16;
+                const float *tr = tmp + r * 32;
+                if (act == 0) {  /* the common case, on its own so that it vectorizes */
+#pragma omp simd
+                    for (int j = 0; j < 16; j++) ar[j] = gated(tr[j], tr[16 + j], 0, alpha, limit);
+                } else {
+                    for (int j = 0; j < 16; j++) ar[j] = gated(tr[j], tr[16 + j], act, alpha, limit);
                 }
+            }
         }
-        /* Down by 16-column block over every active expert in ascending order, each row's
-           weighted output added to its token's: a token's k terms in ascending expert order. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < hb; c++) {
-            for (int64_t t = 0; t < T; t++) memset(out + t * H + c * 16, 0, 16 * 4);
-            for (int64_t q = 0; q < na; q++) {
-                const int64_t e = active[q], r0 = off[e], n = off[e + 1] - r0;
-                block256(a + r0 * I, n, I, w_dn + e * H * I + c * 16 * I, s_dn + e * H + c * 16, tmp, 16, buf);
-                const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
-                for (int64_t r = 0; r < n; r++) {
-                    float *o = out + tok[r0 + r] * H + c * 16;
-                    for (int j = 0; j < 16; j++) o[j] += (bd ? tmp[r * 16 + j] + bd[j] : tmp[r * 16 + j]) * ws[r0 + r];
-                }
+        for (int64_t item = 0; item < na * hb; item++) {
+            const int64_t e = active[item / hb], c = item % hb, r0 = off[e], n = off[e + 1] - r0;
+            float *y = ys + r0 * H + c * 16;
+            block256(a + r0 * I, n, I, w_dn + e * H * I + c * 16 * I, s_dn + e * H + c * 16, y, H, buf);
+            const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
+            for (int64_t r = 0; r < n; r++)
+                for (int j = 0; j < 16; j++) y[r * H + j] = (bd ? y[r * H + j] + bd[j] : y[r * H + j]) * ws[r0 + r];
+        }
+        /* A token's slots sit in ascending expert order by their sorted positions. */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t q[64], m = k < 64 ? k : 64;
+            for (int64_t j = 0; j < m; j++) {
+                int64_t v = pos[t * k + j], i = j;
+                for (; i > 0 && q[i - 1] > v; i--) q[i] = q[i - 1];
+                q[i] = v;
+            }
+            float *o = out + t * H;
+            memcpy(o, ys + q[0] * H, (size_t)H * 4);
+            for (int64_t j = 1; j < m; j++) {
+                const float *yj = ys + q[j] * H;
+                for (int64_t h = 0; h < H; h++) o[h] += yj[h];
             }
         }
         free(tmp);
         free(buf);
     }
-    free(off), free(tok), free(active), free(ws), free(xs), free(a);
+    free(off), free(pos), free(tok), free(active), free(ws), free(xs), free(a), free(ys);
 }
 
 /* 2: AVX-512 BF16, 1: AVX2 + F16C + FMA, 0: neither (the caller keeps torch's formats). */
