@@ -67,7 +67,7 @@ def test_mse_search_refines_past_its_clippings_and_weights_the_error():
     assert torch.equal(s, s.to(torch.bfloat16).float())  # what the search measured is what is stored
     assert (err(s) <= clipped).all() and err(s).sum() < 0.9 * clipped.sum()
     s32 = search_scale(t, "mse")
-    assert err(s32).sum() < 1.01 * err(s).sum()  # bf16 scales cost next to nothing
+    assert err(s).sum() < 1.03 * err(s32).sum()  # bf16 scales cost little (1.3 % here)
     sw = search_scale(t, "mse", imp)
     assert err(sw, imp).sum() < 0.95 * err(s32, imp).sum()
 

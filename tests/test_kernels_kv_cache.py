@@ -5,7 +5,7 @@ from kernel_utils import poison_empty, HUGE_NUM_BLOCKS
 
 from ridge.kernels import native, ops
 from ridge.kernels.attention import _load_f32
-from ridge.kernels.kv_cache import FP8, _FP8_NATIVE, _all_slots_valid, _launch_write, write_kv_ref, write_kv_triton
+from ridge.kernels.kv_cache import FP8, _FP8_NATIVE, _all_slots_valid, _launch_write, rotation, write_kv_ref, write_kv_triton
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.triton_utils import jit, tl
 
@@ -131,3 +131,23 @@ def test_cpu_path_matches_reference_and_asks_once_a_step(cache_dtype, padded):
     write_kv_ref(key, value, *ref, other)
     ops.write_kv(key, value, *cpu, other, meta)
     assert all(same(a, b) for a, b in zip(ref, cpu))
+
+
+def test_the_fp8_cache_rotation_is_exact_and_the_model_attends_through_it(tmp_path):
+    """H H / D = I exactly; a tiny model with an FP8 cache writes K H (ridge/models/llama.py) and its
+    logits stay within FP8's error of the fp32 cache's."""
+    from tiny_models import make_tiny
+
+    from ridge.models.fp8_calibrate import build
+    from ridge.models.oneshot import prompt_logits
+    from ridge.quant.convert import convert
+
+    h, hd = rotation(64, torch.float32, torch.device("cpu"))
+    assert torch.equal(h @ hd, torch.eye(64)) and torch.equal(h, h.t()) and rotation(48, torch.float32, "cpu") is None
+    assert torch.equal(rotation(64, torch.bfloat16, torch.device("cpu"))[1].float(), hd)  # exact in bf16
+    conv = convert(make_tiny(tmp_path)[0], quantize=False, use_cache=False, show_progress=False)
+    assert rotation(conv.config.head_dim, torch.float32, torch.device("cpu")) is not None
+    model = build(conv.config, conv.state_dict, conv.freq_factors)
+    ids = list(range(3, 40))
+    ref, fp8 = prompt_logits(model, ids), prompt_logits(model, ids, kv_dtype="fp8")
+    assert (fp8 - ref).abs().max() < 0.05 * ref.abs().max()

@@ -14,6 +14,7 @@ from ridge.cache.block_hash import DIGEST_BYTES
 from ridge.cache.block_io import BlockLayout
 from ridge.cache.disk_tier import VERSION, DiskTier, kv_root
 from ridge.cache.tiers import KVTiers
+from ridge.kernels.kv_cache import FP8_KV_FORMAT
 
 log = logging.getLogger("ridge.engine")
 GIB = 1 << 30
@@ -46,6 +47,7 @@ def disk_key(loaded, draft, kv_dtype: str, block_size: int, block_bytes: int) ->
         "draft": draft.identity if draft is not None else None,
         "kv_dtype": kv_dtype, "block_size": block_size, "block_bytes": block_bytes,
         "layout": LAYOUT, "file_version": VERSION, "block_hash": f"keyed blake2b-{8 * DIGEST_BYTES}",
+        **({"fp8_kv": FP8_KV_FORMAT} if kv_dtype == "fp8" else {}),  # what an FP8 block's bytes hold
     }
     key = hashlib.sha256(json.dumps(describe, sort_keys=True).encode()).hexdigest()[:24]
     return key, describe

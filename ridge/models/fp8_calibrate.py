@@ -100,7 +100,7 @@ def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
 
 
 def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: float = FP8_KL_BUDGET,
-                  groupings: tuple[str, ...] = ("g128", "g64", "g32"), max_bf16: int = MAX_BF16):
+                  groupings: tuple[str, ...] = ("g128", "g64", "g32", "g16"), max_bf16: int = MAX_BF16):
     """The recipe of fewest bytes whose KL on the calibration text meets budget: groupings
     coarse to fine, then GPTQ, then the most sensitive weights (KL per byte) kept in bf16 one by
     one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
