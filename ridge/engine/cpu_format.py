@@ -3,15 +3,10 @@ kernels/cpu_linear_plan.py (which measures them and decides per matrix shape and
 and the process's allocator setting that a CPU step depends on."""
 from __future__ import annotations
 
-import torch
-
 from ridge.kernels import cpu_linear_plan
 from ridge.kernels.cpu_linear import CpuLinear
 from ridge.quant.experts import FP8Experts
 from ridge.quant.linear import FP8Linear
-
-
-INVARIANT = "invariant"  # CpuFormats' key of the batch-invariant set
 
 
 def cpu_layers(model) -> list[CpuLinear]:
@@ -33,24 +28,18 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
 
 
 class CpuFormats:
-    """A CPU model's sets of layer formats: the fastest per step size for each team of threads a
-    step has run on (the start-up's, as choose_cpu_format left them, then one more for each team
-    size the thread governor picks), and the batch-invariant ones (kernels' choose_invariant: one
-    product per matrix, the same bits for a row at any row count). Each set is made on the first
-    step that needs it. A team's own set matters because the formats race each other per thread:
-    measured on the 2-core VM, a 1-thread team running the 2-thread formats lost more than half
-    its speed beside a competing process (docs/benchmarks.md, "Under contention"). A step runs one
-    set (use). Engines that share a loaded model (tests, benchmarks) each set their own before
-    every step. Nothing on a GPU."""
+    """A CPU model's two sets of layer formats: the fastest per step size (as choose_cpu_format left
+    them when this was made) and the batch-invariant ones (kernels' choose_invariant: one product
+    per matrix, the same bits for a row at any row count), made on first need. A step runs one set
+    (use); the engine asks for the invariant one while a deterministic request is in the step.
+    Engines that share a loaded model (tests, benchmarks) each set their own before every step.
+    Nothing on a GPU."""
 
-    def __init__(self, model, max_tokens: int, max_head_rows: int, deterministic: bool,
-                 weight_bytes: int = 0, mode: str = "auto"):
+    def __init__(self, model, max_tokens: int, max_head_rows: int, deterministic: bool):
         self.layers = cpu_layers(model) if model.cos_sin.device.type == "cpu" else []
         self.head_shape = tuple(model.lm_head.weight.shape)
         self.max_tokens, self.max_head_rows = max_tokens, max_head_rows
-        self.weight_bytes, self.mode = weight_bytes, mode
-        self.threads = torch.get_num_threads()  # the team the start-up measured for
-        self.sets: dict[int | str, list[tuple]] = {self.threads: [self._state(m) for m in self.layers]}
+        self.sets: dict[bool, list[tuple]] = {False: [self._state(m) for m in self.layers]}
         if deterministic:
             self.use(True)
 
@@ -58,20 +47,13 @@ class CpuFormats:
     def _state(layer: CpuLinear) -> tuple:
         return layer.bounds, layer.runs, layer.kinds, layer.copies
 
-    def use(self, invariant: bool, threads: int | None = None) -> None:
-        """The invariant set, or the fastest for a team of `threads` (default: the start-up's);
-        only a measured choice (mode auto) differs by team."""
-        key = INVARIANT if invariant else (threads or self.threads) if self.mode == "auto" else self.threads
-        want = self.sets.get(key)
+    def use(self, invariant: bool) -> None:
+        want = self.sets.get(invariant)
         if not self.layers or (want is not None and self.layers[0].runs is want[0][1]):
             return  # on already (a set's runs lists are its own objects)
         if want is None:  # made once, on the first step that needs it
-            if invariant:
-                cpu_linear_plan.choose_invariant(self.layers, self.head_shape, self.max_tokens, self.max_head_rows)
-            else:  # measured at the team torch runs now (the caller's), cached on disk like the first
-                cpu_linear_plan.choose(self.layers, self.head_shape, self.weight_bytes, self.mode,
-                                       self.max_tokens, self.max_head_rows)
-            self.sets[key] = [self._state(m) for m in self.layers]
+            cpu_linear_plan.choose_invariant(self.layers, self.head_shape, self.max_tokens, self.max_head_rows)
+            self.sets[invariant] = [self._state(m) for m in self.layers]
             return
         for m, state in zip(self.layers, want):
             m.bounds, m.runs, m.kinds, m.copies = state

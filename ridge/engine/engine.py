@@ -78,8 +78,7 @@ class LLMEngine:
         # A deterministic engine runs every step batch-invariant: the fastest formats by step size are never used.
         self.lowp_max_tokens = 0 if config.deterministic else choose_cpu_format(
             self.model, self.loaded.weight_bytes, config.cpu_weight_format, budget, head_rows)
-        self.cpu_formats = CpuFormats(self.model, budget, head_rows, config.deterministic,
-                                      self.loaded.weight_bytes, config.cpu_weight_format)
+        self.cpu_formats = CpuFormats(self.model, budget, head_rows, config.deterministic)
         self.fp8_max_tokens = fp8_max_tokens(self.model)
         spec = plan_speculation(config.speculative_config, self.device, config.weights, self.max_model_len,
                                 self.tokenizer, self.budget_info["knee_tokens"], self.model)
@@ -367,7 +366,7 @@ class LLMEngine:
             # Batch-invariant kernels for a step with a deterministic request in it (all of a
             # deterministic engine's): set before drafting, which self-speculation runs on the target.
             invariant = self.deterministic or any(s.request.params.deterministic for s in out.scheduled)
-            self.cpu_formats.use(invariant, torch.get_num_threads())
+            self.cpu_formats.use(invariant)
             self.runner.batch_invariant = invariant
             if self.speculator is not None:  # drafts first: the constraints, then the scheduler fit them
                 drafts = self.constraints.fit_drafts(out.scheduled, self.speculator.propose(out))

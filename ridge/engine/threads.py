@@ -11,9 +11,15 @@ loss stays proportional to the cores taken.
 
 The rule: every SAMPLE_S of stepping, read how busy the machine was (all CPUs,
 steal included: a hypervisor's neighbour is a competitor too) less this
-process tree's own CPU time; the team is the cores left, rounded down unless
+process's own CPU time; the team is the cores left, rounded down unless
 within SLACK of the next, between 1 and the configured count. It shrinks only
-after two samples agree (a burst is not a tenant) and grows after one."""
+after two samples agree (a burst is not a tenant) and grows after one.
+
+Only this process is ridge's: the HTTP gateways are threads in it, and a child
+process is somebody's work on the same cores (a benchmark's competitor is the
+bench's child). Counting children as ours once made the governor grow the team
+back beside such a competitor, and a 2-thread team beside one ran at a tenth of
+a 1-thread team's speed (docs/benchmarks.md, "Under contention")."""
 from __future__ import annotations
 
 import logging
@@ -25,7 +31,6 @@ import torch
 
 log = logging.getLogger("ridge.engine")
 SAMPLE_S = 0.5
-TREE_EVERY = 20  # samples between listings of the process tree
 SLACK = 0.3  # a team may share this much of a core with others before it shrinks
 
 
@@ -35,16 +40,9 @@ def _busy_seconds() -> float:
     return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def _tree_seconds(procs: list[psutil.Process]) -> float:
-    """CPU seconds of this process and its children (the HTTP gateway is ours, not a competitor)."""
-    total = 0.0
-    for p in procs:
-        try:
-            c = p.cpu_times()
-            total += c.user + c.system
-        except psutil.Error:  # a child that exited between the listing and the read
-            continue
-    return total
+def _own_seconds(proc: psutil.Process) -> float:
+    c = proc.cpu_times()
+    return c.user + c.system
 
 
 def team_size(cores: int, others: float, limit: int) -> int:
@@ -59,10 +57,9 @@ class ThreadGovernor:
         self.cores = cores or os.cpu_count() or 1
         self.threads = limit
         self._proc = psutil.Process()
-        self._tree = [self._proc]
         self._samples = 0
         self._t = time.monotonic()
-        self._busy, self._own = _busy_seconds(), _tree_seconds(self._tree)
+        self._busy, self._own = _busy_seconds(), _own_seconds(self._proc)
         self._lower_votes = 0
         self.others = 0.0  # foreign cores in the last sample (ridge status / metrics)
 
@@ -72,11 +69,7 @@ class ThreadGovernor:
         if now - self._t < SAMPLE_S:
             return
         self._samples += 1
-        if self._samples % TREE_EVERY == 1:  # listing children scans /proc: 2-3 ms, so rarely
-            # A child that appeared since the last listing started its CPU count inside the
-            # interval: its whole time so far is counted as ours once, a small undercount of others.
-            self._tree = [self._proc, *self._proc.children(recursive=True)]
-        busy, own = _busy_seconds(), _tree_seconds(self._tree)
+        busy, own = _busy_seconds(), _own_seconds(self._proc)
         wall = now - self._t
         self.others = max(0.0, (busy - self._busy) - (own - self._own)) / wall
         self._t, self._busy, self._own = now, busy, own
