@@ -91,7 +91,7 @@ def _kv(model, ids, ref) -> list[dict]:
     import ridge.kernels.kv_cache as kc
     from ridge.models.oneshot import prompt_logits
 
-    rows = [{"case": f"{d} KV, per-(token, head) scales" if d == "fp8" else f"{d} KV",
+    rows = [{"case": f"{d} KV, per-(token, head) scales, K and V rotated" if d == "fp8" else f"{d} KV",
              **agreement(prompt_logits(model, ids, kv_dtype=d), ref)} for d in ("fp8", "bf16", "fp16")]
     rule = kc.fp8_kv_scale
     try:
