@@ -256,6 +256,25 @@ static INL float gated(float g, float u, int act, float alpha, float limit) {
     return (g < 0.0f ? g * e : g) / (1.0f + e) * u;
 }
 
+#define SMALL_MOE (1 << 17)  /* floats of gathered rows (512 KiB) below which one thread gathers and sums */
+
+/* out[t] = the sum of token t's k rows of ys, in ascending expert order: a token's slots sit in
+   ascending expert order by their sorted positions. */
+static void sum_slots(const float *ys, const int64_t *pos, int64_t t, int64_t k, int64_t H, float *out) {
+    int64_t q[64], m = k < 64 ? k : 64;
+    for (int64_t j = 0; j < m; j++) {
+        int64_t v = pos[t * k + j], i = j;
+        for (; i > 0 && q[i - 1] > v; i--) q[i] = q[i - 1];
+        q[i] = v;
+    }
+    float *o = out + t * H;
+    memcpy(o, ys + q[0] * H, (size_t)H * 4);
+    for (int64_t j = 1; j < m; j++) {
+        const float *yj = ys + q[j] * H;
+        for (int64_t h = 0; h < H; h++) o[h] += yj[h];
+    }
+}
+
 /* out [T][H] = sum over each token's k slots, in ascending expert order, of
    weight * (down_e(act(gate_up_e(x) + b_gu[e])) + b_dn[e]) (the contract of kernels/moe.py).
    ids [T][k] int64 (distinct per token, each in [0, E)), weights [T][k] fp32; w_gu
@@ -288,19 +307,26 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
         pos[s] = p, tok[p] = s / k, ws[p] = weights[s];
     }
     free(fill);
+    /* A decode step's gather and sum are a few KiB: done here by one thread, they spare the team
+       two of its four barriers, which cost most when another process holds a core. */
+    const int small = S * H <= SMALL_MOE;
+    if (small && T > 1)
+        for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = aligned_alloc(64, (size_t)((H > I ? H : I) * 16 * 2) * 4);
         float *tmp = malloc((size_t)(T * 32) * 4);  /* an expert has at most T rows */
+        if (!small) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
+            for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < na * ib; item++) {
             const int64_t e = active[item / ib], c = item % ib, r0 = off[e], n = off[e + 1] - r0;
             const uint8_t *w = w_gu + e * 2 * I * H;
-            const float *s = s_gu + e * 2 * I;
-            block256(xs + r0 * H, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf);
-            block256(xs + r0 * H, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16);
+            const float *s = s_gu + e * 2 * I, *xe = T == 1 ? x : xs + r0 * H;
+            block256(xe, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf);
+            block256(xe, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16);
             if (b_gu) {
                 const float *bg = b_gu + e * 2 * I + c * 16, *bu = bg + I;
                 for (int64_t r = 0; r < n; r++)
@@ -326,25 +352,15 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
             for (int64_t r = 0; r < n; r++)
                 for (int j = 0; j < 16; j++) y[r * H + j] = (bd ? y[r * H + j] + bd[j] : y[r * H + j]) * ws[r0 + r];
         }
-        /* A token's slots sit in ascending expert order by their sorted positions. */
+        if (!small) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            int64_t q[64], m = k < 64 ? k : 64;
-            for (int64_t j = 0; j < m; j++) {
-                int64_t v = pos[t * k + j], i = j;
-                for (; i > 0 && q[i - 1] > v; i--) q[i] = q[i - 1];
-                q[i] = v;
-            }
-            float *o = out + t * H;
-            memcpy(o, ys + q[0] * H, (size_t)H * 4);
-            for (int64_t j = 1; j < m; j++) {
-                const float *yj = ys + q[j] * H;
-                for (int64_t h = 0; h < H; h++) o[h] += yj[h];
-            }
+            for (int64_t t = 0; t < T; t++) sum_slots(ys, pos, t, k, H, out);
         }
         free(tmp);
         free(buf);
     }
+    if (small)
+        for (int64_t t = 0; t < T; t++) sum_slots(ys, pos, t, k, H, out);
     free(off), free(pos), free(tok), free(active), free(ws), free(xs), free(a), free(ys);
 }
 
