@@ -29,10 +29,12 @@ The products accumulate in fp32; the routing weight multiplies each expert's out
 epilogue), and a token's k terms are added in ascending expert order (transformers' order).
 
 fused_moe_ref is the oracle: per expert, a mask over the routed slots (transformers' loop).
-fused_moe_cpu is the CPU path: the T * k routed slots sorted by expert once, then one product
-per active expert over its contiguous run of gathered rows (no per-token Python loop), each
-through the format its CpuLinear chose for that many rows (kernels/cpu_linear.py); a GPU
-backend registers as "fused_moe" (ops.register_triton)."""
+fused_moe_native is the CPU path where ridge's C kernel runs (kernels/csrc/fp8_linear.c,
+fp8_moe): the whole layer in one call over the experts' e4m3 bytes, packed at load
+(CpuExperts.packed). fused_moe_cpu is the CPU path elsewhere: the T * k routed slots sorted
+by expert once, then one product per active expert over its contiguous run of gathered rows
+(no per-token Python loop), each through the format its CpuLinear chose for that many rows
+(kernels/cpu_linear.py). A GPU backend registers as "fused_moe" (ops.register_triton)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

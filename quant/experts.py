@@ -2,11 +2,12 @@
 stacked expert weights, held as FP8Linear holds a dense layer's.
 
 Where the device keeps FP8 (ops.keeps_fp8: a GPU) the stacked e4m3 weights stay FP8 with their
-per-expert channel scales and the grouped kernel reads them. Elsewhere (CPU) they are upcast
-once at load (fp8 * scale is exact in fp32), and each expert's two products get a CpuLinear
-over its slice of the stacked weight, so the start-up measurement chooses their formats per
-shape and row count as for any linear layer (kernels/cpu_linear_plan.py); an expert sees the
-rows routed to it."""
+per-expert channel scales and the grouped kernel reads them. On CPU where ridge's MoE kernel
+runs (ops.moe_packs_fp8) they stay FP8 too, with the kernel's packed copy (CpuExperts.packed).
+Elsewhere on CPU they are upcast once at load (fp8 * scale is exact in fp32), and each
+expert's two products get a CpuLinear over its slice of the stacked weight, so the start-up
+measurement chooses their formats per shape and row count as for any linear layer
+(kernels/cpu_linear_plan.py); an expert sees the rows routed to it."""
 from __future__ import annotations
 
 import torch
