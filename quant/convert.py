@@ -46,7 +46,7 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
         recipe = FP8_RECIPE.convert(os.environ.get(FP8_RECIPE.env), FP8_RECIPE.env) or FP8_RECIPE.default
     path = resolve_model_path(path)
     options = {"quantize": quantize, "rule": rule, "recipe": recipe}
-    if recipe == "auto" or "+gptq" in recipe:  # measured on the calibration text: a new text, a new entry
+    if recipe == "auto" or Recipe.parse(recipe).calibrated:  # measured on the calibration text: a new text, a new entry
         options["calibration"] = hashlib.sha256(CALIBRATION.read_bytes()).hexdigest()[:16]
     key = store.cache_key(path, options)
     if use_cache and quantize and (hit := store.load(key)) is not None:
@@ -71,7 +71,7 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
 
 def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[dict, dict]:
     recipe, hess, measured = Recipe.parse(spec) if spec != "auto" else None, None, None
-    if recipe is None or recipe.gptq:
+    if recipe is None or recipe.calibrated:
         if calibrate is None:
             raise ValueError(f"FP8 recipe {spec}: it is measured on the calibration text, and no model runs here")
         recipe, hess, measured = calibrate(cfg, fused, freq, tok, spec)

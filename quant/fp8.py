@@ -131,10 +131,12 @@ def quantize_fp8(w: torch.Tensor, rule: str = "mse", grouping: str = "channel",
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], rule: str = "mse", grouping: str = "channel",
-                        keep: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Every linear weight becomes `name` (fp8) plus `name + '_scale'` (fp32, grouping's layout),
-    except those in keep, which stay in bf16. Weights that are already FP8 (an FP8 checkpoint)
-    pass through unchanged."""
+                        keep: frozenset[str] = frozenset(),
+                        importance: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every linear weight becomes `name` (fp8) plus `name + '_scale'` (grouping's layout),
+    except those in keep, which stay in bf16. importance: weight name -> [K], quantize_fp8's.
+    Weights that are already FP8 (an FP8 checkpoint) pass through unchanged."""
+    importance = importance or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         if name.endswith("weight_scale"):
@@ -142,7 +144,8 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], rule: str = "mse", grouping
         elif name in keep and is_linear_weight(name) and t.dtype != FP8:
             out[name] = t.to(torch.bfloat16)
         elif is_linear_weight(name) and t.dtype != FP8:
-            out[name], out[name + "_scale"] = quantize_fp8(t, rule, grouping if t.dim() == 2 else "channel")
+            out[name], out[name + "_scale"] = quantize_fp8(t, rule, grouping if t.dim() == 2 else "channel",
+                                                           importance.get(name) if t.dim() == 2 else None)
         else:
             out[name] = t
     return out

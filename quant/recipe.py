@@ -8,6 +8,8 @@ one string, the value of `--fp8-recipe` and what the converted model's metadata 
     g64                     1 x 64 groups, MSE scales, every linear weight FP8
     g64+gptq+bf16:0.down,29.down
                             and GPTQ rounding, layer 0's and 29's down projections in bf16
+    g16+act                 1 x 16 groups, the MSE search's error weighted per input column by
+                            the calibration text's mean square of that input (diag X^T X)
 
 Weight names in a spec are short: `<layer>.<qkv|o|gate_up|down>`."""
 from __future__ import annotations
@@ -43,27 +45,37 @@ class Recipe:
     grouping: str = "channel"
     gptq: bool = False
     keep: tuple[str, ...] = ()  # fused names of the linear weights kept in bf16, sorted
+    act: bool = False  # the scale search weighted by the calibration inputs' mean square per column
 
     def __post_init__(self):
         if self.grouping not in GROUPINGS:
             raise ValueError(f"FP8 grouping {self.grouping!r}: choose {', '.join(GROUPINGS)}")
+        if self.act and self.gptq:
+            raise ValueError("FP8 recipe: +act and +gptq together were never measured (GPTQ weighs the inputs itself)")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantize needs the calibration text's input statistics."""
+        return self.gptq or self.act
 
     @classmethod
     def parse(cls, spec: str) -> "Recipe":
         parts = spec.strip().split("+")
-        grouping, gptq, keep = parts[0], False, ()
+        grouping, gptq, keep, act = parts[0], False, (), False
         for p in parts[1:]:
             if p == "gptq":
                 gptq = True
+            elif p == "act":
+                act = True
             elif p.startswith("bf16:"):
                 keep = tuple(sorted(long_name(s) for s in p[5:].split(",") if s))
             else:
-                raise ValueError(f"FP8 recipe {spec!r}: {p!r} is neither gptq nor bf16:<weights>")
-        return cls(grouping, gptq, keep)
+                raise ValueError(f"FP8 recipe {spec!r}: {p!r} is neither gptq, act nor bf16:<weights>")
+        return cls(grouping, gptq, keep, act)
 
     @property
     def spec(self) -> str:
-        out = self.grouping + ("+gptq" if self.gptq else "")
+        out = self.grouping + ("+gptq" if self.gptq else "") + ("+act" if self.act else "")
         if self.keep:
             out += "+bf16:" + ",".join(short_name(n) for n in sorted(self.keep, key=_order))
         return out
@@ -81,14 +93,17 @@ class Recipe:
 
     def quantize(self, sd: dict[str, torch.Tensor], rule: str = "mse",
                  hessians: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The state dict with this recipe's FP8 (and bf16) linear weights. gptq needs hessians
+        """The state dict with this recipe's FP8 (and bf16) linear weights. gptq and act need hessians
         (weight name -> its input's X^T X on the calibration text, ridge/models/fp8_calibrate.py)."""
-        if not self.gptq:
+        if not self.calibrated:
             return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep))
+        if hessians is None:
+            raise ValueError(f"FP8 recipe {self.spec}: it needs the calibration text's input statistics")
+        if self.act:
+            return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep),
+                                       {n: h.diagonal() for n, h in hessians.items()})
         from .gptq import gptq_fp8
 
-        if hessians is None:
-            raise ValueError(f"FP8 recipe {self.spec}: GPTQ needs the calibration text's input statistics")
         plain = {n: t for n, t in sd.items() if n not in hessians or n in self.keep}
         out = quantize_state_dict(plain, rule, self.grouping, frozenset(self.keep))
         for name, t in sd.items():

@@ -156,6 +156,29 @@ def test_recipe_spec_bytes_and_bf16_weights():
     assert out["layers.0.o_proj.weight"].dtype == FP8 and out["layers.0.o_proj.weight_scale"].shape == (64, 4)
 
 
+def test_act_weights_the_search_by_the_calibration_inputs(tmp_path):
+    from ridge.quant.recipe import Recipe
+
+    r = Recipe.parse("g16+act+bf16:0.o")
+    assert r.act and r.calibrated and r.spec == "g16+act+bf16:0.o" and Recipe.parse(r.spec) == r
+    with pytest.raises(ValueError, match="act"):
+        Recipe.parse("g16+act+gptq")
+    g = torch.Generator().manual_seed(5)
+    sd = {"layers.0.down_proj.weight": weight(32, 96)}
+    x = torch.randn(256, 96, generator=g) * torch.rand(96, generator=g) ** 3  # inputs of uneven size
+    hess = {"layers.0.down_proj.weight": x.t() @ x}
+    with pytest.raises(ValueError, match="calibration"):
+        Recipe.parse("g16+act").quantize(sd)
+    plain, act = (Recipe.parse(s).quantize(sd, hessians=hess) for s in ("g16", "g16+act"))
+
+    def product_error(out):
+        w = sd["layers.0.down_proj.weight"]
+        return ((x @ (dequantize(out["layers.0.down_proj.weight"], out["layers.0.down_proj.weight_scale"]) - w).t())
+                ** 2).sum()
+
+    assert product_error(act) < 0.95 * product_error(plain)
+
+
 def test_convert_records_the_recipe_and_keys_the_cache_by_it(tmp_path):
     from tiny_models import make_tiny
 
@@ -199,9 +222,9 @@ def test_auto_takes_the_fewest_bytes_within_the_budget(tmp_path):
     assert easy.spec == "g64" and [t["recipe"] for t in measured["tried"]] == ["g64"]  # the fewest bytes
     hard, hess, measured = choose_recipe(*args, budget=0.0, groupings=("g32",), max_bf16=2)  # unreachable
     tried = [t["recipe"] for t in measured["tried"]]
-    assert tried[:2] == ["g32", "g32+gptq"] and len(tried) == 4 and len(hard.keep) == 2
+    assert tried[:3] == ["g32", "g32+act", "g32+gptq"] and len(tried) == 5 and len(hard.keep) == 2
     kls = [t["kl"] for t in measured["tried"]]
-    assert kls[3] < kls[2] < min(kls[:2])  # each weight kept in bf16 lowers the KL
+    assert kls[4] < kls[3] < min(kls[:3])  # each weight kept in bf16 lowers the KL
     sens = measured["sensitivity"]  # the two of most KL per byte, in that order
     assert [long_name(n) for n in sens] == sorted(hard.keep, key=list(map(long_name, sens)).index)
     assert (hess is not None) == hard.gptq

@@ -63,7 +63,8 @@ def _recipes(conv, chosen, specs: list[str], texts, refs) -> list[dict]:
             [(s, None, "listed") for s in specs]:
         r = Recipe.parse(spec)
         if sd is None:
-            hess = calibrate(conv.config, conv.state_dict, conv.freq_factors, conv.tokenizer, spec)[1] if r.gptq else None
+            hess = calibrate(conv.config, conv.state_dict, conv.freq_factors, conv.tokenizer, spec)[1] \
+                if r.calibrated else None
             sd = r.quantize(conv.state_dict, hessians=hess)
         m = build(conv.config, sd, conv.freq_factors)
         b = r.weight_bytes(shapes)

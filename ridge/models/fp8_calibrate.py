@@ -95,15 +95,15 @@ def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
     if spec == "auto":
         return choose_recipe(cfg, sd, freq, tokenizer)
     recipe = Recipe.parse(spec)
-    hess = hessians(build(cfg, sd, freq), calibration_ids(tokenizer, cfg)) if recipe.gptq else None
+    hess = hessians(build(cfg, sd, freq), calibration_ids(tokenizer, cfg)) if recipe.calibrated else None
     return recipe, hess, None
 
 
 def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: float = FP8_KL_BUDGET,
                   groupings: tuple[str, ...] = ("g128", "g64", "g32", "g16"), max_bf16: int = MAX_BF16):
     """The recipe of fewest bytes whose KL on the calibration text meets budget: groupings
-    coarse to fine, then GPTQ, then the most sensitive weights (KL per byte) kept in bf16 one by
-    one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
+    coarse to fine, each plain, with the activation-weighted search (+act), then GPTQ, then the
+    most sensitive weights (KL per byte) kept in bf16 one by one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
     ids = calibration_ids(tokenizer, cfg)
     model = build(cfg, sd, freq)
     ref = prompt_logits(model, ids)
@@ -112,24 +112,25 @@ def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: flo
     tried = []
 
     def measure(r: Recipe) -> float:
-        v = recipe_kl(cfg, sd, freq, r, ids, ref, hess if r.gptq else None)
+        v = recipe_kl(cfg, sd, freq, r, ids, ref, hess if r.calibrated else None)
         tried.append({"recipe": r.spec, "kl": v, "bytes": r.weight_bytes(shapes)})
         log.info("FP8 recipe %s: KL %.5f on the calibration text, %d weight bytes", r.spec, v, tried[-1]["bytes"])
         return v
 
-    cands = sorted((Recipe(g, gptq) for g in groupings if g in GROUPINGS for gptq in (False, True)),
-                   key=lambda r: (r.weight_bytes(shapes), r.gptq))
+    cands = sorted((Recipe(g, gptq, act=act) for g in groupings if g in GROUPINGS
+                    for gptq, act in ((False, False), (False, True), (True, False))),
+                   key=lambda r: (r.weight_bytes(shapes), r.gptq, r.act))
     for r in cands:
         if measure(r) <= budget:
-            return r, hess if r.gptq else None, {"budget": budget, "tried": tried}
+            return r, hess if r.calibrated else None, {"budget": budget, "tried": tried}
     best = min(cands, key=lambda r: next(t["kl"] for t in tried if t["recipe"] == r.spec))
     sens = sensitivity(model, sd, ids[:SENSITIVITY_TOKENS], best.grouping)
     extra = {n: 2 * shapes[n][0] * shapes[n][1] - Recipe(best.grouping).weight_bytes({n: shapes[n]}) for n in sens}
     order = sorted(sens, key=lambda n: -sens[n] / extra[n])[:max_bf16]
     r = best
     for n in order:
-        r = Recipe(best.grouping, best.gptq, tuple(sorted((*r.keep, n))))
+        r = Recipe(best.grouping, best.gptq, tuple(sorted((*r.keep, n))), best.act)
         if measure(r) <= budget:
             break
-    return r, hess if r.gptq else None, {"budget": budget, "tried": tried,
+    return r, hess if r.calibrated else None, {"budget": budget, "tried": tried,
                                          "sensitivity": {short_name(k): sens[k] for k in order}}
