@@ -231,6 +231,15 @@ def _fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids
     return fused_moe_cpu(*args, act=act, cpu=cpu, act_fn=_silu_and_mul_any if act == "silu" else None, **kw)
 
 
+FP8_KV_FORMAT = kv_cache.FP8_KV_FORMAT  # what an FP8 cache's bytes hold (the prefix disk tier's key)
+
+
+def kv_rotation(k_cache: torch.Tensor, head_dim: int, dtype: torch.dtype, device) -> tuple | None:
+    """(H, H / D) that the attention layer rotates q, k, v and its output by where k_cache is FP8
+    (kernels/kv_cache.py rotation), else None."""
+    return kv_cache.rotation(head_dim, dtype, device) if k_cache.dtype == FP8 else None
+
+
 def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta: AttentionMetadata | None = None):
     with section("kv_write"):
         args = (key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, meta)

@@ -14,7 +14,7 @@ from ridge.cache.block_hash import DIGEST_BYTES
 from ridge.cache.block_io import BlockLayout
 from ridge.cache.disk_tier import VERSION, DiskTier, kv_root
 from ridge.cache.tiers import KVTiers
-from ridge.kernels.kv_cache import FP8_KV_FORMAT
+from ridge.kernels.ops import FP8_KV_FORMAT
 
 log = logging.getLogger("ridge.engine")
 GIB = 1 << 30

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.kernels import kv_cache, ops
+from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 from ridge.quant.linear import FP8Linear
@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
             q, k = self.norm_qk(q, k)
         q, k = ops.rope(q, k, positions, cos_sin, meta)
         gm = meta.group(self.kv_group) if self.kv_group else meta
-        rot = kv_cache.rotation(cfg.head_dim, k.dtype, k.device) if kv.k.dtype == kv_cache.FP8 else None
+        rot = ops.kv_rotation(kv.k, cfg.head_dim, k.dtype, k.device)
         if rot is not None:  # an FP8 cache holds K H and V H (kernels/kv_cache.py): exact, fewer FP8 errors
             q, k, v = q @ rot[1], k @ rot[0], v @ rot[0]
         ops.write_kv(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, gm.slot_mapping, gm)
