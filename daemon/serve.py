@@ -164,7 +164,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
            where: str = "config.toml") -> int:
     from .engine_loop import EngineLoop
     from .models import Models, park, plan_sharing
-    from .server import Server, ServerConfig, make_validator
+    from .server import Server, make_validator
 
     notifier = Notifier()
     notifier.status("loading the model")
@@ -192,12 +192,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
     model = engine.model_info()
     model["name"] = c["served_model_name"] or served_name(model)
     registry.default.name, registry.default.path = model["name"], model["path"]
-    pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
-    cfg = ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
-                       limits=limits(c, engine.max_model_len), heartbeat_interval=c["heartbeat_interval"],
-                       client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
-                       stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600,
-                       prefix_sharing=c["prefix_sharing"])
+    cfg = _server_config(c, endpoint, system, curve, engine.max_model_len)
 
     def ready(slot, eng) -> tuple:
         """A model loaded on request: its validator and what hello would say of it."""
@@ -213,6 +208,23 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
     models.default_pooling = c["pooling"]
     server = Server(cfg, engine, loop, model, notifier, _version(), models)
     models.adopt(registry.default, loop, engine)
+    return _run(server, cfg, models, http, c, endpoint, notifier)
+
+
+def _server_config(c: dict, endpoint: str, system: bool, curve, max_model_len: int):
+    from .server import ServerConfig
+
+    pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
+    return ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
+                        limits=limits(c, max_model_len), heartbeat_interval=c["heartbeat_interval"],
+                        client_timeout=c["client_timeout"], drain_grace=c["drain_grace"],
+                        stats_interval=c["stats_interval"], socket_mode=0o660 if system else 0o600,
+                        prefix_sharing=c["prefix_sharing"])
+
+
+def _run(server, cfg, models, http, c: dict, endpoint: str, notifier) -> int:
+    """Bind, start the gateways, serve until drained; then stop everything in order."""
+    model = server.model
     gateways = []
     try:
         server.bind()
@@ -242,3 +254,4 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
             if lp.is_alive():
                 lp.join(10)
         notifier.close()
+
