@@ -303,15 +303,8 @@ def _paged_attn_kernel(
     dot_ty = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
     q = q.to(dot_ty)
 
-    # Causal: this program's last query sees keys up to its own position; with a window its
-    # first query sees none before kv_start.
-    kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
-    kv_start = tl.maximum(context + local * BLOCK_Q - window + 1, 0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    first_tile = kv_start // BLOCK_N
-    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
-    t_lo = first_tile + split * per_split
-    t_hi = tl.minimum(t_lo + per_split, num_tiles)
+    kv_start, kv_end, t_lo, t_hi = _key_tiles(seq_len, context, q_len, local, window, num_splits, split,
+                                              BLOCK_Q, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -345,6 +338,29 @@ def _paged_attn_kernel(
         m_i = m_new
 
     row = (q_start + tok).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head  # (token, head) in [T, H]
+    _store_rows(acc, m_i, l_i, row, head, row_ok, d, d_ok, sinks_ptr, out_ptr, part_acc, part_m, part_l,
+                num_splits, split, HEAD_DIM, SPLIT, SINKS)
+
+
+@jit
+def _key_tiles(seq_len, context, q_len, local, window, num_splits, split,
+               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """-> (kv_start, kv_end, first tile, end tile) of this program's split. Causal: the program's
+    last query sees keys up to its own position; with a window its first query sees none
+    before kv_start."""
+    kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
+    kv_start = tl.maximum(context + local * BLOCK_Q - window + 1, 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    first_tile = kv_start // BLOCK_N
+    per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    t_lo = first_tile + split * per_split
+    return kv_start, kv_end, t_lo, tl.minimum(t_lo + per_split, num_tiles)
+
+
+@jit
+def _store_rows(acc, m_i, l_i, row, head, row_ok, d, d_ok, sinks_ptr, out_ptr, part_acc, part_m, part_l,
+                num_splits, split, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SINKS: tl.constexpr):
+    """The output rows, or with the context split this split's partial sums for the merge."""
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         if SINKS:
