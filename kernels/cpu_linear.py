@@ -163,7 +163,7 @@ class CpuLinear:
         products = {"fp32": None, **{k: (_bf16_run if k == "bf16" else _gemv_run)(w) for k, w in copies.items()}}
         if "fp8" in kinds:
             copies["fp8"] = packed8
-            scale256 = (self.scale * 256).contiguous()
+            scale256 = native.scale_blocks(self.scale * 256)
         runs = [_fp8_run(packed8, scale256, isa, products[other]) if kind == "fp8" else products[other]
                 for kind, other in zip(kinds, others)]
         if all(k == "fp32" for k in kinds):

@@ -237,7 +237,7 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
             if made is not None:
                 made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
             best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
-            fp8_known.update(measure_fp8(packs, [m.scale * 256 for m in cold], fp8_todo, isa, best))
+            fp8_known.update(measure_fp8(packs, [native.scale_blocks(m.scale * 256) for m in cold], fp8_todo, isa, best))
             dirty = True
         mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
                       **({fp8_name: {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}

@@ -177,16 +177,32 @@ def fp8_linear_isa() -> int:
     return min(lib.fp8_linear_isa(), cap)
 
 
+def scale_blocks(scale256: torch.Tensor) -> torch.Tensor:
+    """Scales as native.fp8_linear reads them fastest: [ceil(K/G), N] per column and group ->
+    [N/16, ceil(K/G), 16], each 16-column block's scales together, as its weights are (one
+    per column, [N], is that layout already). Made once per weight, where its formats are
+    chosen."""
+    if scale256.dim() == 1:
+        return scale256.contiguous()
+    g, n = scale256.shape
+    return scale256.reshape(g, n // 16, 16).transpose(0, 1).contiguous()
+
+
 def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: cpu_linear.pack_fp8's
-    [N/16, K/2, 16, 2] bytes; scale256: the scales times 256 (fp32, contiguous), [N] one per
-    column or [ceil(K/G), N] per column and group of G along K (kernels/fp8_scales.column_groups)."""
+    [N/16, K/2, 16, 2] bytes; scale256: the scales times 256 (fp32), [N] one per column, or per
+    column and group of G along K as scale_blocks makes them, [N/16, ceil(K/G), 16] (or as
+    kernels/fp8_scales.column_groups gives them, [ceil(K/G), N], rearranged here on every call:
+    for tests)."""
     nb, kp, sixteen, two = packed.shape
     m, k = x.shape
     assert (sixteen, two) == (16, 2) and k == 2 * kp and packed.dtype == torch.uint8, (x.shape, packed.shape)
-    groups = 1 if scale256.dim() == 1 else scale256.shape[0]
+    if scale256.dim() == 2:
+        scale256 = scale_blocks(scale256)
+    groups = 1 if scale256.dim() == 1 else scale256.shape[1]
     gk = k if groups == 1 else 1 << (-(-k // groups) - 1).bit_length()
-    assert x.dtype == torch.float32 and scale256.shape[-1] == nb * 16 and scale256.dtype == torch.float32
+    assert x.dtype == torch.float32 and scale256.dtype == torch.float32 and scale256.numel() == nb * 16 * groups
+    assert scale256.dim() == 1 or scale256.shape == (nb, groups, 16), scale256.shape
     assert scale256.is_contiguous() and -(-k // gk) == groups and gk % 2 == 0, (scale256.shape, k)
     x = x.contiguous()
     y = torch.empty((m, nb * 16), dtype=torch.float32)

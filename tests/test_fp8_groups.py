@@ -228,3 +228,19 @@ def test_auto_takes_the_fewest_bytes_within_the_budget(tmp_path):
     sens = measured["sensitivity"]  # the two of most KL per byte, in that order
     assert [long_name(n) for n in sens] == sorted(hard.keep, key=list(map(long_name, sens)).index)
     assert (hess is not None) == hard.gptq
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")
+@pytest.mark.parametrize("grouping", ["channel", "g32", "g16"])
+def test_e4m3_kernel_gives_a_row_the_same_bits_at_every_row_count(grouping):
+    """The deterministic mode takes the e4m3 kernel as batch-invariant: the streaming tiles (1-2
+    rows) and the converted-panel tiles (3 rows at a time) close a row's groups in one order."""
+    N, K = 48, 200
+    q, s = quantize_fp8(weight(N, K), "mse", grouping)
+    cols, _ = column_groups(s, (N, K))
+    packed, scale256 = pack_fp8(q, cols), native.scale_blocks((cols[0] if cols.shape[0] == 1 else cols) * 256)
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(3))
+    for isa in range(1, native.fp8_linear_isa() + 1):
+        alone = native.fp8_linear(x[:1], packed, scale256, isa)
+        for m in (2, 3, 4, 5, 9, 17):
+            assert torch.equal(native.fp8_linear(x[:m], packed, scale256, isa)[:1], alone), (isa, m)

@@ -6,9 +6,12 @@
    An e4m3 byte becomes fp16 bits worth e4m3 / 256 by two shifts (exactly, subnormals
    included; fp16's exponent range holds e4m3's), so `scale` arrives times 256.
 
-   Scales: [ceil(K/gk)][N], one per output column and group of gk along K (gk even; the last
-   group of a row the remainder; gk = K is one scale per column). Each group's sum is scaled
-   as it closes and added to the column's: the rule of a GPU's grouped FP8 GEMM epilogue.
+   Scales: [N/16][ceil(K/gk)][16], one per output column and group of gk along K (gk even;
+   the last group of a row the remainder; gk = K is one scale per column, the layout then [N]),
+   stored by block of 16 columns as the weights are, so that a block's scales are one stream
+   beside its weights rather than a cache line a group N floats apart. Each group's sum is
+   scaled as it closes and added to the column's: the rule of a GPU's grouped FP8 GEMM
+   epilogue.
 
    Two variants, picked by the caller from what the CPU has:
    - AVX-512 BF16: weights widened to bf16 (exact: e4m3 has 3 mantissa bits), activations
@@ -44,7 +47,7 @@ T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t g) {
 }
 
 T512 static void row1_512(const uint32_t *xr, int64_t kp, int64_t gp, const uint8_t *w, const float *s,
-                          int64_t lds, float *y) {
+                          float *y) {
     for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
         const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -54,7 +57,7 @@ T512 static void row1_512(const uint32_t *xr, int64_t kp, int64_t gp, const uint
             a1 = _mm512_dpbf16_ps(a1, e4m3_bf16x32(w + p * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[p + 1]));
         }
         if (p < p1) a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
-        close512(y, _mm512_add_ps(a0, a1), s + g * lds, g);
+        close512(y, _mm512_add_ps(a0, a1), s + g * 16, g);
     }
 }
 
@@ -62,7 +65,7 @@ T512 static void row1_512(const uint32_t *xr, int64_t kp, int64_t gp, const uint
    bf16 words already converted (same order). */
 #define TILE512(NAME, MRC, NB, CONV)                                                             \
 T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0, const void *w1, \
-                      const float *s, int64_t lds, float *y, int64_t ldy) {                      \
+                      const float *s, int64_t ldb, float *y, int64_t ldy) {                      \
   for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
     const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
     __m512 acc[MRC][NB];                                                                         \
@@ -80,7 +83,7 @@ T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0
         }                                                                                        \
     }                                                                                            \
     for (int j = 0; j < NB; j++)                                                                 \
-        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s + g * lds + j * 16, g); \
+        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s + g * 16 + j * ldb, g); \
   }                                                                                              \
 }
 #define TILES512(M) TILE512(c2_##M, M, 2, 1) TILE512(b2_##M, M, 2, 0) TILE512(c1_##M, M, 1, 1) TILE512(b1_##M, M, 1, 0)
@@ -108,13 +111,13 @@ T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
    panel once into a per-thread bf16 buffer and run every row tile over it. */
 T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
                             int64_t N, int64_t gk, float *y, int nthreads) {
-    const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16;
+    const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16, sb = (K + gk - 1) / gk * 16;
     uint16_t *xb = malloc((size_t)(M * K) * 2);
     to_bf16(x, xb, M * K);
     const uint32_t *xr = (const uint32_t *)xb;
     if (M == 1) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, gp, w + nb * blk, scale + nb * 16, N, y + nb * 16);
+        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, gp, w + nb * blk, scale + nb * sb, y + nb * 16);
         free(xb);
         return;
     }
@@ -138,7 +141,7 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t 
             for (int64_t m0 = 0; m0 < M; m0 += MR512) {
                 int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
                 const tile_fn *t = buf ? (two ? B2 : B1) : (two ? C2 : C1);
-                t[mr](xr + m0 * kp, kp, gp, a, b, scale + nb * 16, N, y + m0 * N + nb * 16, N);
+                t[mr](xr + m0 * kp, kp, gp, a, b, scale + nb * sb, sb, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -148,27 +151,45 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t 
 
 /* ---- AVX2 + F16C + FMA ---------------------------------------------------------------- */
 
-/* 16 bytes (8 columns x a k pair) -> two fp32 vectors, each 4 columns x (k, k+1). */
-T256 static INL void e4m3_f32x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
-    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
-                                _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+/* 32 bytes (16 columns x a k pair) -> four fp32 vectors, each 4 columns x (k, k+1), in column
+   order. Interleaving each byte above a zero byte makes b << 8 (s eeee mmm then zeros); an
+   arithmetic shift by one and clearing bit 14 leave s 0eeee mmm0000000, the fp16 of e4m3 / 256.
+   Ten ops where widening each byte and masking its two parts took sixteen. */
+T256 static INL void e4m3_f32x32(const uint8_t *p, __m256 *v) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    const __m256i keep = _mm256_set1_epi16((short)0xbfff);
+    __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, b), 1), keep);  /* bytes 0-7, 16-23 */
+    __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, b), 1), keep);  /* bytes 8-15, 24-31 */
+    v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
+    v[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+    v[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1));
+    v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
 }
 
-/* acc holds (column, k parity) pairs for 4 + 4 columns: add each pair, in column order. */
-T256 static INL void store8(float *y, __m256 a, __m256 b, const float *s, int64_t g) {
-    __m256 h = (__m256)_mm256_permute4x64_pd((__m256d)_mm256_hadd_ps(a, b), 0xd8);
-    __m256 v = _mm256_mul_ps(h, _mm256_loadu_ps(s));
-    _mm256_storeu_ps(y, g ? _mm256_add_ps(v, _mm256_loadu_ps(y)) : v);
+/* A 16-column block's 16 scales as four vectors in the accumulators' (column, k parity)
+   order: each scale twice. */
+T256 static INL void scale_pairs(const float *s, __m256 *sd) {
+    const __m256i a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), b = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256 lo = _mm256_loadu_ps(s), hi = _mm256_loadu_ps(s + 8);
+    sd[0] = _mm256_permutevar8x32_ps(lo, a), sd[1] = _mm256_permutevar8x32_ps(lo, b);
+    sd[2] = _mm256_permutevar8x32_ps(hi, a), sd[3] = _mm256_permutevar8x32_ps(hi, b);
+}
+
+/* tot holds (column, k parity) pairs for 4 + 4 columns: add each pair, in column order. */
+T256 static INL void store8(float *y, __m256 a, __m256 b) {
+    _mm256_storeu_ps(y, (__m256)_mm256_permute4x64_pd((__m256d)_mm256_hadd_ps(a, b), 0xd8));
 }
 
 /* MRC rows x 16 columns. CONV: e4m3 bytes converted as they are read; else fp32 already
-   converted, 4 vectors a k pair. */
+   converted, 4 vectors a k pair. A group's sums are scaled as it closes and added to the
+   row's totals while still in (column, k parity) pairs, and the pairs are added once at the
+   end: a group's close is a multiply-add a vector, not a reduction and a store. Every tile
+   does the same operations in the same order for a row, whatever MRC, so a row's bits do not
+   depend on how many rows share its step (the deterministic mode relies on it). */
 #define TILE256(NAME, MRC, CONV)                                                                 \
 T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, const float *s, int64_t lds, \
                       float *y, int64_t ldy) {                                                   \
+  __m256 tot[MRC][4];                                                                            \
   for (int64_t p0 = 0, g = 0; p0 < K / 2; p0 += gp, g++) {                                       \
     const int64_t p1 = p0 + gp < K / 2 ? p0 + gp : K / 2;                                        \
     __m256 acc[MRC][4];                                                                          \
@@ -177,8 +198,7 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
     for (int64_t p = p0; p < p1; p++) {                                                          \
         __m256 wv[4];                                                                            \
         if (CONV) {                                                                              \
-            e4m3_f32x16((const uint8_t *)w + p * 32, &wv[0], &wv[1]);                            \
-            e4m3_f32x16((const uint8_t *)w + p * 32 + 16, &wv[2], &wv[3]);                       \
+            e4m3_f32x32((const uint8_t *)w + p * 32, wv);                                        \
         } else {                                                                                 \
             for (int c = 0; c < 4; c++) wv[c] = _mm256_loadu_ps((const float *)w + p * 32 + c * 8); \
         }                                                                                        \
@@ -187,10 +207,15 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
             for (int c = 0; c < 4; c++) acc[i][c] = _mm256_fmadd_ps(wv[c], xv, acc[i][c]);       \
         }                                                                                        \
     }                                                                                            \
-    for (int i = 0; i < MRC; i++) {                                                              \
-        store8(y + i * ldy, acc[i][0], acc[i][1], s + g * lds, g);                               \
-        store8(y + i * ldy + 8, acc[i][2], acc[i][3], s + g * lds + 8, g);                       \
-    }                                                                                            \
+    __m256 sd[4];                                                                                \
+    scale_pairs(s + g * lds, sd);                                                                \
+    for (int i = 0; i < MRC; i++)                                                                \
+        for (int c = 0; c < 4; c++)                                                              \
+            tot[i][c] = g ? _mm256_fmadd_ps(acc[i][c], sd[c], tot[i][c]) : _mm256_mul_ps(acc[i][c], sd[c]); \
+  }                                                                                              \
+  for (int i = 0; i < MRC; i++) {                                                                \
+      store8(y + i * ldy, tot[i][0], tot[i][1]);                                                 \
+      store8(y + i * ldy + 8, tot[i][2], tot[i][3]);                                             \
   }                                                                                              \
 }
 TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
@@ -201,7 +226,7 @@ static const tile256_fn F256[4] = {0, f1, f2, f3};
    per-thread fp32 buffer and run 3-row tiles over it. */
 T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
                             int64_t N, int64_t gk, float *y, int nthreads) {
-    const int64_t blk = K * 16, nblocks = N / 16, gp = gk / 2;
+    const int64_t blk = K * 16, nblocks = N / 16, gp = gk / 2, sb = (K + gk - 1) / gk * 16;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = M > 2 ? aligned_alloc(64, (size_t)blk * 4) : NULL;  /* stored whole vectors */
@@ -209,13 +234,13 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const uint8_t *wb = w + nb * blk;
             if (!buf) {
-                (M == 1 ? v1 : v2)(x, K, gp, wb, scale + nb * 16, N, y + nb * 16, N);
+                (M == 1 ? v1 : v2)(x, K, gp, wb, scale + nb * sb, 16, y + nb * 16, N);
                 continue;
             }
-            for (int64_t q = 0; q < blk; q += 16) e4m3_f32x16(wb + q, (__m256 *)(buf + q), (__m256 *)(buf + q + 8));
+            for (int64_t q = 0; q < blk; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
             for (int64_t m0 = 0; m0 < M; m0 += 3) {
                 int mr = M - m0 < 3 ? (int)(M - m0) : 3;
-                F256[mr](x + m0 * K, K, gp, buf, scale + nb * 16, N, y + m0 * N + nb * 16, N);
+                F256[mr](x + m0 * K, K, gp, buf, scale + nb * sb, 16, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -233,7 +258,7 @@ T256 static void block256(const float *x, int64_t n, int64_t K, const uint8_t *w
         (n == 1 ? v1 : v2)(x, K, K / 2, wb, s, 0, y, ldy);
         return;
     }
-    for (int64_t q = 0; q < K * 16; q += 16) e4m3_f32x16(wb + q, (__m256 *)(buf + q), (__m256 *)(buf + q + 8));
+    for (int64_t q = 0; q < K * 16; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
     for (int64_t m0 = 0; m0 < n; m0 += 3) {
         int mr = n - m0 < 3 ? (int)(n - m0) : 3;
         F256[mr](x + m0 * K, K, K / 2, buf, s, 0, y + m0 * ldy, ldy);
