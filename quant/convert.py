@@ -20,6 +20,7 @@ from .source import read_source, resolve_model_path
 
 log = logging.getLogger("ridge.quant")
 CALIBRATION = Path(__file__).resolve().parent / "calibration.txt"  # the text GPTQ and auto measure on
+AUTO_JUDGE = 2  # how auto judges a recipe (in the cache key): 2, on the calibration text's held-out last third
 
 
 @dataclass
@@ -48,6 +49,8 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
     options = {"quantize": quantize, "rule": rule, "recipe": recipe}
     if recipe == "auto" or Recipe.parse(recipe).calibrated:  # measured on the calibration text: a new text, a new entry
         options["calibration"] = hashlib.sha256(CALIBRATION.read_bytes()).hexdigest()[:16]
+    if recipe == "auto":
+        options["judge"] = AUTO_JUDGE
     key = store.cache_key(path, options)
     if use_cache and quantize and (hit := store.load(key)) is not None:
         meta, tensors = hit

@@ -227,7 +227,27 @@ def test_auto_takes_the_fewest_bytes_within_the_budget(tmp_path):
     assert kls[4] < kls[3] < min(kls[:3])  # each weight kept in bf16 lowers the KL
     sens = measured["sensitivity"]  # the two of most KL per byte, in that order
     assert [long_name(n) for n in sens] == sorted(hard.keep, key=list(map(long_name, sens)).index)
-    assert (hess is not None) == hard.gptq
+    assert (hess is not None) == hard.calibrated
+
+
+def test_auto_judges_on_text_its_statistics_never_saw(tmp_path):
+    """GPTQ's and +act's statistics come from the calibration text's first two thirds, the KL
+    that picks a recipe from the rest."""
+    from tiny_models import make_tiny
+
+    from ridge.models.fp8_calibrate import build, calibration_ids, choose_recipe, hessians, split_calibration
+    from ridge.quant.convert import convert
+
+    path, *_ = make_tiny(tmp_path)
+    conv = convert(path, quantize=False, use_cache=False, show_progress=False)
+    ids = calibration_ids(conv.tokenizer, conv.config)
+    fit, judge = split_calibration(ids)
+    assert fit + judge == ids and abs(len(judge) - len(ids) / 3) <= 1 and len(fit) > len(judge)
+    args = (conv.config, conv.state_dict, conv.freq_factors, conv.tokenizer)
+    r, hess, _ = choose_recipe(*args, budget=0.0, groupings=("g32",), max_bf16=0)  # the best of three, calibrated
+    assert r.calibrated and hess is not None
+    seen = hessians(build(*args[:3]), fit)
+    assert all(torch.allclose(hess[k], seen[k]) for k in seen)
 
 
 @pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")
