@@ -14,7 +14,8 @@ from ridge.config import ModelConfig
 from ridge.options import FP8_RECIPE
 
 from . import store
-from .recipe import Recipe
+from .fp8 import FP8, is_linear_weight, quantize_state_dict
+from .recipe import Recipe, resolve_spec
 from .fuse import fuse_hf_state_dict
 from .source import read_source, resolve_model_path
 
@@ -35,16 +36,19 @@ class ConvertedModel:
 
 
 def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str | None = None,
-            calibrate=None, use_cache: bool = True, show_progress: bool = True) -> ConvertedModel:
+            calibrate=None, use_cache: bool = True, show_progress: bool = True,
+            device: str = "cpu") -> ConvertedModel:
     """recipe: an FP8 recipe's spec (quant/recipe.py), or "auto". Those measured on the calibration
     text (auto, and GPTQ rounding) need calibrate(cfg, fused state dict, rope factors, tokenizer,
     spec) -> (Recipe, GPTQ's input statistics or None, what it measured or None), which runs the
     model (ridge/models/fp8_calibrate.calibrate: quant/ sits below models/). None: RIDGE_FP8_RECIPE,
-    else the declared default (ridge/options.py FP8_RECIPE)."""
+    else the declared default (ridge/options.py FP8_RECIPE). "device": the default of the device
+    the weights are for (quant/recipe.py DEVICE_RECIPES), which is also what the cache key holds."""
     from ridge.tokenizer import Tokenizer
 
     if recipe is None:
         recipe = FP8_RECIPE.convert(os.environ.get(FP8_RECIPE.env), FP8_RECIPE.env) or FP8_RECIPE.default
+    recipe = resolve_spec(recipe, device)
     path = resolve_model_path(path)
     options = {"quantize": quantize, "rule": rule, "recipe": recipe}
     if recipe == "auto" or Recipe.parse(recipe).calibrated:  # measured on the calibration text: a new text, a new entry
@@ -73,6 +77,10 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
 
 
 def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[dict, dict]:
+    if not any(is_linear_weight(n) and t.dtype != FP8 for n, t in fused.items()):
+        # An FP8 checkpoint: its e4m3 weights and scales are used as they are, so no recipe
+        # applies and nothing is measured.
+        return quantize_state_dict(fused, rule), {"spec": "checkpoint", "rule": rule, "asked": spec}
     recipe, hess, measured = Recipe.parse(spec) if spec != "auto" else None, None, None
     if recipe is None or recipe.calibrated:
         if calibrate is None:

@@ -22,6 +22,17 @@ import torch
 from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_state_dict, scale_dtype
 
 KINDS = ("qkv", "o", "gate_up", "down")
+# What `--fp8-recipe device` (the default) makes on each device (docs/benchmarks.md, issue 29).
+# CPU: 1 x 16 groups with the activation-weighted search, what auto chose on the embedded model
+# and the recipe that meets the accuracy targets; ridge's e4m3 kernel closes a group with one
+# multiply-add. CUDA: per channel until the Triton GEMMs with 16-wide K tiles are compiled and
+# timed on a GPU (interpreter-tested only).
+DEVICE_RECIPES = {"cpu": "g16+act", "cuda": "channel"}
+
+
+def resolve_spec(spec: str, device: str) -> str:
+    """A recipe spec with "device" replaced by the device's default (DEVICE_RECIPES)."""
+    return DEVICE_RECIPES.get(device, "channel") if spec == "device" else spec
 _SHORT = re.compile(r"^(\d+)\.(qkv|o|gate_up|down)$")
 _LONG = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down)_proj\.weight$")
 

@@ -112,12 +112,12 @@ _KIND_WORDS = {list: "a list of strings (or one comma-separated string)"}
 # How FP8 weights are made at conversion (quant/recipe.py). The engine's --fp8-recipe
 # (EngineConfig.fp8_recipe: serve, generate, bench) takes its help from this; where none is
 # given, quant/convert.py reads RIDGE_FP8_RECIPE, else this default.
-FP8_RECIPE = Option("fp8_recipe", str, "channel",
+FP8_RECIPE = Option("fp8_recipe", str, "device",
                     "FP8 weights: a recipe spec (channel | g128 | g64 | g32 | g16 | b128, then +gptq for "
                     "error-compensating rounding on ridge's calibration text or +act for the scale search weighted by "
                     "its inputs, +bf16:<layer>.<qkv|o|gate_up|down>,... "
-                    "for weights kept in bf16), or auto: the fewest bytes within the KL budget on the "
-                    "calibration text (docs/benchmarks.md)")
+                    "for weights kept in bf16), auto: the fewest bytes within the KL budget on the "
+                    "calibration text, or device: g16+act on CPU, channel on CUDA (docs/benchmarks.md)")
 
 
 def _words(raw) -> tuple[str, ...]:

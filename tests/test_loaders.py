@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from ridge.models.fp8_calibrate import calibrate
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
 from ridge.quant.convert import convert
 from ridge.quant.errors import ModelLoadError
+from ridge.quant.recipe import DEVICE_RECIPES
 from ridge.quant.gguf_loader import unpermute_qk
 from tiny_models import make_tiny, permute_qk, random_state_dict, tiny_config, write_gguf, write_hf_dir, write_tokenizer_files
 
@@ -156,21 +158,24 @@ def test_fp8_checkpoint_loads_as_is(tmp_path, scales):
 def test_converted_model_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path, cfg, sd = make_tiny(tmp_path, "qwen3")
-    first = convert(path)
-    second = convert(path)
+    first = convert(path, calibrate=calibrate)  # the default recipe on CPU, g16+act, runs the model once
+    second = convert(path, calibrate=calibrate)
     assert not first.from_cache and second.from_cache
+    assert first.recipe["spec"] == second.recipe["spec"] == DEVICE_RECIPES["cpu"] == "g16+act"
     assert second.config == first.config
     for k, v in first.state_dict.items():
         assert torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
                            second.state_dict[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else second.state_dict[k])
     assert second.tokenizer.encode("the") == first.tokenizer.encode("the")
     os.utime(path, ns=(1, 1))  # a changed source invalidates the entry
-    assert not convert(path).from_cache
+    assert not convert(path, calibrate=calibrate).from_cache
+    assert convert(path, recipe="channel").recipe["spec"] == "channel"  # a recipe given is its own entry
+    assert convert(path, device="cuda").recipe["spec"] == DEVICE_RECIPES["cuda"] == "channel"
 
 
 def test_fp8_weights_are_per_channel_e4m3(tmp_path):
     path, cfg, sd = make_tiny(tmp_path, "llama")
-    conv = convert(path, use_cache=False)
+    conv = convert(path, use_cache=False, recipe="channel")
     w, s = conv.state_dict["layers.0.gate_up_proj.weight"], conv.state_dict["layers.0.gate_up_proj.weight_scale"]
     assert w.dtype == torch.float8_e4m3fn and s.shape == (2 * cfg.intermediate_size,)
     ref = torch.cat([sd["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"]])
@@ -179,7 +184,7 @@ def test_fp8_weights_are_per_channel_e4m3(tmp_path):
     assert ((deq - ref).abs() <= ref.abs() * 2 ** -4 + s[:, None] * 2 ** -9).all()
     assert (w.float().abs().amax(dim=1) == 448).all()
     # On CPU the runtime upcasts once; the numbers are exactly the FP8 ones.
-    lm = load_model(path, device="cpu", use_cache=False)
+    lm = load_model(path, device="cpu", use_cache=False, recipe="channel")
     assert torch.equal(lm.model.layers[0].gate_up_proj.weight, deq)
 
 

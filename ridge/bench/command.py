@@ -244,8 +244,10 @@ def part_hf(rep: Report, args, engine=None):
 def _tokenizer(args, engine=None):
     if engine is not None:
         return engine.tokenizer
+    from ridge.models.fp8_calibrate import calibrate
     from ridge.quant.convert import convert
-    return convert(args.model, show_progress=False).tokenizer
+    return convert(args.model, show_progress=False, recipe=getattr(args, "fp8_recipe", None),
+                   calibrate=calibrate).tokenizer  # the entry the engine's conversion made
 
 
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):

@@ -77,7 +77,7 @@ class EngineConfig:
         if self.weights not in WEIGHT_BYTES:
             raise ValueError(f"--weights {self.weights!r}: choose {', '.join(WEIGHT_BYTES)}")
         self.speculative_config
-        if self.fp8_recipe not in (None, "auto"):
+        if self.fp8_recipe not in (None, "auto", "device"):
             from ridge.quant.recipe import Recipe
 
             Recipe.parse(self.fp8_recipe)

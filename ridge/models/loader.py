@@ -55,7 +55,7 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     device = torch.device(device) if device is not None else default_device()
     dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
     conv = convert(path, quantize=weights == "fp8", rule=rule, recipe=recipe, calibrate=calibrate,
-                   use_cache=use_cache, show_progress=show_progress)
+                   use_cache=use_cache, show_progress=show_progress, device=device.type)
     if weights != "fp8":
         _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
