@@ -22,7 +22,10 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 #   sm_89+ (Ada, Hopper, Blackwell): W8A8. Activations get one fp32 scale per
 #     token (amax / 448) in a quantize kernel, then an fp8 x fp8 product with
 #     both scales applied in the epilogue: torch._scaled_mm or the Triton dot
-#     below, whichever the tuner measures faster for the shape.
+#     below, whichever the tuner measures faster for the shape. Weights scaled
+#     per group along K (or per block) take activations scaled per token and
+#     group of the same width (DeepSeek-V3's 1 x 128 tiles): each K tile is one
+#     group of both, and its product is scaled by both as it is added.
 #   below sm_89 (Ampere): weight-only. The fp8 weight tile is decoded in
 #     registers and the dot runs in the activations' dtype.
 #   CPU (interpreter): the Triton W8A8 dot, which the interpreter computes right.
@@ -62,6 +65,28 @@ def _quant_rows_kernel(x_ptr, q_ptr, staged_ptr, scale_ptr, num_rows, K, stride_
             tl.store(q_ptr + dst, y.to(tl.float8e4nv), mask=mask)
 
 
+def quantize_groups_ref(x: torch.Tensor, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (fp8 [M, K], fp32 scale [M, cdiv(K, gk)]): each token's 1 x gk groups along K
+    scaled by their own amax / 448 (the last group the remainder)."""
+    M, K = x.shape
+    G = -(-K // gk)
+    xp = F.pad(x.float(), (0, G * gk - K)).view(M, G, gk)
+    scale = (xp.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, G * gk)[:, :K]
+    return q, scale
+
+
+def quantize_groups_triton(x: torch.Tensor, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_groups_ref through the per-row kernel: the tokens' groups are rows of gk. The
+    fp8 result keeps the padded width (cdiv(K, gk) * gk, zeros past K) as its row stride."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    M, K = x.shape
+    G = -(-K // gk)
+    xp = x if G * gk == K and x.is_contiguous() else F.pad(x, (0, G * gk - K)).contiguous()
+    q, scale = quantize_rows_triton(xp.view(M * G, gk))
+    return q.view(M, G * gk)[:, :K], scale.view(M, G)
+
+
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (fp8 [M, K], fp32 scale [M, 1]) with x ~= fp8 * scale, per-token."""
     assert x.dim() == 2 and x.stride(1) == 1
@@ -84,13 +109,15 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_bn,
                      stride_bs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, A_FP8: tl.constexpr, B_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DOT_F32: tl.constexpr, SCALE_BN: tl.constexpr):
+                     DOT_F32: tl.constexpr, SCALE_BN: tl.constexpr, A_GROUPS: tl.constexpr):
     # C[M, N] = (A[M, K] @ W[N, K]^T) * a_scale[M] * w_scale + bias. W is K-major, as fp8 MMAs want.
     # A_FP8: A is fp8 with per-row scales (W8A8); else A is bf16/fp16 and W is decoded to its dtype.
     # SCALE_BN 0: w_scale[N], one per column, applied once at the end. Else the weight is scaled
     # per group of BLOCK_K along K and SCALE_BN rows (1: 1 x G groups; 128: DeepSeek-V3's blocks),
     # w_scale[N / SCALE_BN, cdiv(K, BLOCK_K)] with row stride stride_bs: each K tile's product is
     # scaled as it is added, so a tile is exactly one group (the host sets BLOCK_K to it).
+    # A_GROUPS (with SCALE_BN): A's scales are per row and K tile, a_scale[M, cdiv(K, BLOCK_K)],
+    # applied with the weight's as each tile is added.
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)  # grouped order: consecutive programs share W tiles in L2
@@ -125,11 +152,15 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr, M,
             acc = part
         else:
             gs = tl.load(b_scale_ptr + (n // SCALE_BN).to(tl.int64) * stride_bs + k0 // BLOCK_K, mask=n < N, other=0.0)
-            acc += part * gs[None, :]
+            if A_GROUPS:
+                ag = tl.load(a_scale_ptr + m.to(tl.int64) * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=m < M, other=0.0)
+                acc += part * gs[None, :] * ag[:, None]
+            else:
+                acc += part * gs[None, :]
     out = acc
     if SCALE_BN == 0:
         out = acc * tl.load(b_scale_ptr + n, mask=n < N, other=0.0)[None, :]
-    if A_FP8:
+    if A_FP8 and not A_GROUPS:
         out = out * tl.load(a_scale_ptr + m, mask=m < M, other=0.0)[:, None]
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -165,6 +196,20 @@ def _scale_tiles(w_scale: torch.Tensor, shape) -> tuple[int, int]:
     return bn, bk
 
 
+MIN_FP8_DOT_K = 32  # the narrowest K tile an fp8 x fp8 tl.dot compiles for (sm_89+; 1 x 16 groups fail)
+
+
+def gpu_refusal(weight_scale: torch.Tensor, shape, device: torch.device) -> str | None:
+    """Why this GPU cannot run a weight of this scale layout (None: it can). A group narrower
+    than the fp8 dot's K tile does not compile for W8A8 (tests/test_kernels_compile.py); the
+    weight-only path (pre-sm_89) takes groups of 16."""
+    bk = _scale_tiles(weight_scale, tuple(shape))[1]
+    if device.type == "cuda" and bk and bk < MIN_FP8_DOT_K and torch.cuda.get_device_capability(device) >= (8, 9):
+        return (f"FP8 scales in groups of {bk} along K: this GPU's fp8 product takes K tiles of {MIN_FP8_DOT_K} or "
+                f"more; convert with --fp8-recipe g32 (or coarser, or channel, the CUDA default)")
+    return None
+
+
 def _group_candidates(cands: list[dict], bk: int) -> list[dict]:
     """The tile candidates with K tiles of one group each (deduplicated)."""
     out = []
@@ -185,12 +230,14 @@ def _launch_gemm(a, a_scale, weight, w_scale, bias, out, cfg, b_mode: int, dot_f
         a, weight, a_scale if a_scale is not None else w_scale, w_scale, bias if bias is not None else w_scale, out,
         M, N, K, a.stride(0), weight.stride(0), w_scale.stride(0) if scale_bn else 0, cfg["BLOCK_M"],
         cfg["BLOCK_N"], block_k, 8, a_scale is not None, b_mode, bias is not None, dot_f32, scale_bn,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        a_scale is not None and a_scale.shape[1] > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def fp8_w8a8_triton(x, weight, weight_scale, bias=None, cfg: dict | None = None) -> torch.Tensor:
-    """Per-token fp8 activations x fp8 weights (any fp8_scales layout), product in a Triton fp8 dot."""
-    a, a_scale = quantize_rows_triton(x)
+    """fp8 activations x fp8 weights (any fp8_scales layout), product in a Triton fp8 dot: the
+    activations scaled per token, or per token and group where the weight has groups along K."""
+    bk = _scale_tiles(weight_scale, weight.shape)[1]
+    a, a_scale = quantize_groups_triton(x, bk) if bk else quantize_rows_triton(x)
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_gemm(a, a_scale, weight, weight_scale, bias, out, cfg or _gemm_candidates(x, x.shape[0])[0], 1, False)
     return out

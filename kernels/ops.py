@@ -108,6 +108,13 @@ def keeps_fp8(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def fp8_refusal(weight_scale: torch.Tensor, shape, device: torch.device) -> str | None:
+    """Why the device's FP8 kernels cannot take a weight of this scale layout, or None."""
+    from .linear import gpu_refusal
+
+    return gpu_refusal(weight_scale, shape, device) if device.type == "cuda" else None
+
+
 def moe_packs_fp8(device: torch.device, num_experts: int, hidden: int, inter: int) -> bool:
     """Whether a mixture of experts' FP8 experts stay e4m3 on the device for ridge's CPU kernel
     (moe.fused_moe_native, packed at load: CpuExperts.packed_from), instead of keeps_fp8's CPU

@@ -41,6 +41,8 @@ class FP8Linear(nn.Module):
         self.cpu = None
         self.fp8_device = weight.dtype == FP8 and ops.keeps_fp8(device)  # FP8 kept: the FP8 kernels run
         if self.fp8_device:
+            if (why := ops.fp8_refusal(scale, tuple(weight.shape), device)) is not None:
+                raise ValueError(why)
             self.weight = weight.to(device)
             self.weight_scale = scale.float().to(device)
         elif weight.dtype == FP8:

@@ -25,8 +25,8 @@ KINDS = ("qkv", "o", "gate_up", "down")
 # What `--fp8-recipe device` (the default) makes on each device (docs/benchmarks.md, issue 29).
 # CPU: 1 x 16 groups with the activation-weighted search, what auto chose on the embedded model
 # and the recipe that meets the accuracy targets; ridge's e4m3 kernel closes a group with one
-# multiply-add. CUDA: per channel until the Triton GEMMs with 16-wide K tiles are compiled and
-# timed on a GPU (interpreter-tested only).
+# multiply-add. CUDA: per channel; a W8A8 fp8 dot takes K tiles of 32 or more, so 1 x 16 groups
+# do not compile there (kernels/linear.py gpu_refusal), and the grouped GEMMs are untimed on a GPU.
 DEVICE_RECIPES = {"cpu": "g16+act", "cuda": "channel"}
 
 

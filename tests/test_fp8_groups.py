@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from ridge.kernels import native
 from ridge.kernels.cpu_linear import pack_fp8
 from ridge.kernels.fp8_scales import column_groups, dequantize, expand_scale, scale_block
-from ridge.kernels.linear import FP8, fp8_linear_ref, fp8_w8a8_triton, fp8_weight_only_triton
+from ridge.kernels.linear import (FP8, fp8_linear_ref, fp8_w8a8_triton, fp8_weight_only_triton, quantize_groups_ref,
+                                 quantize_groups_triton)
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.recipe import long_name
 from ridge.quant.linear import FP8Linear
@@ -73,9 +74,14 @@ def test_mse_search_refines_past_its_clippings_and_weights_the_error():
 
 
 def emulated(x, q, s, b, w8a8):
-    """fp64: per-token fp8 activations (w8a8) or x as it is, times the dequantized weight."""
+    """fp64: fp8 activations (w8a8: per token, or per token and group where the weight has groups
+    along K) or x as it is, times the dequantized weight."""
     a = x.double()
-    if w8a8:
+    bn, bk = scale_block(s, tuple(q.shape))
+    if w8a8 and bk < q.shape[1]:
+        qa, sa = quantize_groups_ref(x, bk)
+        a = qa.double() * sa.double().repeat_interleave(bk, 1)[:, :x.shape[1]]
+    elif w8a8:
         scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
         a = (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
     out = a @ dequantize(q, s).double().t()
@@ -90,8 +96,39 @@ def test_triton_gemms_with_groups(grouping, M, N, K):
     q, s = quantize_fp8(weight(N, K), "mse", grouping)
     b = torch.randn(N, generator=g)
     torch.testing.assert_close(fp8_weight_only_triton(x, q, s, b), emulated(x, q, s, b, False), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fp8_w8a8_triton(x, q, s, b), emulated(x, q, s, b, True), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(fp8_w8a8_triton(x, q, s, b), emulated(x, q, s, b, True), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fp8_linear_ref(x, q, s, b), emulated(x, q, s, b, False), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("K,gk", [(100, 32), (96, 16), (200, 128)])
+def test_activation_groups_quantize_as_the_reference(K, gk):
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(K)) * torch.logspace(-2, 1, K)
+    q, s = quantize_groups_triton(x, gk)
+    rq, rs = quantize_groups_ref(x, gk)
+    assert s.shape == (7, -(-K // gk)) and torch.equal(s, rs)
+    assert torch.equal(q.float(), rq.float())
+
+
+def test_w8a8_with_groups_keeps_an_outlier_token_column_to_its_group():
+    """An activation outlier 10^5 x the other columns sets a per-token scale under which they
+    fall to e4m3's subnormals and zero; a group scale confines that to the outlier's group. (The
+    outlier's weight column is zero, so that only the other columns' rounding shows.)"""
+    g = torch.Generator().manual_seed(5)
+    N, K = 32, 128
+    x = torch.randn(4, K, generator=g) * 0.01
+    x[:, 100] = 1000.0
+    w = weight(N, K)
+    w[:, 100] = 0
+    q, s = quantize_fp8(w, "mse", "g32")
+    exact = x.double() @ dequantize(q, s).double().t()
+    grouped = (fp8_w8a8_triton(x, q, s).double() - exact).abs().mean()
+    per_token = (_per_token(x, q, s) - exact).abs().mean()
+    assert grouped < 0.5 * per_token
+
+
+def _per_token(x, q, s):
+    scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return ((x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()) @ dequantize(q, s).double().t()
 
 
 @pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")
@@ -264,3 +301,18 @@ def test_e4m3_kernel_gives_a_row_the_same_bits_at_every_row_count(grouping):
         alone = native.fp8_linear(x[:1], packed, scale256, isa)
         for m in (2, 3, 4, 5, 9, 17):
             assert torch.equal(native.fp8_linear(x[:m], packed, scale256, isa)[:1], alone), (isa, m)
+
+
+def test_a_gpu_refuses_groups_narrower_than_its_fp8_dot(monkeypatch):
+    """1 x 16 groups do not compile for a W8A8 dot (K tiles of 32 or more on sm_89+): the load
+    says so and names the option, where the first step would have failed to compile."""
+    from ridge.kernels import linear
+
+    q, s = quantize_fp8(weight(32, 64), "mse", "g16")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert "--fp8-recipe g32" in linear.gpu_refusal(s, q.shape, cuda)
+    assert linear.gpu_refusal(quantize_fp8(weight(32, 64), "mse", "g32")[1], q.shape, cuda) is None
+    assert linear.gpu_refusal(s, q.shape, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # weight-only: bf16 dots
+    assert linear.gpu_refusal(s, q.shape, cuda) is None

@@ -49,12 +49,13 @@ def _attn(cc, kv="*fp8e4nv", q="*bf16", mode=1, hd=128, group=4, bm=16, bn=64, s
 
 def _gemm(cc, bm, bn, bk, a="*fp8e4nv", b="*fp8e4nv", a_fp8=True, b_mode=1, warps=4, stages=3, scale_bn=0):
     # scale_bn 0: a scale per output channel; 1: per 1 x BLOCK_K group; 128: 128 x 128 blocks.
+    # W8A8 with groups takes activation scales per token and group (A_GROUPS), as it runs.
     from ridge.kernels.linear import _fp8_gemm_kernel
 
     sig = dict(a_ptr=a, b_ptr=b, a_scale_ptr="*fp32", b_scale_ptr="*fp32", bias_ptr="*bf16", c_ptr="*bf16",
                M="i32", N="i32", K="i32", stride_am="i32", stride_bn="i32", stride_bs="i32")
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, A_FP8=a_fp8, B_MODE=b_mode, HAS_BIAS=True,
-                  DOT_F32=False, SCALE_BN=scale_bn)
+                  DOT_F32=False, SCALE_BN=scale_bn, A_GROUPS=a_fp8 and scale_bn > 0)
     return _compile(_fp8_gemm_kernel, sig, consts, cc, warps, stages)
 
 
@@ -134,6 +135,7 @@ def jobs() -> dict:
         "gemm w8a8 sm89 64x128x128": (lambda: _gemm(89, 64, 128, 128), []),
         "gemm w8a8 sm90 1x128 groups": (lambda: _gemm(90, 64, 128, 128, scale_bn=1), ["wgmma"]),
         "gemm w8a8 sm90 128x128 blocks": (lambda: _gemm(90, 128, 128, 128, warps=8, scale_bn=128), ["wgmma"]),
+        "gemm w8a8 sm90 1x32 groups": (lambda: _gemm(90, 16, 64, 32, scale_bn=1), []),
         "gemm weight-only sm80 bits": (lambda: _gemm(80, 16, 64, 128, a="*bf16", b="*u8", a_fp8=False, b_mode=2),
                                        ["mma.sync"]),
         "moe gemm w8a8 sm90 gate_up 64x128": (lambda: _moe_gemm(90, 64, 128, 128), ["wgmma", "cp.async"]),
