@@ -174,6 +174,8 @@ class Report:
     def overhead_table(self, rows: list[dict]) -> None:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",
                 "batch_build", "sched_update", "outputs", "other"]
+        if any(r["breakdown_ms"].get("moe") for r in rows):  # a mixture of experts' layers and routers
+            keys[:0] = ["moe", "router"]
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
                    ["batch", "context", "step ran", "step ms", "matmul ms", "overhead", "tok/s", "cpu util"],
                    [[r["batch"], _f(r["context"], "{:.0f}"), r.get("mode", "eager"), _f(r["step_ms"]),
