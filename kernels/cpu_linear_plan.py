@@ -248,8 +248,10 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
 
 
 def _fp8_entry(scale: torch.Tensor) -> str:
-    """scale: a CpuLinear's, [N] or [groups, N]."""
-    return "fp8" if scale.dim() == 1 or scale.shape[0] == 1 else f"fp8 {scale.shape[0]} groups"
+    """scale: a CpuLinear's, [N] or [groups, N]. The kernel's source is part of the name: a
+    timing of another build of it says nothing of this one."""
+    layout = "" if scale.dim() == 1 or scale.shape[0] == 1 else f" {scale.shape[0]} groups"
+    return f"fp8{layout} {native.source_digest()}"
 
 
 def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float,
