@@ -15,7 +15,7 @@ from ridge.options import FP8_RECIPE
 
 from . import store
 from .fp8 import FP8, is_linear_weight, quantize_state_dict
-from .recipe import Recipe, resolve_spec
+from .recipe import Recipe, quantize_head, resolve_spec
 from .fuse import fuse_hf_state_dict
 from .source import read_source, resolve_model_path
 
@@ -79,8 +79,10 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
 def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[dict, dict]:
     if not any(is_linear_weight(n) and t.dtype != FP8 for n, t in fused.items()):
         # An FP8 checkpoint: its e4m3 weights and scales are used as they are, so no recipe
-        # applies and nothing is measured.
-        return quantize_state_dict(fused, rule), {"spec": "checkpoint", "rule": rule, "asked": spec}
+        # applies and nothing is measured; but for +head, which quantizes what it left unquantized.
+        head = spec != "auto" and Recipe.parse(spec).head
+        out = {**quantize_state_dict(fused, rule), **(quantize_head(fused, rule) if head else {})}
+        return out, {"spec": "checkpoint" + ("+head" if head else ""), "rule": rule, "asked": spec}
     recipe, hess, measured = Recipe.parse(spec) if spec != "auto" else None, None, None
     if recipe is None or recipe.calibrated:
         if calibrate is None:

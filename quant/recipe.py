@@ -10,6 +10,9 @@ one string, the value of `--fp8-recipe` and what the converted model's metadata 
                             and GPTQ rounding, layer 0's and 29's down projections in bf16
     g16+act                 1 x 16 groups, the MSE search's error weighted per input column by
                             the calibration text's mean square of that input (diag X^T X)
+    channel+head            and the LM head (a tied model's embedding table, copied) in FP8 too,
+                            as llama.cpp's Q8_0 files hold their output weight; the embedding
+                            lookup keeps the table as it was
 
 Weight names in a spec are short: `<layer>.<qkv|o|gate_up|down>`."""
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_state_dict, scale_dtype
+from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_fp8, quantize_state_dict, scale_dtype
 
 KINDS = ("qkv", "o", "gate_up", "down")
 # What `--fp8-recipe device` (the default) makes on each device (docs/benchmarks.md, issue 29).
@@ -57,6 +60,7 @@ class Recipe:
     gptq: bool = False
     keep: tuple[str, ...] = ()  # fused names of the linear weights kept in bf16, sorted
     act: bool = False  # the scale search weighted by the calibration inputs' mean square per column
+    head: bool = False  # the LM head quantized as well (tests/docs: the head stays unquantized by default)
 
     def __post_init__(self):
         if self.grouping not in GROUPINGS:
@@ -72,21 +76,23 @@ class Recipe:
     @classmethod
     def parse(cls, spec: str) -> "Recipe":
         parts = spec.strip().split("+")
-        grouping, gptq, keep, act = parts[0], False, (), False
+        grouping, gptq, keep, act, head = parts[0], False, (), False, False
         for p in parts[1:]:
             if p == "gptq":
                 gptq = True
             elif p == "act":
                 act = True
+            elif p == "head":
+                head = True
             elif p.startswith("bf16:"):
                 keep = tuple(sorted(long_name(s) for s in p[5:].split(",") if s))
             else:
-                raise ValueError(f"FP8 recipe {spec!r}: {p!r} is neither gptq, act nor bf16:<weights>")
-        return cls(grouping, gptq, keep, act)
+                raise ValueError(f"FP8 recipe {spec!r}: {p!r} is none of gptq, act, head, bf16:<weights>")
+        return cls(grouping, gptq, keep, act, head)
 
     @property
     def spec(self) -> str:
-        out = self.grouping + ("+gptq" if self.gptq else "") + ("+act" if self.act else "")
+        out = self.grouping + ("+gptq" if self.gptq else "") + ("+act" if self.act else "") + ("+head" if self.head else "")
         if self.keep:
             out += "+bf16:" + ",".join(short_name(n) for n in sorted(self.keep, key=_order))
         return out
@@ -104,6 +110,11 @@ class Recipe:
 
     def quantize(self, sd: dict[str, torch.Tensor], rule: str = "mse",
                  hessians: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        out = self._quantize_layers(sd, rule, hessians)
+        return {**out, **quantize_head(sd, rule, self.grouping)} if self.head else out
+
+    def _quantize_layers(self, sd: dict[str, torch.Tensor], rule: str,
+                         hessians: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The state dict with this recipe's FP8 (and bf16) linear weights. gptq and act need hessians
         (weight name -> its input's X^T X on the calibration text, ridge/models/fp8_calibrate.py)."""
         if not self.calibrated:
@@ -121,6 +132,16 @@ class Recipe:
             if name in hessians and name not in self.keep and t.dtype != FP8:
                 out[name], out[name + "_scale"] = gptq_fp8(t, hessians[name], self.grouping, rule)
         return out
+
+
+def quantize_head(sd: dict[str, torch.Tensor], rule: str = "mse", grouping: str = "channel") -> dict[str, torch.Tensor]:
+    """The LM head as FP8 (lm_head.weight and its _scale), from its own weight or, tied, from a
+    copy of the embedding table (which the lookup keeps); nothing where it is FP8 already."""
+    w = sd.get("lm_head.weight", sd["embed_tokens.weight"])
+    if w.dtype == FP8:
+        return {}
+    q, s = quantize_fp8(w, rule, grouping)
+    return {"lm_head.weight": q, "lm_head.weight_scale": s}
 
 
 def _order(name: str) -> tuple[int, int]:

@@ -115,8 +115,8 @@ _KIND_WORDS = {list: "a list of strings (or one comma-separated string)"}
 FP8_RECIPE = Option("fp8_recipe", str, "device",
                     "FP8 weights: a recipe spec (channel | g128 | g64 | g32 | g16 | b128, then +gptq for "
                     "error-compensating rounding on ridge's calibration text or +act for the scale search weighted by "
-                    "its inputs, +bf16:<layer>.<qkv|o|gate_up|down>,... "
-                    "for weights kept in bf16), auto: the fewest bytes within the KL budget on the "
+                    "its inputs, +head for the LM head in FP8 too (as llama.cpp's Q8_0 files hold it), "
+                    "+bf16:<layer>.<qkv|o|gate_up|down>,... for weights kept in bf16), auto: the fewest bytes within the KL budget on the "
                     "calibration text, or device: g16+act on CPU, channel on CUDA (docs/benchmarks.md)")
 
 

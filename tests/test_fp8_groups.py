@@ -316,3 +316,29 @@ def test_a_gpu_refuses_groups_narrower_than_its_fp8_dot(monkeypatch):
     assert linear.gpu_refusal(s, q.shape, torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # weight-only: bf16 dots
     assert linear.gpu_refusal(s, q.shape, cuda) is None
+
+
+def test_head_recipe_quantizes_the_lm_head_and_keeps_the_lookup(tmp_path):
+    """+head: the LM head in FP8 (a tied model's from a copy of its embedding table, which the
+    lookup keeps as it was); the model runs it through the FP8 linear and its logits stay close."""
+    from tiny_models import make_tiny
+
+    from ridge.models.loader import load_model
+    from ridge.models.oneshot import prompt_logits
+    from ridge.quant.convert import convert
+    from ridge.quant.recipe import Recipe
+
+    assert Recipe.parse("g16+act+head").spec == "g16+act+head" and Recipe.parse("channel+head").head
+    path, *_ = make_tiny(tmp_path)  # tied embeddings
+    conv = convert(path, recipe="channel+head", use_cache=False, show_progress=False)
+    sd = conv.state_dict
+    assert sd["lm_head.weight"].dtype == FP8 and sd["lm_head.weight_scale"].shape == (conv.config.vocab_size,)
+    assert sd["embed_tokens.weight"].dtype != FP8 and conv.recipe["spec"] == "channel+head"
+    plain = load_model(path, device="cpu", use_cache=False, recipe="channel")
+    fp8 = load_model(path, device="cpu", use_cache=False, recipe="channel+head")
+    assert fp8.model.lm_head.weight.data_ptr() != fp8.model.embed_tokens.weight.data_ptr()  # untied
+    torch.testing.assert_close(fp8.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    torch.testing.assert_close(fp8.model.lm_head.weight, dequantize(sd["lm_head.weight"], sd["lm_head.weight_scale"]))
+    ids = list(range(3, 40))
+    a, b = prompt_logits(plain.model, ids), prompt_logits(fp8.model, ids)
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 * a.abs().max()

@@ -153,6 +153,10 @@ def test_fp8_checkpoint_loads_as_is(tmp_path, scales):
     torch.testing.assert_close(s, on_disk["model.layers.1.self_attn.o_proj.weight_scale"].float().reshape(-1).expand(cfg.hidden_size))
     lm = load_model(d, device="cpu", use_cache=False)
     assert torch.isfinite(prompt_logits(lm.model, PROMPT[:8])).all()
+    # +head quantizes what the checkpoint left unquantized, the head, and nothing else
+    headed = convert(d, use_cache=False, recipe="channel+head")
+    assert headed.recipe["spec"] == "checkpoint+head" and headed.state_dict["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert all(torch.equal(headed.state_dict[k].float(), conv.state_dict[k].float()) for k in conv.state_dict)
 
 
 def test_converted_model_is_cached_on_disk(tmp_path, monkeypatch):
