@@ -206,6 +206,7 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
     isa = native.fp8_linear_isa()
     cache, key, dirty = _load_cache(), _cpu_key(), False
     mine = cache.setdefault(key, {})
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     plans = {}
     for shape, group in shapes.items():
         ws = [m.weight for m in group]
@@ -242,9 +243,18 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
         mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
                       **({fp8_name: {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
         plans[shape] = _format(sizes, known, gemv_s, fp8_known if fp8_ok else {})
-    if dirty:
+    if dirty and _had_the_cores(time.perf_counter() - wall0, time.process_time() - cpu0):
         _save_cache(cache)
+    elif dirty:
+        log.info("CPU format timings taken beside another process's work: used for this start, not cached")
     return plans
+
+
+def _had_the_cores(wall: float, cpu: float) -> bool:
+    """Whether a measurement had its threads' cores to itself (it used at least 80 % of them). A
+    timing taken beside another process's work is kept out of the cache: one taken so once kept
+    a head's 16-row product in bf16 at 211 ms where fp32 takes 35 (docs/benchmarks.md, issue 26)."""
+    return wall <= 0 or cpu >= 0.8 * wall * torch.get_num_threads()
 
 
 def _fp8_entry(scale: torch.Tensor) -> str:
