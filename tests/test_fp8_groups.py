@@ -77,13 +77,12 @@ def emulated(x, q, s, b, w8a8):
     """fp64: fp8 activations (w8a8: per token, or per token and group where the weight has groups
     along K) or x as it is, times the dequantized weight."""
     a = x.double()
-    bn, bk = scale_block(s, tuple(q.shape))
+    bk = scale_block(s, tuple(q.shape))[1]
     if w8a8 and bk < q.shape[1]:
         qa, sa = quantize_groups_ref(x, bk)
         a = qa.double() * sa.double().repeat_interleave(bk, 1)[:, :x.shape[1]]
     elif w8a8:
-        scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
-        a = (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
+        a = _per_token_acts(x)
     out = a @ dequantize(q, s).double().t()
     return (out + (b.double() if b is not None else 0)).to(x.dtype)
 
@@ -126,9 +125,14 @@ def test_w8a8_with_groups_keeps_an_outlier_token_column_to_its_group():
     assert grouped < 0.5 * per_token
 
 
-def _per_token(x, q, s):
+def _per_token_acts(x):
+    """x as W8A8 with one scale per token rounds it, in fp64."""
     scale = (x.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
-    return ((x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()) @ dequantize(q, s).double().t()
+    return (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
+
+
+def _per_token(x, q, s):
+    return _per_token_acts(x) @ dequantize(q, s).double().t()
 
 
 @pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no native e4m3 kernel on this CPU")

@@ -245,9 +245,11 @@ def _tokenizer(args, engine=None):
     if engine is not None:
         return engine.tokenizer
     from ridge.models.fp8_calibrate import calibrate
+    from ridge.models.loader import default_device
     from ridge.quant.convert import convert
-    return convert(args.model, show_progress=False, recipe=getattr(args, "fp8_recipe", None),
-                   calibrate=calibrate).tokenizer  # the entry the engine's conversion made
+    device = getattr(args, "device", None) or default_device().type
+    return convert(args.model, show_progress=False, recipe=getattr(args, "fp8_recipe", None), calibrate=calibrate,
+                   device=str(device).split(":")[0]).tokenizer  # the entry the engine's conversion made
 
 
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
