@@ -31,8 +31,20 @@ from .fp8_scales import expand_scale
 FP8 = torch.float8_e4m3fn
 
 
+def native_bf16() -> bool:
+    """Whether ridge's own bf16 product runs here (AVX-512 BF16): it sums in fp32 and returns
+    fp32, where oneDNN's and ATen's bf16 products round their results to bf16 (8 bits: a head's
+    logits 20 apart by 1/8, so that near ones tie and greedy takes the lower id)."""
+    return native.fp8_linear_isa() == 2
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 [out, in] weight in oneDNN's blocked layout, or w itself where that is unavailable."""
+    """A bf16 [out, in] weight as the bf16 product reads it: in ridge's kernel's layout
+    ([out/16, in/2, 16, 2] words, the e4m3 weights' own) where that kernel runs and takes the
+    shape; else in oneDNN's blocked layout; else w itself."""
+    n, k = w.shape
+    if n % 16 == 0 and k % 2 == 0 and native_bf16():
+        return w.view(torch.int16).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     try:
         return torch.ops.mkldnn._reorder_linear_weight(w, 1)
     except (AttributeError, RuntimeError):  # no oneDNN in this torch build
@@ -41,6 +53,12 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 _SET_MKLDNN = getattr(torch._C, "_set_mkldnn_enabled", None)  # private: None where a torch lacks it
 HAS_GEMV = _SET_MKLDNN is not None
+
+
+def gemv_offered() -> bool:
+    """ATen's bf16 GEMV as a one-row format: where torch lets it be chosen, and not where ridge's
+    bf16 product runs (the GEMV's result is rounded to bf16)."""
+    return HAS_GEMV and not native_bf16()
 
 
 def pack_fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -71,7 +89,10 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for bf16 x and a weight from pack_bf16."""
+    """x @ w.T for a weight from pack_bf16: x bf16 (fp32 for ridge's kernel, which rounds it
+    itself), the result bf16 from oneDNN, fp32 from ridge's kernel."""
+    if w.dim() == 4:
+        return native.bf16_linear(x.float(), w)
     if w.is_mkldnn:
         if x.shape[0] == 2:  # oneDNN's two-row kernel is slower than its three-row one (docs/benchmarks.md)
             return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x[:1])), w, None, "none", [None], "")[:2]
@@ -110,6 +131,8 @@ def _kind(fmt: ShapeFormat, fp8: list[tuple[int, bool]], rows: int) -> str:
 
 
 def _bf16_run(w: torch.Tensor):
+    if w.dim() == 4:  # ridge's kernel: fp32 in and out
+        return lambda x: bf16_linear(x, w).to(x.dtype)
     return lambda x: bf16_linear(x.to(torch.bfloat16), w).to(x.dtype)
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .cpu_linear import HAS_GEMV, CpuLinear, ShapeFormat, bf16_linear, gemv_bf16, pack_bf16, pack_fp8
+from .cpu_linear import (CpuLinear, ShapeFormat, bf16_linear, gemv_bf16, gemv_offered, native_bf16, pack_bf16,
+                         pack_fp8)
 
 log = logging.getLogger("ridge.kernels")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
@@ -80,8 +81,10 @@ def _cpu_key() -> str:
         pass
     # The instruction sets torch and oneDNN may use are part of the machine: ATEN_CPU_CAPABILITY and
     # ONEDNN_MAX_CPU_ISA can cap them below what the CPU has (an AVX-512 CPU run as an AVX2 one).
+    # Where ridge's own bf16 product runs, the bf16 timings are its kernel's: a timing of another
+    # build of it says nothing of this one.
     isa = (f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
-           f"/fp8 {native.fp8_linear_isa()}")
+           f"/fp8 {native.fp8_linear_isa()}" + (f"/bf16 {native.source_digest()}" if native_bf16() else ""))
     return (f"v{CACHE_VERSION}|{name or os.uname().machine}|{isa}|torch {torch.__version__}"
             f"|threads {torch.get_num_threads()}")
 
@@ -137,7 +140,7 @@ def measure_shape(weights: list[torch.Tensor], sizes: list[int],
         xb = x.to(torch.bfloat16)
         if packed[0].is_mkldnn:  # a plain bf16 fallback has no kernel to prime
             bf16_linear(xb, packed[0])
-        runs = ((F.linear, weights, x), (bf16_linear, packed, xb))
+        runs = ((F.linear, weights, x), (bf16_linear, packed, x if packed[0].dim() == 4 else xb))
         best = [float("inf"), float("inf")]
         for round_ in range(2):
             if round_ and not 0.6 * MARGIN < best[1] / best[0] < 1.5 * MARGIN:
@@ -237,7 +240,7 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
             packs = [m.fp8_bytes if m.fp8_bytes is not None else pack_fp8(m.weight, m.scale) for m in cold]
             if made is not None:
                 made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
-            best = {n: min(known[n] + ((gemv_s,) if n == 1 and HAS_GEMV else ())) for n in fp8_todo}
+            best = {n: min(known[n] + ((gemv_s,) if n == 1 and gemv_offered() else ())) for n in fp8_todo}
             fp8_known.update(measure_fp8(packs, [native.scale_blocks(m.scale * 256) for m in cold], fp8_todo, isa, best))
             dirty = True
         mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
@@ -269,7 +272,7 @@ def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: flo
     """Each size takes the fastest format: fp8 where it beats every other at that size (no copy
     to pay for beyond its own byte a weight); else bf16 against fp32 with a margin, and one row
     through the GEMV where that beats both."""
-    gemv = HAS_GEMV and gemv_s <= MARGIN * min(known[1])
+    gemv = gemv_offered() and gemv_s <= MARGIN * min(known[1])
     use8 = {n: n in fp8 and fp8[n] < min(known[n] + ((gemv_s,) if n == 1 and gemv else ())) for n in sizes}
     plan = [(n, use and not use8[n]) for n, use in plan_from_times({n: known[n] for n in sizes})]
     return ShapeFormat(plan, gemv and not use8[1], [(n, use8[n]) for n in sizes] if any(use8.values()) else None)
@@ -419,9 +422,7 @@ def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
     if fits8:
         _use_fp8(layer, isa)
         if layer.kinds == ["fp8"]:
-            run = _pad_rows(layer.runs[0], 2) if isa == 2 else layer.runs[0]
-            if is_invariant(run, layer.weight.shape[1], max_tokens):
-                layer.runs = [run]
+            if is_invariant(layer.runs[0], layer.weight.shape[1], max_tokens):
                 return "fp8"
             log.warning("the e4m3 product of %s is not batch-invariant on this CPU: fp32 instead",
                         tuple(layer.weight.shape))
@@ -451,7 +452,6 @@ def choose_invariant(layers: list[CpuLinear], head_shape: tuple[int, int], max_t
                 checked[shape] = use_invariant(layer, isa, rows)
             elif checked[shape] == "fp8":
                 _use_fp8(layer, isa)
-                layer.runs = [_pad_rows(layer.runs[0], 2) if isa == 2 else layer.runs[0]]
             else:
                 rows = INVARIANT_ROWS if checked[shape] == "fp32/16" else fp32_rows
                 layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [_fp32_run(layer, rows)], ["fp32"], {}

@@ -114,6 +114,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear.restype = i32
     lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, i32]
     lib.fp8_linear_grouped.restype = i32
+    lib.bf16_linear.argtypes, lib.bf16_linear.restype = [p, i64, i64, p, i64, p, i32], i32
     lib.fp8_moe.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, p, p, i32, f32, f32, p, i32, i32]
     lib.fp8_moe.restype = i32
     lib.paged_attention.argtypes = [p, i64, i32, i32, i32, p, p, p, p, i32, p, i64, p, p, i64, i32, f32, i32, f32,
@@ -218,4 +219,19 @@ def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, is
     rc = library().fp8_linear_grouped(x.data_ptr(), m, k, packed.data_ptr(), scale256.data_ptr(), nb * 16, gk,
                                       y.data_ptr(), isa, torch.get_num_threads())
     assert rc == 0, f"fp8_linear: isa {isa} not built"
+    return y
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 (rounded to bf16) @ w.T -> [M, N] fp32 with fp32 sums, for a bf16 weight as
+    cpu_linear.pack_bf16 lays it out for this kernel: [N/16, K/2, 16, 2] int16 words. Only where
+    fp8_linear_isa() is 2 (AVX-512 BF16)."""
+    nb, kp, sixteen, two = packed.shape
+    m, k = x.shape
+    assert (sixteen, two) == (16, 2) and k == 2 * kp and packed.dtype == torch.int16, (x.shape, packed.shape)
+    assert x.dtype == torch.float32 and packed.is_contiguous()
+    x = x.contiguous()
+    y = torch.empty((m, nb * 16), dtype=torch.float32)
+    rc = library().bf16_linear(x.data_ptr(), m, k, packed.data_ptr(), nb * 16, y.data_ptr(), torch.get_num_threads())
+    assert rc == 0, "bf16_linear: no AVX-512 BF16 kernel here"
     return y

@@ -88,7 +88,10 @@ def served(models_dir, tmp_path_factory):
     c = Client(d.endpoint, timeout=60)
     yield d, c
     c.close()
-    d.stop()
+    died = d.proc.poll()
+    rc = d.stop()  # a daemon that hung past stop's wait left its stacks in the log (faulthandler)
+    assert died is None and rc == 0, f"the daemon {'died' if died is not None else 'did not stop'} (rc {rc}):\n" \
+        + d.output()[-8000:]
 
 
 def listing(c: Client) -> dict:

@@ -50,6 +50,29 @@ def test_fp8_linear_matches_the_reference(n, k):
                 torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
 
 
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="ridge's bf16 product needs AVX-512 BF16")
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 34), (960, 576), (4096 + 16, 130)])
+def test_bf16_product_sums_and_returns_fp32(n, k):
+    """ridge's bf16 product (where it runs, the CPU's bf16 format): the exact product of the
+    bf16-rounded operands up to fp32 summation, returned in fp32 (oneDNN's result is rounded to
+    bf16, so that logits tie), and a row's bits the same at every row count."""
+    from ridge.kernels.cpu_linear import bf16_linear, pack_bf16
+
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = pack_bf16(w)
+    assert packed.dim() == 4 and packed.dtype == torch.int16
+    x = torch.randn(40, k, generator=g) * 30
+    y = bf16_linear(x, packed)
+    ref = x.to(torch.bfloat16).double() @ w.double().T
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-6)
+    onednn = torch.nn.functional.linear(x.to(torch.bfloat16), w).double()
+    assert (y.double() - ref).abs().max() < (onednn - ref).abs().max() / 8  # no bf16 rounding of the result
+    for m in (1, 2, 3, 8, 9, 17, 40):
+        assert torch.equal(bf16_linear(x[:m], packed)[:1], y[:1]), m
+
+
 @needs_cc
 def test_pack_fp8_recovers_the_bytes_from_the_upcast_copy():
     """The CPU layer keeps only fp8 * scale in fp32; dividing by the scale and rounding to e4m3

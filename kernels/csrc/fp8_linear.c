@@ -15,7 +15,8 @@
 
    Two variants, picked by the caller from what the CPU has:
    - AVX-512 BF16: weights widened to bf16 (exact: e4m3 has 3 mantissa bits), activations
-     rounded to bf16, fp32 accumulation, as the bf16 paths and a GPU do;
+     rounded to bf16, fp32 accumulation, as the bf16 paths and a GPU do; the same tiles run a
+     bf16 weight laid out alike (bf16_linear: the CPU's bf16 format there, fp32 out);
    - AVX2 + F16C + FMA: weights and activations in fp32. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,25 +41,17 @@ T512 static INL __m512bh e4m3_bf16x32(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* One row: a block of 16 columns, two accumulators to halve the dependency chain. */
-T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t g) {
-    __m512 v = _mm512_mul_ps(acc, _mm512_loadu_ps(s));
-    _mm512_storeu_ps(y, g ? _mm512_add_ps(v, _mm512_loadu_ps(y)) : v);
-}
-
-T512 static void row1_512(const uint32_t *xr, int64_t kp, int64_t gp, const uint8_t *w, const float *s,
-                          float *y) {
-    for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
-        const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t p = p0;
-        for (; p + 2 <= p1; p += 2) {
-            a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
-            a1 = _mm512_dpbf16_ps(a1, e4m3_bf16x32(w + p * 32 + 32), (__m512bh)_mm512_set1_epi32((int)xr[p + 1]));
-        }
-        if (p < p1) a0 = _mm512_dpbf16_ps(a0, e4m3_bf16x32(w + p * 32), (__m512bh)_mm512_set1_epi32((int)xr[p]));
-        close512(y, _mm512_add_ps(a0, a1), s + g * 16, g);
+/* A block of 16 columns' sums: times their scales (s NULL: a bf16 weight, no scales) and
+   added to the row's earlier groups, by an explicit multiply-add: a multiply then an add is
+   fused by GCC in some tiles and not in others, and a row's bits would then depend on the
+   tile its step's row count gave it. */
+T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t off, int64_t g) {
+    if (!s) {
+        _mm512_storeu_ps(y, g ? _mm512_add_ps(acc, _mm512_loadu_ps(y)) : acc);
+        return;
     }
+    const __m512 sv = _mm512_loadu_ps(s + off);
+    _mm512_storeu_ps(y, g ? _mm512_fmadd_ps(acc, sv, _mm512_loadu_ps(y)) : _mm512_mul_ps(acc, sv));
 }
 
 /* MRC rows x NB blocks of 16 columns. CONV: e4m3 bytes converted as they are read, else
@@ -83,7 +76,7 @@ T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0
         }                                                                                        \
     }                                                                                            \
     for (int j = 0; j < NB; j++)                                                                 \
-        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s + g * 16 + j * ldb, g); \
+        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s, g * 16 + j * ldb, g); \
   }                                                                                              \
 }
 #define TILES512(M) TILE512(c2_##M, M, 2, 1) TILE512(b2_##M, M, 2, 0) TILE512(c1_##M, M, 1, 1) TILE512(b1_##M, M, 1, 0)
@@ -108,27 +101,25 @@ T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
 }
 
 /* Up to MR512 rows convert the weights as they stream; more rows convert each 32-column
-   panel once into a per-thread bf16 buffer and run every row tile over it. */
-T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
+   panel once into a per-thread bf16 buffer and run every row tile over it. bf16: w holds bf16
+   words in the same layout (pack_bf16's), read as they are, and scale is NULL. One row runs the
+   same tiles as eight, so that its sums are added in the same order whatever the step's rows
+   (the deterministic mode's batch invariance). */
+T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w, int bf16, const float *scale,
                             int64_t N, int64_t gk, float *y, int nthreads) {
     const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16, sb = (K + gk - 1) / gk * 16;
+    const int64_t wsize = bf16 ? 2 : 1;
     uint16_t *xb = malloc((size_t)(M * K) * 2);
     to_bf16(x, xb, M * K);
     const uint32_t *xr = (const uint32_t *)xb;
-    if (M == 1) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t nb = 0; nb < nblocks; nb++) row1_512(xr, kp, gp, w + nb * blk, scale + nb * sb, y + nb * 16);
-        free(xb);
-        return;
-    }
 #pragma omp parallel num_threads(nthreads)
     {
-        uint16_t *buf = M > MR512 ? malloc((size_t)blk * 2 * 2) : NULL;
+        uint16_t *buf = M > MR512 && !bf16 ? malloc((size_t)blk * 2 * 2) : NULL;
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < (nblocks + 1) / 2; pn++) {
             int64_t nb = pn * 2;
             int two = nb + 1 < nblocks;
-            const uint8_t *w0 = w + nb * blk, *w1 = w0 + blk;
+            const uint8_t *w0 = (const uint8_t *)w + nb * blk * wsize, *w1 = w0 + blk * wsize;
             const void *a = w0, *b = w1;
             if (buf) {
                 for (int64_t p = 0; p < kp; p++) {
@@ -138,10 +129,10 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const uint8_t 
                 a = buf;
                 b = buf + blk;
             }
+            const tile_fn *t = buf || bf16 ? (two ? B2 : B1) : (two ? C2 : C1);
             for (int64_t m0 = 0; m0 < M; m0 += MR512) {
                 int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
-                const tile_fn *t = buf ? (two ? B2 : B1) : (two ? C2 : C1);
-                t[mr](xr + m0 * kp, kp, gp, a, b, scale + nb * sb, sb, y + m0 * N + nb * 16, N);
+                t[mr](xr + m0 * kp, kp, gp, a, b, scale ? scale + nb * sb : NULL, sb, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -404,7 +395,7 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
                        int64_t gk, float *y, int isa, int nthreads) {
     if (gk <= 0 || gk % 2) return -1;
     if (gk > K) gk = K;
-    if (isa == 2) linear_512(x, M, K, w, scale, N, gk, y, nthreads);
+    if (isa == 2) linear_512(x, M, K, w, 0, scale, N, gk, y, nthreads);
     else if (isa == 1) linear_256(x, M, K, w, scale, N, gk, y, nthreads);
     else return -1;
     return 0;
@@ -413,6 +404,16 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
 int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
                float *y, int isa, int nthreads) {
     return fp8_linear_grouped(x, M, K, w, scale, N, K, y, isa, nthreads);
+}
+/* y [M][N] fp32 = x [M][K] (rounded to bf16) . w^T for a bf16 weight in the e4m3 weights'
+   layout ([N/16][K/2][16][2] words), on AVX-512 BF16 only: fp32 sums and an fp32 result, where
+   oneDNN's bf16 product rounds its result to bf16 (a head's logits then tie). N % 16 == 0,
+   K % 2 == 0 (the caller checks). Returns 0, or -1 where it is not built. */
+int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return -1;
+    linear_512(x, M, K, w, 1, NULL, N, K, y, nthreads);
+    return 0;
 }
 /* One MoE layer's experts (moe_256's contract); k <= 64. The AVX2 tiles run on an AVX-512
    machine too (isa 2): the layer takes fp32 products there as well. Returns 0, or -1 where
@@ -435,6 +436,10 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
 int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
                float *y, int isa, int nthreads) {
     (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)y; (void)isa; (void)nthreads;
+    return -1;
+}
+int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)N; (void)y; (void)nthreads;
     return -1;
 }
 int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
