@@ -4,7 +4,9 @@ process, called in turn, so that a machine's drift between runs does not decide 
 21 rounds of 20 calls is kept, per shape, row count and grouping.
 
     git show 69036cf:kernels/csrc/fp8_linear.c > /tmp/old.c
-    python docs/experiments/fp8_kernel_ab.py /tmp/old.c kernels/csrc/fp8_linear.c 1 1,2,4
+    python docs/experiments/fp8_kernel_ab.py /tmp/old.c kernels/csrc/fp8_linear.c 1 1,2,4 [isa]
+
+isa: 1 the AVX2 path (the default), 2 the AVX-512 BF16 one.
 
 Both builds are handed the scales by 16-column block (native.scale_blocks); a source from before
 that layout reads them as [groups][N], which costs it nothing but which columns it scales."""
@@ -34,6 +36,7 @@ def build(source: str, i: int):
 libs = [build(src, i) for i, src in enumerate(sys.argv[1:3])]
 threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 rows = [int(a) for a in (sys.argv[4] if len(sys.argv) > 4 else "1,4").split(",")]
+isa = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 for N, K in ((1536, 576), (576, 1536), (3072, 1024)):
@@ -50,7 +53,7 @@ for N, K in ((1536, 576), (576, 1536), (3072, 1024)):
                     t = time.perf_counter()
                     for _ in range(20):
                         lib.fp8_linear_grouped(x.data_ptr(), M, K, packed.data_ptr(), s.data_ptr(), N, gk,
-                                               y.data_ptr(), 1, threads)
+                                               y.data_ptr(), isa, threads)
                     best[j] = min(best[j], (time.perf_counter() - t) / 20)
             line += f"  {'channel' if gk == K else f'1x{gk}'} {best[0] * 1e6:.0f} / {best[1] * 1e6:.0f} us"
         print(line, flush=True)
