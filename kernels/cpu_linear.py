@@ -6,12 +6,14 @@ though, so other formats of the same numbers may run faster at some sizes; which
 each size is measured at start-up (kernels/cpu_linear_plan.py), per matrix shape:
 
 - fp32 through MKL, the upcast weight itself;
-- a bf16 copy (each weight times its channel's scale rounded to bf16: 8 significant bits
-  around the e4m3 value's 4, a relative error of at most 2^-9, docs/benchmarks.md), laid out
-  once in oneDNN's blocked format: a plain bf16 F.linear re-lays the weight out on every
-  call, a cost that grows with the step's token count;
-- for one-row steps, a plain bf16 copy through ATen's own GEMV (gemv_bf16), which streams the
-  weight at close to memory bandwidth where oneDNN's one-row kernel does not;
+- a bf16 copy (each weight times its scale rounded to bf16: 8 significant bits around the
+  e4m3 value's 4, a relative error of at most 2^-9, docs/benchmarks.md), through ridge's own
+  bf16 product where the CPU has AVX-512 BF16 (fp32 result: oneDNN rounds its result to bf16),
+  else laid out once in oneDNN's blocked format: a plain bf16 F.linear re-lays the weight out
+  on every call, a cost that grows with the step's token count;
+- for one-row steps where ridge's bf16 product does not run, a plain bf16 copy through ATen's
+  own GEMV (gemv_bf16), which streams the weight at close to memory bandwidth where oneDNN's
+  one-row kernel does not;
 - ridge's e4m3 product (kernels/csrc/fp8_linear.c), which streams the FP8 weight itself, one
   byte a weight, in the layout pack_fp8 makes.
 
