@@ -233,7 +233,7 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
                 made.update(((id(w), "packed"), pk) for w, pk in zip(cold, packed))
                 made.update(((id(w), "plain"), pl) for w, pl in zip(cold, plain))
             known.update(measure_shape(cold, todo, packed) if todo else {})
-            gemv_s = measure_gemv(plain)
+            gemv_s = measure_gemv(plain) if gemv_offered() else float("inf")  # not a format here: untimed
             dirty = True
         if fp8_todo:
             cold = cold_set(group, bytes_per_weight=1, numel=ws[0].numel())
