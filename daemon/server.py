@@ -321,8 +321,9 @@ class Server:
             raise ProtocolError(P.SHUTTING_DOWN, "the daemon is shutting down and admits no new requests", rid)
 
     def _admit(self, p, owner) -> None:
-        """A generate the validator passed: the daemon's own limits, then its model's engine queue."""
-        self._admitting(p.env.id)  # the drain may have begun while it was validated
+        """A generate the validator passed: the daemon's own limits, then its model's engine queue.
+        It arrived before any drain began (`_admitting`), so a drain that began while it was
+        validated still owes it a final frame: it is queued, and aborted at once past the grace."""
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
@@ -332,22 +333,28 @@ class Server:
         loop = owner[0].loop
         loop.add(eid, req.prompt_token_ids, req.params, engine_salt(peer.identity, req.cache_salt,
                                                                    self.cfg.prefix_sharing))
-        if p.aborted:  # the client aborted it while it was validated: the engine sends its final
+        self._abort_admitted(p, inf)
+
+    def _abort_admitted(self, p, inf) -> None:
+        """A request admitted late: its client aborted it while it was validated, or the drain's
+        grace ran out meanwhile. Either way the engine sends its final."""
+        if p.aborted:
             self.aborts["client"] += 1
-            loop.abort(eid)
+            self._engine_abort(inf)
+        elif self._forced_at is not None:
+            inf.detail = "shutdown"
+            self.aborts["shutdown"] += 1
+            self._engine_abort(inf)
 
     def _admit_embed(self, p, owner) -> None:
         """An embed the validator passed: every input one prefill, answered in one frame (embeddings.py)."""
-        self._admitting(p.env.id)
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
         inf = peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version, req.top_n)
         inf.owner = owner
         owner[0].loop.embed(eid, req.inputs, req.dimensions)
-        if p.aborted:
-            self.aborts["client"] += 1
-            owner[0].loop.abort(eid)
+        self._abort_admitted(p, inf)
 
     @staticmethod
     def _engine_abort(inf) -> None:

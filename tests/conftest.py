@@ -11,6 +11,10 @@ os.environ.setdefault("XDG_CACHE_HOME", str(Path(__file__).resolve().parent.pare
 # The converted models are kept between runs; the disk KV tier's blocks are not.
 shutil.rmtree(Path(os.environ["XDG_CACHE_HOME"]) / "ridge" / "kv", ignore_errors=True)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The card's folders (kernels/, daemon/, quant/, cache/, tui/) are reachable only as ridge.*: no
+# subprocess a test starts from the repository root may put it on sys.path, where `kernels/`
+# shadows the PyPI package transformers imports (`make test` runs pytest under -P likewise).
+os.environ["PYTHONSAFEPATH"] = "1"
 
 import torch  # noqa: E402
 

@@ -172,7 +172,8 @@ def test_where_a_compiler_is_found_the_kernels_build():
 def test_without_a_compiler_the_kernels_are_off_and_attention_still_answers(tmp_path):
     code = ("import torch, logging; logging.basicConfig();"
             "from ridge.kernels import native, ops;"
-            "from tests.test_native import _setup;"
+            f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
+            "from test_native import _setup;"
             "q, kc, vc, ks, vs, meta = _setup([40], [1], torch.float32, num_blocks=8);"
             "print('LIB', native.library() is not None, tuple(ops.paged_attention(q, kc, vc, ks, vs, meta, 0.1).shape))")
     env = {**os.environ, "PATH": str(tmp_path / "empty"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import psutil
 import torch
+
+from ridge.spawn import python
 
 from .runs import run_continuous
 
@@ -42,7 +43,7 @@ class Competitor:
         self.threads = threads
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _COMPETITOR, str(self.threads)],
+        self.proc = subprocess.Popen(python("-c", _COMPETITOR, str(self.threads)),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.ps = psutil.Process(self.proc.pid)
         time.sleep(1.0)  # past its import of torch: the load is steady from here on

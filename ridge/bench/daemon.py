@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from ridge.spawn import python
+
 
 def add_bench_daemon_parser(sub) -> None:
     from ridge.engine.config import add_engine_args
@@ -145,7 +147,7 @@ def _spawn(args, in_flight: int, poll_s: float = 0.2):
     endpoint = f"ipc://{tmp}/ridge.sock"
     from ridge.engine.config import engine_options
 
-    cmd = [sys.executable, "-m", "ridge.cli", "serve", "--endpoint", endpoint,
+    cmd = [*python("-m", "ridge.cli"), "serve", "--endpoint", endpoint,
            "--max-num-seqs", str(max(args.max_num_seqs, in_flight))]
     for o in engine_options():  # the same engine flags as the in-process run
         if o.name != "max_num_seqs":

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ridge.spawn import python
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                 max_position_embeddings=4096, rope_theta=500000.0)
@@ -64,7 +66,7 @@ class Served:
         self.endpoint = f"ipc://{tmp}/ridge.sock"
         env = {**os.environ, "XDG_CACHE_HOME": str(self.cache), "XDG_CONFIG_HOME": str(tmp / "config")}
         self.log = open(tmp / "daemon.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ridge.cli", "serve", "--endpoint", self.endpoint,
+        self.proc = subprocess.Popen([*python("-m", "ridge.cli"), "serve", "--endpoint", self.endpoint,
                                       "--models-dir", str(models_dir), "--max-loaded-models", "1", "--no-kv-disk",
                                       "--kv-host-gib", "0", "--device", "cpu", "--num-kv-blocks", "512",
                                       "--client-timeout", "600", *flags],
