@@ -49,6 +49,8 @@ DAEMON_OPTIONS = [
     Option("keep_alive", str, "5m", "how long a model loaded on request stays once idle (seconds or a duration such "
            "as 5m or 1h; 0: unload after each request; -1: never); a request's or [models.NAME]'s keep_alive wins"),
     Option("max_loaded_models", int, 3, "models loaded at once; past it the least recently used idle one unloads"),
+    Option("max_loads_per_minute", int, 30, "model loads one user (uid, CURVE key) may start a minute; past it, "
+           "too_many_requests"),
     Option("models_memory_gib", float, None, "memory the loaded models' weights and KV pools may hold together; "
            "past it the least recently used idle one unloads (default: the device's, less gpu_reserve_gib; on CPU "
            "three quarters of the free RAM at start)", example=20.0),

@@ -85,6 +85,7 @@ class EngineLoop(threading.Thread):
         self.tick = time.monotonic()  # last completed loop iteration: health's engine_lag
         self.snapshot: tuple[int, float, dict] = (0, time.time(), {})  # (seq, unix time, engine.stats())
         self._last_stats = time.monotonic()
+        self._stats_failing = False  # logged once per spell of failed reads
         self.park = None  # engine -> what of it outlives the loop (daemon/models.py: its weights), run on exit
         self.parked = None
 
@@ -168,7 +169,15 @@ class EngineLoop(threading.Thread):
     def _maybe_snapshot(self, now: float) -> None:
         if now - self._last_stats >= self.stats_interval:
             self._last_stats = now
-            self.snapshot = (self.snapshot[0] + 1, time.time(), self.engine.stats())
+            try:
+                stats = self.engine.stats()
+            except OSError as e:  # a figure the system would not give (EMFILE): the last snapshot stands
+                if not self._stats_failing:
+                    log.warning("the engine's stats could not be read (%s); the last ones stand until they can", e)
+                self._stats_failing = True
+                return
+            self._stats_failing = False
+            self.snapshot = (self.snapshot[0] + 1, time.time(), stats)
 
     def run(self) -> None:
         try:

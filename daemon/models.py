@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import replace
+from pathlib import Path
 
 from . import protocol as P
+from .model_files import Facts, ModelFiles, stat_key
 from .protocol import ProtocolError, message
 from .registry import FOREVER, Entry, Registry, parse_duration, wire_duration
 
 log = logging.getLogger("ridge.daemon.models")
 
 PROGRESS_S = 1.0  # a loading event to each waiting request this often
+LOAD_WINDOW_S = 60.0  # loads_per_minute counts a principal's loads over this window
 
 
 class Waiting:
@@ -41,6 +45,7 @@ class Slot:
         self.waiting: list[Waiting] = []
         self.active = 0  # requests waiting, being admitted or in the engine
         self.keep_alive = keep_alive  # the latest request's, else the entry's, else the daemon's
+        self.owner: str | None = None  # the principal whose request loaded it; None: the daemon's (the default)
         self.last_used = time.monotonic()
         self.expires_at: float | None = None  # monotonic; None while it has requests, or pinned
         self.load_started = self.load_seconds = None
@@ -94,8 +99,15 @@ class Models:
         self.refuse = None  # the server's (peer, ProtocolError)
         self._last_snapshot = (0, time.time(), {})
         self.default_pooling = "auto"  # the daemon's --pooling, which [models.NAME] pooling overrides
-        self._kinds: dict = {}  # (path, pooling) -> generate | embed, read from the model's metadata once
-        self.poolings: dict[str, str] = {}  # path -> the pooling its last load resolved (none: it generates)
+        self.loads_per_minute = 30  # per principal (max_loads_per_minute): set by `ridge serve`
+        self._loads: dict[str, list[float]] = {}  # principal -> when its recent loads started
+        self.files = ModelFiles()  # what each model's files say, read off the socket thread
+        # Entry name -> (its file as it was, the pooling its last load resolved; none: it generates).
+        # By entry, not by file: two entries of one file (a chat model and its embedding entry) each
+        # keep their own role.
+        self.poolings: dict[str, tuple[tuple, str]] = {}
+        for e in registry.entries().values():  # read now, so that the first listing knows them
+            self.files.facts(e.path)
 
     # -- the default model, built by `ridge serve` before the sockets bind -----------
     def adopt(self, entry: Entry, loop, engine) -> Slot:
@@ -113,15 +125,13 @@ class Models:
         return self.keep_alive if entry.keep is None else entry.keep
 
     def _measure(self, slot: Slot) -> None:
-        from ridge.engine.pooling import kind_of
-
         eng, e = slot.engine, slot.entry
         slot.weight_bytes, slot.kv_bytes = int(eng.memory.weight_bytes), int(eng.memory.kv_pool_bytes)
         self.sizes[slot.name] = slot.bytes
-        # What its metadata said, kept: a GGUF's is read whole (SmolLM2's 49K-token vocabulary took
-        # 10 s of a reload on this CPU), and it is the same file next time.
-        self.poolings[e.path] = eng.pooling or "none"
-        self._kinds[(e.path, e.options.get("pooling", self.default_pooling))] = kind_of(eng.pooling)
+        # What its metadata said, kept: a GGUF's is read whole at load (SmolLM2's 49K-token
+        # vocabulary took 10 s of a reload on this CPU), and it is the same file next time.
+        if e.options.get("pooling", self.default_pooling) == "auto" and (file := _file(e.path)) is not None:
+            self.poolings[e.name] = (file, eng.pooling or "none")
 
     # -- requests ------------------------------------------------------------------
     def request(self, peer, env, kind: str, size: int, max_waiting: int) -> None:
@@ -143,14 +153,21 @@ class Models:
         if entry is None:
             raise ProtocolError(P.MODEL_NOT_FOUND, f"the model {name!r} does not exist; this daemon serves "
                                 f"{', '.join(sorted(self.registry.entries()))}", env.id, model=name)
-        w = Waiting(peer, env, kind, size, keep)
+        who = getattr(peer, "identity", "") or ""
         slot = self.slots.get(entry.name)
+        if keep is not None and keep < self._keep(entry):
+            mine = slot is None or slot.owner == who  # a load this request starts is its principal's
+            if entry is self.registry.default or not mine:
+                keep = None  # another's model, or the daemon's default: the configured keep_alive stands
+        w = Waiting(peer, env, kind, size, keep)
         if slot is None or slot.state == "unloading":
             if sum(len(s.waiting) for s in self.slots.values()) >= max_waiting:
                 raise ProtocolError(P.BUSY, "too many requests wait for models to load; retry later", env.id,
                                     retry_after=1.0)
+            self._count_load(who, env.id)
             if slot is None:
                 slot = self.slots[entry.name] = Slot(entry, self._keep(entry))
+                slot.owner = who
         slot.active += 1
         slot.expires_at = None
         if slot.state == "ready":
@@ -160,6 +177,20 @@ class Models:
         slot.waiting.append(w)
         self._tell(w, slot, time.monotonic())
         self.schedule()
+
+    def _count_load(self, who: str, rid) -> None:
+        """One principal may start loads_per_minute loads a minute: naming model after model, it
+        would otherwise evict everyone else's as fast as they load."""
+        now = time.monotonic()
+        times = self._loads.setdefault(who, [])
+        times[:] = [t for t in times if now - t < LOAD_WINDOW_S]
+        if len(times) >= self.loads_per_minute:
+            raise ProtocolError(P.TOO_MANY_REQUESTS, f"you started {len(times)} model loads in the last "
+                                f"{LOAD_WINDOW_S:.0f} s, the limit (max_loads_per_minute); retry later", rid,
+                                retry_after=round(LOAD_WINDOW_S - (now - times[0]), 1))
+        times.append(now)
+        if len(self._loads) > 4096:  # principals with no load in the window start afresh
+            self._loads = {k: v for k, v in self._loads.items() if v and now - v[-1] < LOAD_WINDOW_S}
 
     def release(self, slot: Slot, keep: float | None) -> None:
         """A request of the slot's ended (answered, refused or its client gone)."""
@@ -215,12 +246,15 @@ class Models:
             del self.slots[slot.name]
             return self.schedule()
         loaded = [s for s in self.slots.values() if s.state == "ready"]
-        need = self.sizes.get(slot.name) or slot.entry.disk()[0] * 2
+        need = self.sizes.get(slot.name) or self._disk_size(slot.entry) * 2
         over_count = len(loaded) + 1 > self.max_loaded
         over_memory = self.memory_bytes is not None and loaded and \
             sum(s.bytes for s in loaded) + need > self.memory_bytes
         if over_count or over_memory:
-            idle = sorted((s for s in loaded if s.idle()), key=lambda s: s.last_used)
+            # The requester's own idle models go first, the default model last: one principal's
+            # loads cost its own models before anyone else's.
+            idle = sorted((s for s in loaded if s.idle()),
+                          key=lambda s: (s.owner != slot.owner, s.entry is self.registry.default, s.last_used))
             if idle:
                 self.counts["evictions"] += 1
                 log.info("evicting %s (idle %.0f s) to load %s", idle[0].name, time.monotonic() - idle[0].last_used,
@@ -238,8 +272,9 @@ class Models:
                  " from the weights parked in host RAM" if parked else "")
         share = slot.entry.options.get("kv_memory_gib") or self.kv_share_gib
         entry = slot.entry
-        if entry.options.get("pooling", self.default_pooling) == "auto" and entry.path in self.poolings:
-            entry = replace(entry, options={**entry.options, "pooling": self.poolings[entry.path]})
+        learned = self.poolings.get(entry.name)
+        if entry.options.get("pooling", self.default_pooling) == "auto" and learned and learned[0] == _file(entry.path):
+            entry = replace(entry, options={**entry.options, "pooling": learned[1]})
         try:
             slot.loop = self._build(entry, parked[0] if parked else None, share)
         except Exception as e:
@@ -351,43 +386,73 @@ class Models:
             self._last_snapshot = p.loop.snapshot
         return self._last_snapshot
 
-    def listing(self) -> list[dict]:
-        """Every model the daemon can serve (docs/protocol.md §3.10), the default first."""
+    def listing(self, owner: bool = True) -> list[dict]:
+        """Every model the daemon can serve (docs/protocol.md §3.10), the default first. Only the
+        daemon's owner is shown where its files are, their sizes and times: the others see names."""
         unix, mono = time.time(), time.monotonic()
         out = []
         for name, e in self.registry.entries().items():
-            size, mtime, fmt = e.disk()
-            m = {"name": name, "path": e.path, "default": e is self.registry.default, "size": size,
-                 "modified_at": mtime, "format": fmt, "kind": self._kind(e), "loaded": False, "state": "available",
-                 "bytes": 0, "keep_alive": wire_duration(self._keep(e)), "expires_at": None,
+            f = self.files.facts(e.path)  # None: not read yet (model_files.py); known on a later listing
+            m = {"name": name, "path": e.path, "default": e is self.registry.default,
+                 "size": f.size if f else None, "modified_at": f.mtime if f else None,
+                 "format": f.format if f else _format(e.path), "kind": self._kind(e, f), "loaded": False,
+                 "state": "available", "bytes": 0, "keep_alive": wire_duration(self._keep(e)), "expires_at": None,
                  "parked": name in self.parked}
             if (slot := self.slots.get(name)) is not None:
                 m.update(slot.describe(unix, mono))
+            if not owner:
+                m.update(path=None, size=None, modified_at=None)
+                if "model" in m:
+                    m["model"] = {k: v for k, v in m["model"].items() if k != "path"}
             out.append(m)
         return out
 
     def held(self) -> list[dict]:
-        """The models loaded, loading or waiting to load: what stats carry for `ridge top`."""
+        """The models loaded, loading or waiting to load: what stats carry for `ridge top`, to every
+        client and the stats feed, so without the files' paths."""
         unix, mono = time.time(), time.monotonic()
-        return [{"name": s.name, "default": s.entry is self.registry.default, **s.describe(unix, mono)}
-                for s in self.slots.values()]
+        out = []
+        for s in self.slots.values():
+            m = {"name": s.name, "default": s.entry is self.registry.default, **s.describe(unix, mono)}
+            if "model" in m:
+                m["model"] = {k: v for k, v in m["model"].items() if k != "path"}
+            out.append(m)
+        return out
 
-    def _kind(self, e: Entry) -> str:
+    def _kind(self, e: Entry, f: Facts | None) -> str:
+        """generate | embed | rerank, from its engine once loaded, its pooling option, else its
+        metadata; "unknown" while that is being read."""
+        from ridge.engine.pooling import kind_of, resolve_pooling  # the engine's modules load torch: on first use
+
         slot = self.slots.get(e.name)
         if slot is not None and slot.info is not None:
-            from ridge.engine.pooling import kind_of
-
             return kind_of(slot.info.get("pooling"))
         pooling = e.options.get("pooling", self.default_pooling)
-        if (e.path, pooling) not in self._kinds:
-            from ridge.engine.pooling import kind_of, resolve_pooling
+        if pooling != "auto":
+            return kind_of(resolve_pooling(pooling, None))
+        return "unknown" if f is None else kind_of(f.pooling)
 
-            try:
-                kind = kind_of(resolve_pooling(pooling, e.path))
-            except Exception:  # unreadable metadata: it is found out when it loads
-                kind = "generate"
-            self._kinds[(e.path, pooling)] = kind
-        return self._kinds[(e.path, pooling)]
+    def _disk_size(self, e: Entry) -> int:
+        f = self.files.facts(e.path)
+        if f is not None:
+            return f.size
+        try:
+            return os.stat(e.path).st_size if e.path else 0
+        except OSError:
+            return 0
+
+
+def _file(path: str | None) -> tuple | None:
+    """The identity of a model's file as it is now (a stat): what was learned of it holds while
+    this is the same."""
+    try:
+        return (path, *stat_key(os.stat(path))) if path else None
+    except OSError:
+        return None
+
+
+def _format(path: str | None) -> str:
+    return "missing" if not path else Path(path).suffix.lstrip(".").lower() or "safetensors"
 
 
 def release_memory() -> None:

@@ -5,13 +5,17 @@ embedded SmolLM2 or `--model`), which a request naming no model gets.
 Plain data: names, paths, per-model options and durations. Loading them is daemon/models.py's."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ridge.engine.config import engine_options
+
+log = logging.getLogger("ridge.daemon.models")
 
 FOREVER = math.inf  # keep_alive -1 (or any negative): never unloaded for idleness
 # The engine options a [models.NAME] table may set: what one engine is built with. The daemon-wide
@@ -97,17 +101,116 @@ def _model_name(p: Path) -> str | None:
     return None
 
 
+# The models directory is read on every request (a model copied in is served at once): bounded,
+# so that a directory of a million files costs the socket thread no more than these lookups.
+MAX_SCAN = 1000  # entries of the models directory looked at
+MAX_TREE = 4096  # files and folders of one HF directory checked
+
+
+def _others_write(st: os.stat_result) -> str | None:
+    """Why someone other than the daemon's user (and root) can change it, or None. Group write is
+    trusted only for the daemon's own group: that is how a service shares its directory."""
+    if st.st_mode & 0o002:
+        return "writable by every user"
+    if st.st_mode & 0o020 and st.st_gid != os.getegid():
+        return f"writable by group {st.st_gid}, not the daemon's"
+    return None
+
+
+def dir_refusal(models_dir: Path) -> str | None:
+    """Why the models directory itself is not trusted (then none of it is served), or None. Whoever
+    can write it chooses what the daemon reads and serves to every client: only the daemon's user,
+    root, and the daemon's group may."""
+    st = os.stat(models_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, neither the daemon's user nor root"
+    return _others_write(st)
+
+
+def _inside(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def entry_refusal(p: Path, root: str) -> str | None:
+    """Why an entry of the models directory is not served, or None. root: the directory, resolved.
+    A link may point within the directory only: one leaving it would have the daemon read (and
+    serve) a file its writer cannot; anything but regular files and folders is refused, a FIFO
+    named x.gguf would block whoever opened it."""
+    real = os.path.realpath(p)
+    if not _inside(real, root):
+        return f"it leads outside the models directory (to {real})"
+    st = os.stat(real)
+    if stat.S_ISREG(st.st_mode):
+        return _others_write(st)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a regular file"
+    if why := _others_write(st):
+        return why
+    seen = 0
+    for top, dirs, files in os.walk(real, followlinks=True):  # an HF directory: all the loader may open
+        for name in dirs + files:
+            seen += 1
+            if seen > MAX_TREE:
+                return f"more than {MAX_TREE} files"
+            f = os.path.join(top, name)
+            target = os.path.realpath(f)
+            if not _inside(target, root):
+                return f"{os.path.relpath(f, real)} leads outside the models directory (to {target})"
+            try:
+                fst = os.stat(target)
+            except OSError:
+                return f"{os.path.relpath(f, real)}: a dangling link"
+            if not (stat.S_ISREG(fst.st_mode) or stat.S_ISDIR(fst.st_mode)):
+                return f"{os.path.relpath(f, real)} is not a regular file"
+            if why := _others_write(fst):
+                return f"{os.path.relpath(f, real)} is {why}"
+    return None
+
+
+_told: set = set()
+
+
+def _refuse(what, why: str) -> None:
+    """Logged once per entry and reason: the directory is read again on every request."""
+    if (str(what), why) not in _told:
+        if len(_told) > 10000:
+            _told.clear()
+        _told.add((str(what), why))
+        log.warning("not serving %s: %s", what, why)
+
+
 def scan(models_dir: Path) -> dict[str, Entry]:
-    """The models in the models directory, by name; a missing directory holds none."""
+    """The models in the models directory, by name; a missing directory holds none, nor one others
+    can write (dir_refusal), and an entry entry_refusal refuses is left out with its reason logged."""
     out: dict[str, Entry] = {}
     try:
-        items = sorted(models_dir.iterdir())
+        if why := dir_refusal(models_dir):
+            _refuse(f"the models directory {models_dir}", why)
+            return out
+        root = os.path.realpath(models_dir)
+        with os.scandir(models_dir) as it:
+            items = []
+            for i, d in enumerate(it):
+                if i >= MAX_SCAN:
+                    _refuse(f"the models directory {models_dir}", f"entries past the first {MAX_SCAN}")
+                    break
+                items.append(Path(d.path))
     except OSError:
         return out
-    for p in items:
-        name = _model_name(p)
-        if name is not None and name not in out:
-            out[name] = Entry(name, str(p))
+    for p in sorted(items):
+        try:
+            name = _model_name(p)
+            if name is None or name in out:
+                continue
+            if why := entry_refusal(p, root):
+                _refuse(p, why)
+                continue
+        except OSError as e:
+            _refuse(p, e.strerror or str(e))
+            continue
+        out[name] = Entry(name, str(p))
     return out
 
 

@@ -135,6 +135,10 @@ def run_serve(args) -> int:
         sys.stdout.write(f"# -> listening on {ep}{' and ' + c['tcp'] if c['tcp'] else ''}, stats on {pub}\n")
         return 0
     setup_logging()
+    from .gateway.connections import raise_fd_limit
+    # Socket clients, HTTP connections, model files and the KV tier share the open-file limit, and
+    # systemd's soft default (1024) is what a few hundred clients use up: the hard limit is the budget.
+    raise_fd_limit()
     c = res.values
     _check(c)
     endpoint = c["endpoint"] or (system_endpoint() if c["system"] else user_endpoint())
@@ -206,6 +210,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
                     keep_alive=parse_duration(c["keep_alive"]), memory_bytes=memory, park_bytes=parked,
                     kv_share_gib=share)
     models.default_pooling = c["pooling"]
+    models.loads_per_minute = c["max_loads_per_minute"]
     server = Server(cfg, engine, loop, model, notifier, _version(), models)
     models.adopt(registry.default, loop, engine)
     return _run(server, cfg, models, http, c, endpoint, notifier)

@@ -28,7 +28,7 @@ from .models import Models
 from .peers import Peer
 from .protocol import Limits, ProtocolError, message, pack
 from .registry import FOREVER, Entry, Registry
-from .sharing import engine_salt, peer_identity
+from .sharing import engine_salt, peer_identity, uid_identity
 from .streams import InFlight
 from .validate import Validator
 
@@ -304,7 +304,8 @@ class Server:
     def _admit_waiting(self, w, slot) -> None:
         """A generate or embed whose model is loaded: to the admission workers, with that model's validator."""
         try:
-            work = getattr(slot.validator, w.kind)  # generate, embed or rerank
+            # generate, embed or rerank; those with steps run in turns with other clients' work
+            work = getattr(slot.validator, f"{w.kind}_steps", None) or getattr(slot.validator, w.kind)
             p = self.admission.submit(w.peer, w.env, work, w.size)
         except Exception as e:
             self.models.release(slot, w.keep)
@@ -437,7 +438,8 @@ class Server:
             raise ProtocolError(P.UNKNOWN_TYPE, f"models is a version 3 message; this one is version {env.v}", env.id)
         self.validator.no_fields(env)
         self._send(peer, message("models", env.id, default=self.models.registry.default.name,
-                                 models=self.models.listing(), counts=dict(self.models.counts),
+                                 models=self.models.listing(owner=peer.identity == uid_identity(os.getuid())),
+                                 counts=dict(self.models.counts),
                                  max_loaded_models=self.models.max_loaded))
 
     def _held_bytes(self) -> int:

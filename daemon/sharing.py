@@ -12,14 +12,19 @@ An identity is what the transport proves, never what the client says:
   user, who shares with itself; on the system daemon each local user is apart.
 - TCP with CURVE: the client's public key (the ZAP handler's User-Id).
 - TCP without CURVE: one identity, "tcp", for every such peer: none is known.
-The HTTP gateway is an ipc peer as the user it runs as; it adds the API key's
-identity to the cache_salt it sends (gateway/openai_api.py), so its clients stay
-apart from that user's own requests. A client's cache_salt can only split its
-sharing further: it is combined with the identity, never put in its place."""
+The HTTP gateway is an ipc peer as the user it runs as, so it keeps its clients
+apart itself, in the cache_salt it sends (http_salt): every HTTP request's salt is
+marked as HTTP's, so none meets that user's own socket requests; a gateway that
+requires its one API key cannot tell its holders apart, so there a request shares
+only with the same key and a cache_salt it gave (a secret of its sender's), and
+without one with nobody. A client's cache_salt can only split its sharing further:
+it is combined with the identity, never put in its place."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import secrets
 
 import zmq
 
@@ -75,3 +80,18 @@ def engine_salt(identity: str | None, cache_salt: str | None, sharing: str) -> s
     if who is None and not cache_salt:
         return ""
     return json.dumps([who, cache_salt or ""])
+
+
+def http_salt(salt: str | None, authorization: str | None, sharing: str | None, keyed: bool) -> str | None:
+    """The cache_salt the gateway sends for an HTTP request with the body's `salt` and the
+    `Authorization` it carried. keyed: the gateway requires its API key, so every client carries
+    the same one and a key proves only that it is held. Under "user" sharing an HTTP request never
+    shares with the gateway user's own socket requests (they send no salt, or one of their own, and
+    no "http:" salt can be named without sending it), shares with another HTTP request only when
+    both gave the same Authorization and, on a keyed gateway, the same cache_salt too; a keyed
+    request without a cache_salt shares with nobody."""
+    if sharing != "user":
+        return salt or None
+    if keyed and not salt:
+        return "http-once:" + secrets.token_hex(16)
+    return "http:" + hashlib.sha256(json.dumps([authorization, salt]).encode()).hexdigest()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridge.engine.rerank import prompt_ids
+from ridge.engine import rerank as judging
 from ridge.engine.sampling_params import InvalidRequest, SamplingParams
 from ridge.engine.structured.grammar import GrammarCompiler
 
@@ -38,6 +38,20 @@ PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 MAX_SALT_BYTES = 1024
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 MAX_CALLS = 128  # calls in one sample, parallel_tool_calls true
+# The prompts of one embed or rerank together: what one request may ask of the tokenizer and the
+# engine's prefill (256 prompts of a 1K context; a rerank's query is cut to the context first).
+MAX_REQUEST_TOKENS = 1 << 18
+# Tokens read past a cut, so that the cut's last word, tokenized apart, is not among those kept.
+CUT_MARGIN = 16
+
+
+def _driven(steps):
+    """A stepped validation run to its end at once."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as e:
+        return e.value
 
 
 @dataclass(slots=True)
@@ -271,6 +285,11 @@ class Validator:
 
     # -- embed --------------------------------------------------------------------
     def embed(self, env: Envelope) -> EmbedRequest:
+        return _driven(self.embed_steps(env))
+
+    def embed_steps(self, env: Envelope):
+        """embed, its fields checked at once and its inputs then tokenized one per step of the
+        generator it returns (admission.py runs them in turns with other clients' work)."""
         rid, body = env.id, env.body
         if env.v < 3:
             raise ProtocolError(UNKNOWN_TYPE, f"embed is a version 3 message; this one is version {env.v}", rid)
@@ -288,20 +307,37 @@ class Validator:
         dims = body.get("dimensions")
         if dims is not None and not (is_int(dims) and 1 <= dims <= self.embedding_size):
             raise fail("dimensions", f"an integer in [1, {self.embedding_size}] (the model's size), or nil", rid)
+        return self._embed_steps(rid, items, dims, env.v)
+
+    def _embed_steps(self, rid, items: list, dims: int | None, version: int):
+        """Run by the admission workers one input per step (admission.py), within the request's budget."""
         one = SamplingParams(max_tokens=1)  # the prefill's one sample, as the engine runs it
-        inputs = []
+        inputs, total = [], 0
         for i, x in enumerate(items):
             ids = self.encode_text(x, True, rid) if isinstance(x, str) else \
                 token_list(x, f"input[{i}]", self.vocab, rid, self.limits.max_prompt_tokens)
             if not ids:
                 raise ProtocolError(INVALID_REQUEST, f"input[{i}] is empty", rid)
             self.admissible(ids, one, rid)
+            total = self._budget(total + len(ids), "embed", rid)
             inputs.append(ids)
-        return EmbedRequest(rid, inputs, dims, env.v)
+            yield
+        return EmbedRequest(rid, inputs, dims, version)
+
+    @staticmethod
+    def _budget(total: int, what: str, rid: str | None) -> int:
+        if total > MAX_REQUEST_TOKENS:
+            raise ProtocolError(INVALID_REQUEST, f"the {what}'s prompts come to more than {MAX_REQUEST_TOKENS} tokens, "
+                                "the limit for one request; send fewer or shorter inputs", rid)
+        return total
 
     # -- rerank -------------------------------------------------------------------
     def rerank(self, env: Envelope) -> EmbedRequest:
-        """Each document's judging prompt (engine/rerank.py), admitted as an embed's inputs are."""
+        return _driven(self.rerank_steps(env))
+
+    def rerank_steps(self, env: Envelope):
+        """Each document's judging prompt (engine/rerank.py), admitted as an embed's inputs are, in
+        steps as embed_steps."""
         rid, body = env.id, env.body
         if env.v < 4:
             raise ProtocolError(UNKNOWN_TYPE, f"rerank is a version 4 message; this one is version {env.v}", rid)
@@ -323,12 +359,58 @@ class Validator:
         top_n = body.get("top_n")
         if top_n is not None and not (is_int(top_n) and top_n >= 1):
             raise fail("top_n", "an integer >= 1, or nil", rid)
+        return self._rerank_steps(rid, query, docs, instruction, min(top_n or len(docs), len(docs)), env.v)
+
+    def _rerank_steps(self, rid, query: str, docs: list[str], instruction: str | None, top_n: int, version: int):
+        """Each document's judging prompt as engine/rerank.prompt_ids writes it (the pair's text cut
+        from its end to the context), with the query tokenized once, not once per document, and only
+        as far as the context reaches: a huge query over many tiny documents costs one context's worth
+        of tokenizing, not one per document. Runs one piece per admission step (admission.py)."""
         limit = min(self.limits.max_prompt_tokens, self.max_model_len - 1)
+        head = self.tokenizer.encode(judging.PREFIX, add_special_tokens=False)
+        tail = self.tokenizer.encode(judging.SUFFIX, add_special_tokens=False)
+        room = max(0, limit - len(head) - len(tail))
+        asked = f"<Instruct>: {instruction or judging.INSTRUCTION}\n<Query>: {query}"
+        text, q = yield from self._leading(asked, room)
         one = SamplingParams(max_tokens=1)
-        inputs = [prompt_ids(self.tokenizer, query, d, instruction, limit) for d in docs]
-        for ids in inputs:
+        inputs, total = [], 0
+        if len(q) >= room:  # the query fills the context: no document is seen, as in the model card's cut
+            ids = head + q[:room] + tail
             self.admissible(ids, one, rid)
-        return EmbedRequest(rid, inputs, None, env.v, min(top_n or len(docs), len(docs)))
+            self._budget(len(ids) * len(docs), "rerank", rid)
+            return EmbedRequest(rid, [ids] * len(docs), None, version, top_n)
+        # Tokenized apart, the pair's two halves must meet as they do tokenized whole; a tokenizer
+        # whose words can span "\n" (or that marks a text's start) is given each pair whole.
+        probe_doc = "\n<Document>: " + docs[0][:64]
+        apart = self.tokenizer.encode(asked[-64:], add_special_tokens=False) + \
+            self.tokenizer.encode(probe_doc, add_special_tokens=False)
+        whole = apart == self.tokenizer.encode(asked[-64:] + probe_doc, add_special_tokens=False)
+        for d in docs:
+            yield
+            if whole:
+                _, rest = yield from self._leading("\n<Document>: " + d, room - len(q))
+                pair = q + rest
+            else:
+                _, pair = yield from self._leading(f"{text}\n<Document>: {d}", room)
+            ids = head + pair[:room] + tail
+            self.admissible(ids, one, rid)
+            total = self._budget(total + len(ids), "rerank", rid)
+            inputs.append(ids)
+        return EmbedRequest(rid, inputs, None, version, top_n)
+
+    def _leading(self, text: str, n: int):
+        """-> (the start of text tokenized, its tokens): at least the first n tokens of the whole
+        text's (all of them when it has fewer), from a prefix that grows fourfold per step."""
+        cut = max(4096, 8 * (n + CUT_MARGIN))
+        while True:
+            piece = text[:cut]
+            ids = self.tokenizer.encode(piece, add_special_tokens=False)
+            if len(piece) == len(text):
+                return piece, ids
+            if len(ids) > n + CUT_MARGIN:
+                return piece, ids[:n + CUT_MARGIN]
+            cut *= 4
+            yield
 
     # -- the small operations ------------------------------------------------------
     def tokenize(self, env: Envelope) -> list[int]:

@@ -121,6 +121,15 @@ def _dequantize(t) -> torch.Tensor:
 
 def open_gguf(path):
     import gguf
+
+    from .gguf_header import HeaderError, read_header
+    try:
+        # Bounded first: the reader allocates what the header declares, and blocks on a FIFO.
+        read_header(path)
+    except FileNotFoundError:
+        raise ModelLoadError(path, "no such file") from None
+    except (OSError, HeaderError) as e:
+        raise ModelLoadError(path, f"not a readable GGUF file ({e})") from None
     try:
         return gguf.GGUFReader(str(path), "r")
     except FileNotFoundError:

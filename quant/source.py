@@ -32,6 +32,8 @@ def resolve_model_path(path=None) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(p, "no such file or directory")
+    if not (p.is_file() or p.is_dir()):  # a FIFO or a device would block, or never end, whoever reads it
+        raise ModelLoadError(p, "not a regular file or directory")
     return p
 
 

@@ -1,7 +1,13 @@
 """On-disk cache of converted models, so a second start skips parsing and quantization.
 
 The key is the source's path, size and modification time plus the quantizer's
-version and options: hashing a many-GB file on every start would defeat it."""
+version and options: hashing a many-GB file on every start would defeat it.
+
+So every new file, and every change of one, is a new entry of the size of its
+weights: each save prunes the cache (prune): entries whose source file is gone,
+then the least recently used (a hit touches its folder) while the cache holds
+more than RIDGE_MODEL_CACHE_GIB (64 GiB; 0: no cap). The entry just written is
+kept whatever its size."""
 from __future__ import annotations
 
 import hashlib
@@ -11,10 +17,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import time
+
 import torch
+
+from ridge.options import Option
 
 from .fp8 import QUANT_VERSION
 
+CACHE_GIB = Option("model_cache_gib", float, 64.0,
+                   "the converted-weights cache's size cap in GiB ($XDG_CACHE_HOME/ridge/models), least recently "
+                   "used entries removed past it; 0: no cap")
+STALE_TMP_S = 3600  # a save's temporary folder this old is a crashed save's
 FORMAT = 2  # 2: ModelConfig gained the per-family fields (issue 25); older entries lack them
 
 
@@ -41,9 +55,14 @@ def load(key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
     d = cache_root() / key
     try:
         meta = json.loads((d / "meta.json").read_text())
-        return meta, load_file(str(d / "weights.safetensors"))
+        out = meta, load_file(str(d / "weights.safetensors"))
     except (OSError, ValueError):
         return None
+    try:
+        os.utime(d)  # used now: the last to be pruned
+    except OSError:
+        pass
+    return out
 
 
 def save(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -62,9 +81,70 @@ def save(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
             seen.add(ptr)
         save_file(flat, str(tmp / "weights.safetensors"))
         (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "source").write_text(str(meta.get("source", "")))  # what prune() checks, without meta.json
         final = root / key
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune(keep=key)
+    return final
+
+
+def cap_bytes() -> int | None:
+    gib = CACHE_GIB.convert(os.environ.get(CACHE_GIB.env), CACHE_GIB.env)
+    gib = CACHE_GIB.default if gib is None else gib
+    return None if gib <= 0 else int(gib * (1 << 30))
+
+
+def _source(d: Path) -> str | None:
+    try:
+        return (d / "source").read_text()
+    except OSError:  # an entry from before the source file: its meta.json says
+        try:
+            return json.loads((d / "meta.json").read_text()).get("source")
+        except (OSError, ValueError):
+            return None
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def prune(keep: str | None = None, cap: int | None = -1) -> list[str]:
+    """Remove the entries whose source is gone, then the least recently used while the cache holds
+    more than cap bytes (-1: cap_bytes(); None: no cap); never `keep`. -> the keys removed."""
+    cap = cap_bytes() if cap == -1 else cap
+    root = cache_root()
+    removed, live = [], []
+    try:
+        items = list(root.iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for d in items:
+        try:
+            st = d.stat()
+            if d.name.startswith(".tmp-"):
+                if now - st.st_mtime > STALE_TMP_S:
+                    shutil.rmtree(d, ignore_errors=True)
+                continue
+            if not d.is_dir() or d.name == keep:
+                continue
+            src = _source(d)
+            if src is None or not os.path.exists(src):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d.name)
+                continue
+            live.append((st.st_mtime, d, _size(d)))
+        except OSError:
+            continue
+    if cap is not None:
+        total = sum(n for _, _, n in live) + (_size(root / keep) if keep and (root / keep).is_dir() else 0)
+        for _, d, n in sorted(live, key=lambda x: x[0]):
+            if total <= cap:
+                break
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+            total -= n
+    return removed

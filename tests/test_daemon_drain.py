@@ -51,17 +51,19 @@ def test_sigterm_drains_every_request_to_a_final_frame(daemon):
     clients = [Raw(daemon.endpoint) for _ in range(6)]
     late = Raw(daemon.endpoint)
     assert late.call({"type": "health", "id": "h"})["status"] == "ok"
-    # The first request runs and finishes within the grace; the 20,000 steps queued behind it take
-    # longer than that even at a fast machine's ~0.1 ms a step (240 each once all finished in time).
-    lengths = [240] + [4000] * (len(clients) - 1)
+    # The first request runs and finishes within the grace (or before the signal); the 20,000 steps
+    # queued behind it take longer than that even at a fast machine's ~0.1 ms a step (240 each once
+    # all finished in time; a first one of 240 missed the grace beside four other test runs).
+    lengths = [48] + [4000] * (len(clients) - 1)
     for i, c in enumerate(clients):
         c.generate(f"d{i}", prompt=f"drain {i}", params={"max_tokens": lengths[i], "ignore_eos": True})
     pump_all(clients, lambda: any(s["deltas"] for c in clients for s in c.streams.values()), timeout=30)
     # Every request admitted before the signal: on a busy machine the last one was still being read
     # or validated when a first delta came. (One validated while the drain begins is now queued and
     # owed its final too: Server._admit.)
-    pump_all(clients, _every_call(0.05, lambda: stats(daemon.endpoint)["daemon"]["in_flight"] == len(clients)),
-             timeout=30)
+    finished = lambda: sum(s["final"] is not None for c in clients for s in c.streams.values())  # noqa: E731
+    pump_all(clients, _every_call(0.05, lambda: stats(daemon.endpoint)["daemon"]["in_flight"] + finished()
+                                  == len(clients)), timeout=30)
     daemon.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10  # the signal is handled between two of the engine's steps
     while late.call({"type": "health", "id": "h2"})["status"] != "draining":

@@ -120,8 +120,9 @@ def test_settings_loopback_unless_a_key(tmp_path):
         with pytest.raises(EndpointError, match="API key"):
             gateway_settings({"http": addr})
     key = tmp_path / "key"
-    key.write_text("s3cret\nignored\n")
-    assert gateway_settings({"http": "0.0.0.0:8000", "api_key_file": str(key)}).api_key == "s3cret"
+    key.write_text("s3cret\n# a comment\n\nother\n")  # one key a line: each holder its own principal
+    keyed = gateway_settings({"http": "0.0.0.0:8000", "api_key_file": str(key)})
+    assert keyed.api_key == "s3cret" and keyed.api_keys == ("s3cret", "other")
     assert gateway_settings({"http": "0.0.0.0:8000", "api_key": "k"}).api_key == "k"
     key.write_text("\n")
     for bad in ({"http": "no-port"}, {"http": "h:99999"}, {"api_key_file": str(key)},

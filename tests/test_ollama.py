@@ -43,9 +43,10 @@ def daemon(tmp_path_factory, ranker):
     tmp = tmp_path_factory.mktemp("ollama")
     model = make_chat_model(tmp, "hermes")
     (tmp / "models").mkdir()
-    (tmp / "models" / "other").symlink_to(model)
     (tmp / "xdg-config" / "ridge").mkdir(parents=True)
+    # "other" by config.toml: a link in the models directory that leads out of it is not served
     (tmp / "xdg-config" / "ridge" / "config.toml").write_text(
+        f'[models.other]\npath = "{model}"\n\n'
         f'[models.ranker]\npath = "{ranker[1]}"\npooling = "rank"\nweights = "fp32"\nkv_dtype = "fp32"\n'
         'num_kv_blocks = 128\n')
     d = ollama_daemon(tmp, str(model), "tiny", "--num-kv-blocks", 256, "--max-num-seqs", 8,
@@ -138,13 +139,15 @@ def test_tool_history_renders_as_the_openai_chat_does(client, ridge):
 def test_models_tags_ps_show_and_version(client, daemon):
     tags = client.list()
     assert [m.model for m in tags.models] == ["tiny", "other", "ranker"] and tags.models[0].details.family == "llama"
-    assert tags.models[1].size == tags.models[0].size > 0 and tags.models[0].digest != tags.models[1].digest
+    # where the files are, their sizes and times are the daemon owner's to see, not an HTTP client's
+    assert tags.models[1].size == tags.models[0].size == 0 and tags.models[0].digest != tags.models[1].digest
     running = client.ps()
     assert [m.model for m in running.models] == ["tiny"] and running.models[0].size > 0
     shown = client.show("tiny")
     assert set(shown.capabilities) == {"completion", "tools", "thinking"}
     assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] > 0
     assert client.show("other").capabilities == ["completion"]  # its template is read when it loads
+    assert client.show("other").modelfile == "FROM other\n"
     status, body = ask(daemon.url, "GET", "/api/version")
     assert status == 200 and body["version"].count(".") == 2
     status, body = ask(daemon.url, "GET", "/v1/models")  # the OpenAI routes beside, as Ollama serves them

@@ -24,7 +24,7 @@ from .rerank_api import ROUTES as RERANK_ROUTES
 from . import responses as R
 from .door import HostRule, is_json, origin_allowed
 from .generation import ClientGone, generate
-from .link import DaemonLink
+from .link import PRINCIPAL, SHARED, DaemonLink
 from .metrics import CONTENT_TYPE, Metrics
 from .openai_api import ApiError
 from .settings import GatewaySettings
@@ -85,32 +85,49 @@ class Door:
 
 class Guard:
     """ASGI middleware inside CORS (a browser's preflight carries no key): the API key (Bearer) on
-    every route but /health, and JSON bodies on POST."""
+    every route but /health, and JSON bodies on POST. The key a request carries names its principal
+    (link.py), whose connection to the daemon, and so whose requests-in-flight budget, it uses."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.expected_key = api_key.encode() if api_key else None
+        self.expected = [(f"Bearer {k}".encode(), k.encode(), f"key{i}") for i, k in enumerate(api_keys)]
 
     async def __call__(self, scope, receive, send) -> None:
-        refused = self.refusal(scope) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        principal, refused = self.admit(scope)
         if refused is not None:
             return await error_response(refused, scope["path"])(scope, receive, send)
-        await self.app(scope, receive, send)
+        token = PRINCIPAL.set(principal)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            PRINCIPAL.reset(token)
 
-    def refusal(self, scope) -> ApiError | None:
-        if self.expected is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected) and not (
-                    scope["path"] in ANTHROPIC_PATHS and hmac.compare_digest(headers.get(b"x-api-key", b""),
-                                                                             self.expected_key)):
-                return ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error",
-                                code="invalid_api_key")
+    def _principal(self, scope) -> str | None:
+        """The key's principal, or None; every key is compared, in constant time, whichever matches."""
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        given_x = headers.get(b"x-api-key", b"") if scope["path"] in ANTHROPIC_PATHS else None
+        found = None
+        for bearer, key, principal in self.expected:
+            hit = hmac.compare_digest(given, bearer) | (given_x is not None and hmac.compare_digest(given_x, key))
+            if hit and found is None:
+                found = principal
+        return found
+
+    def admit(self, scope) -> tuple[str, ApiError | None]:
+        """-> (the request's principal, or why it is refused)."""
+        principal = SHARED
+        if self.expected and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            principal = self._principal(scope)
+            if principal is None:
+                return SHARED, ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                                        "authentication_error", code="invalid_api_key")
         if scope["method"] == "POST" and not is_json((_headers(scope, b"content-type") or [None])[0]):
-            return ApiError(415, "a POST body must be JSON, sent as Content-Type: application/json",
-                            code="unsupported_media_type")
-        return None
+            return principal, ApiError(415, "a POST body must be JSON, sent as Content-Type: application/json",
+                                       code="unsupported_media_type")
+        return principal, None
 
 
 # -- routes ------------------------------------------------------------------------------------------
@@ -222,7 +239,7 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
     metrics_ = Metrics(gateway_cpu)
     middleware = [Middleware(Door, hosts=HostRule.of(settings.host, settings.allowed_hosts),
                              origins=settings.cors_allow_origins, metrics=metrics_, routes={r.path for r in routes}),
-                  Middleware(Guard, api_key=settings.api_key)]
+                  Middleware(Guard, api_keys=settings.api_keys)]
     if settings.cors_allow_origins:  # outside the key check: a browser's preflight carries no key
         middleware.insert(1, Middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
                                         allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"]))

@@ -10,6 +10,8 @@ and are ignored, as Ollama ignores the options it does not know."""
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import re
 
 from .openai_api import ApiError, Generation, bad
@@ -232,9 +234,16 @@ def details(model: dict) -> dict:
             "families": [arch] if arch else None, "parameter_size": "", "quantization_level": weights}
 
 
+# HTTP clients are not the daemon's owner: they see a model's name, never where its file is, its
+# size or its time (docs/service.md). Its digest changes with the file but, keyed by this secret,
+# cannot be checked against a guessed path or time.
+_DIGEST_KEY = os.urandom(16)
+
+
 def digest(entry: dict) -> str:
-    """A stable name for a model (Ollama's is its manifest's sha256): its path, name and mtime."""
-    return hashlib.sha256(f"{entry['path']}\0{entry['name']}\0{entry.get('modified_at')}".encode()).hexdigest()
+    """A name for a model's current file (Ollama's is its manifest's sha256)."""
+    text = f"{entry.get('path')}\0{entry['name']}\0{entry.get('size')}\0{entry.get('modified_at')}"
+    return hmac.new(_DIGEST_KEY, text.encode(), hashlib.sha256).hexdigest()
 
 
 def model_info(model: dict) -> dict:

@@ -202,7 +202,7 @@ def _time(unix: float | None) -> str:
 def _entry(link, m: dict) -> dict:
     """One of the daemon's models (§3.10) in /api/tags' shape."""
     model = {**(link.model if m["default"] else m.get("model") or {}), "entry": m}
-    return {"name": m["name"], "model": m["name"], "modified_at": _time(m.get("modified_at")), "size": m["size"],
+    return {"name": m["name"], "model": m["name"], "modified_at": _time(None), "size": 0,  # not an HTTP client's
             "digest": digest(m), "details": details(model)}
 
 
@@ -235,9 +235,9 @@ async def ps(request: Request) -> Response:
 async def show(request: Request) -> Response:
     link, _, _, req = await turn.checked(request, ShowRequest)
     model = await card(link, req.model or req.name)
-    return JSONResponse({"modelfile": f"FROM {model['entry']['path']}\n", "parameters": parameters(model),
+    return JSONResponse({"modelfile": f"FROM {model['name']}\n", "parameters": parameters(model),
                          "template": "", "details": details(model), "model_info": model_info(model),
-                         "capabilities": capabilities(model), "modified_at": _time(model["entry"].get("modified_at"))})
+                         "capabilities": capabilities(model), "modified_at": _time(None)})
 
 
 async def version(request: Request) -> Response:

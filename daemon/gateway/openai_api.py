@@ -9,14 +9,13 @@ vocabulary) and its error becomes the HTTP error. Fields ridge has no use for
 fields that would change the output and that ridge cannot honour are a 400."""
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from ..sharing import http_salt
 from .schemas import FORMS, ChatCompletionRequest, CompletionRequest, Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
@@ -156,16 +155,11 @@ def _response_format(req: Sampling, body: dict, params: dict) -> None:
         params["response_format"] = body["response_format"]
 
 
-def cache_salt(body: dict, authorization: str | None, sharing: str | None) -> str | None:
-    """The cache_salt sent to the daemon (docs/protocol.md §3.2.2). The gateway is one ipc peer for
-    all its clients, so where the daemon keeps users apart (prefix_sharing "user") the API key the
-    client sent is folded in: clients with another key, or none, never share its prefixes, and a
-    cache_salt cannot name another key's (that needs the key). Else the body's own, as it is (its
-    request model checked that it is a string)."""
-    salt = body.get("cache_salt")
-    if sharing == "user" and authorization:
-        return "key:" + hashlib.sha256(json.dumps([authorization, salt]).encode()).hexdigest()
-    return salt or None
+def cache_salt(body: dict, authorization: str | None, sharing: str | None, keyed: bool = False) -> str | None:
+    """The cache_salt sent to the daemon (docs/protocol.md §3.2.2): the gateway is one ipc peer for
+    all its clients, so it keeps them apart itself (daemon/sharing.http_salt). keyed: the gateway
+    requires its API key. The body's salt was checked to be a string by its request model."""
+    return http_salt(body.get("cache_salt"), authorization, sharing, keyed)
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------

@@ -17,6 +17,8 @@ one (a hit compares the tokens). `usage.input_tokens_details.cached_tokens`
 says how much of a prompt was a hit."""
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -32,7 +34,10 @@ from .openai_api import ROLES, ApiError, Generation, bad
 from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, Refusal,
                                 ResponsesRequest)
 
-MAX_STORED = 4096  # responses kept at most, oldest out first: a bound on the gateway's memory
+# What the store keeps at most, oldest out first: a bound on the gateway's memory whatever clients
+# send. The bytes are the entries' JSON (a conversation stored again with each turn counts each time).
+MAX_STORED = 4096
+MAX_STORED_BYTES = 64 << 20
 
 
 # -- the store ------------------------------------------------------------------------------------------
@@ -41,42 +46,71 @@ class Stored:
     chat: list[dict]  # the conversation a follow-up continues: earlier turns, the input, the output
     response: dict  # the response object, for GET
     expires: float
+    owner: str = ""  # who made it (owner_of): no one else can read, continue or delete it
+    size: int = 0
+
+
+def owner_of(request: Request) -> str:
+    """A response's owner: the credential its request carried. Clients of a gateway without a key
+    who send none are one owner; a gateway's one API key is one owner for all who hold it."""
+    auth = request.headers.get("authorization") or ""
+    return hashlib.sha256(auth.encode()).hexdigest() if auth else ""
 
 
 class ResponseStore:
-    """Responses by id for `ttl` seconds after they are made. One ttl for all, so the oldest
-    expires first: expired ones leave from the front."""
+    """Responses by id for `ttl` seconds after they are made, each its owner's only. One ttl for
+    all, so the oldest expires first: expired ones leave from the front, and so do the oldest
+    when the store holds more than its count or its bytes."""
 
-    def __init__(self, ttl: float, clock=time.monotonic):
-        self.ttl, self.clock = ttl, clock
+    def __init__(self, ttl: float, clock=time.monotonic, max_bytes: int = MAX_STORED_BYTES):
+        self.ttl, self.clock, self.max_bytes = ttl, clock, max_bytes
         self.items: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
 
-    def put(self, rid: str, chat: list[dict], response: dict) -> None:
+    def put(self, rid: str, chat: list[dict], response: dict, owner: str = "") -> None:
         if self.ttl <= 0:
             return
         self._expire()
-        self.items[rid] = Stored(chat, response, self.clock() + self.ttl)
-        while len(self.items) > MAX_STORED:
-            self.items.popitem(last=False)
+        size = len(json.dumps([chat, response], ensure_ascii=False, default=str).encode())
+        if size > self.max_bytes:  # would push out everyone else's and still not fit
+            return
+        self.items[rid] = Stored(chat, response, self.clock() + self.ttl, owner, size)
+        self.bytes += size
+        while len(self.items) > MAX_STORED or self.bytes > self.max_bytes:
+            self._drop_oldest()
 
-    def get(self, rid: str, param: str | None = "previous_response_id") -> Stored:
+    def get(self, rid: str, param: str | None = "previous_response_id", owner: str = "") -> Stored:
+        """Another owner's response is as unknown as one never stored: 404, the same words."""
         self._expire()
-        if (s := self.items.get(rid)) is None:
+        if (s := self.items.get(rid)) is None or s.owner != owner:
             raise ApiError(404, f"no response {rid!r}: it was never stored, or was deleted, or is older than "
                            f"responses_ttl ({self.ttl:g} s)", "not_found_error", param, "not_found")
         return s
 
-    def delete(self, rid: str) -> None:
-        self.get(rid, None)
-        del self.items[rid]
+    def delete(self, rid: str, owner: str = "") -> None:
+        self.get(rid, None, owner)
+        self.bytes -= self.items.pop(rid).size
+
+    def _drop_oldest(self) -> None:
+        self.bytes -= self.items.popitem(last=False)[1].size
 
     def _expire(self) -> None:
         now = self.clock()
         while self.items and next(iter(self.items.values())).expires <= now:
-            self.items.popitem(last=False)
+            self._drop_oldest()
 
 
 # -- the request ---------------------------------------------------------------------------------------
+def _known(value):
+    """A request's option as its model read it, echoed without the keys ridge does not know (a
+    client's unknown sub-keys are not kept, nor sent back)."""
+    if isinstance(value, list):
+        return [_known(v) for v in value]
+    if hasattr(value, "model_dump"):
+        return value.model_dump(by_alias=True, exclude_unset=True)
+    return value
+
+
 def _parts_text(content) -> str:
     if isinstance(content, str):
         return content
@@ -213,15 +247,16 @@ class Answer:
     def __init__(self, req: ResponsesRequest, body: dict, gen: Generation, model: str, chat: list[dict]):
         self.id, self.created, self.model = "resp_" + uuid.uuid4().hex, int(time.time()), model
         self.chat, self.store = chat, req.store is not False  # the conversation so far, without instructions
+        self.owner = ""  # owner_of its request: set by create
         self.echo = {  # what the request asked, as OpenAI's response object repeats it
             "instructions": req.instructions, "previous_response_id": req.previous_response_id,
             "max_output_tokens": req.max_output_tokens, "temperature": gen.params["temperature"],
             "top_p": req.top_p if req.top_p is not None else 1.0,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+            "tool_choice": _known(req.tool_choice) or "auto", "tools": _known(req.tools) or [],
+            "text": _known(req.text) or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": req.metadata or {}, "store": self.store,
-            "reasoning": body.get("reasoning") or {"effort": None, "summary": None}}
+            "reasoning": _known(req.reasoning) or {"effort": None, "summary": None}}
 
     def object(self, status: str, output: list[dict], use: dict | None = None, error: dict | None = None,
                incomplete: dict | None = None) -> dict:
@@ -236,7 +271,7 @@ class Answer:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         obj = self.object(status, output, usage(f.usage), incomplete=incomplete)
         if self.store:
-            store.put(self.id, self.chat + [assistant_message(segments)], obj)
+            store.put(self.id, self.chat + [assistant_message(segments)], obj, self.owner)
         return obj
 
 
@@ -244,11 +279,13 @@ class Answer:
 async def create(request: Request) -> Response:
     link, client, body, req = await turn.checked(request, ResponsesRequest)
     store: ResponseStore = request.app.state.responses
-    history = store.get(req.previous_response_id).chat if req.previous_response_id else []
+    owner = owner_of(request)
+    history = store.get(req.previous_response_id, owner=owner).chat if req.previous_response_id else []
     gen, new = responses_request(req, body, history, link.limits.get("max_tokens"))
     turn.salt(request, link, body, gen)
     gen.params.update(model_fields(body))
     answer = Answer(req, body, gen, served(link, gen.params), history + new)
+    answer.owner = owner
     if gen.stream:
         stream, first = await turn.opened(request, link, client, gen)
         return SSEResponse(_events(link, store, answer, stream, first), [stream])
@@ -258,12 +295,13 @@ async def create(request: Request) -> Response:
 
 
 async def retrieve(request: Request) -> Response:
-    return JSONResponse(request.app.state.responses.get(request.path_params["response_id"], None).response)
+    store: ResponseStore = request.app.state.responses
+    return JSONResponse(store.get(request.path_params["response_id"], None, owner_of(request)).response)
 
 
 async def delete(request: Request) -> Response:
     rid = request.path_params["response_id"]
-    request.app.state.responses.delete(rid)
+    request.app.state.responses.delete(rid, owner_of(request))
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 

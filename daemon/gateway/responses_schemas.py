@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import AfterValidator, Discriminator, Field, Tag
 
 from .schemas import Answer, Body, Bool, Function, FunctionName, Int, Num, Str, text_or
 
@@ -112,6 +112,26 @@ class ReasoningOptions(Body):
     summary: Optional[Str] = None
 
 
+# OpenAI's bounds on a response's metadata, which the store keeps with it for responses_ttl.
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _metadata(m: dict[str, str]) -> dict[str, str]:
+    if len(m) > METADATA_KEYS:
+        raise ValueError(f"at most {METADATA_KEYS} keys")
+    for k, v in m.items():
+        if len(k) > METADATA_KEY_CHARS:
+            raise ValueError(f"a key of at most {METADATA_KEY_CHARS} characters")
+        if len(v) > METADATA_VALUE_CHARS:
+            raise ValueError(f"a value of at most {METADATA_VALUE_CHARS} characters")
+    return m
+
+
+Metadata = Annotated[dict[str, Str], AfterValidator(_metadata),
+                     Field(description=f"at most {METADATA_KEYS} keys of at most {METADATA_KEY_CHARS} characters, "
+                           f"values of at most {METADATA_VALUE_CHARS}")]
+
+
 class ResponsesRequest(Body):
     model: Optional[Str] = None
     input: text_or(InputItem)
@@ -129,7 +149,7 @@ class ResponsesRequest(Body):
     text: Optional[TextOptions] = None
     reasoning: Optional[ReasoningOptions] = None
     truncation: Optional[Literal["disabled"]] = Field(None, description="only disabled")
-    metadata: Optional[dict[str, Str]] = None
+    metadata: Optional[Metadata] = None
     background: Optional[Literal[False]] = Field(None, description="only false")
     # ridge's own, as on /v1/chat/completions
     seed: Optional[Int] = None

@@ -14,6 +14,7 @@ import uvicorn
 
 from ..endpoint import EndpointError
 from .app import build_app
+from .connections import CONNECTIONS, MAX_BACKLOG, connection_cap, guarded, raise_fd_limit
 from .link import DaemonLink
 from .settings import GatewaySettings
 
@@ -33,17 +34,21 @@ def listen(settings: GatewaySettings) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     try:
         sock.bind((settings.host, settings.port))
-        sock.listen(2048)
+        sock.listen(MAX_BACKLOG)
     except OSError as e:
         sock.close()
         raise EndpointError(f"cannot serve HTTP on {settings.url}: {e.strerror}") from None
     return sock
 
 
-def _server(app) -> uvicorn.Server:
+def _server(app, settings: GatewaySettings) -> uvicorn.Server:
     # log_config=None: ridge's logging stays as it is; no access log (one line per request costs
-    # more than the request's own work here).
+    # more than the request's own work here). Both listeners share one cap (connections.py), from the
+    # open-file limit as it is now: `ridge serve` and `ridge gateway` raise it first.
+    CONNECTIONS.cap = connection_cap(settings.max_connections)
     return uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
+                                         http=guarded(settings.header_timeout, settings.body_timeout),
+                                         backlog=min(MAX_BACKLOG, CONNECTIONS.cap),
                                          timeout_graceful_shutdown=5, server_header=False))
 
 
@@ -56,9 +61,10 @@ def _describe(settings: GatewaySettings, ollama_api: bool = False) -> str:
 def run_foreground(settings: GatewaySettings, endpoint: str | None = None,
                    ollama: GatewaySettings | None = None) -> int:
     """`ridge gateway`: until SIGINT or SIGTERM; with `ollama`, Ollama's listener on a thread beside."""
+    raise_fd_limit()
     sock = listen(settings)
     beside = GatewayThread(ollama, endpoint, listen(ollama), ollama_api=True) if ollama is not None else None
-    server = _server(build_app(settings, DaemonLink(endpoint), time.process_time))
+    server = _server(build_app(settings, DaemonLink(endpoint), time.process_time), settings)
     log.info("%s", _describe(settings))
     if beside is not None:
         beside.start()
@@ -77,7 +83,7 @@ class GatewayThread(threading.Thread):
         super().__init__(name="ridge-ollama" if ollama_api else "ridge-gateway", daemon=True)
         self.settings, self.sock, self.ollama_api = settings, sock, ollama_api  # bound first: listen()
         # thread_time: read on this thread's event loop, it is the gateway's own CPU time
-        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time, ollama_api))
+        self.server = _server(build_app(settings, DaemonLink(endpoint), time.thread_time, ollama_api), settings)
 
     def run(self) -> None:
         log.info("%s", _describe(self.settings, self.ollama_api))

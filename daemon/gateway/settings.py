@@ -18,12 +18,20 @@ OLLAMA_HTTP = "127.0.0.1:11434"  # Ollama's own port: its clients look there fir
 
 RESPONSES_TTL = Option("responses_ttl", float, 3600.0, "seconds a /v1/responses answer is kept in the gateway's "
                        "memory for previous_response_id and GET (0: none kept)")
+MAX_CONNECTIONS = Option("http_max_connections", int, 0, "HTTP connections open at once, over both listeners (0: "
+                         "from the open-file limit, keeping room for the daemon's sockets and files; at most "
+                         "1024); past it the longest-idle connection is closed, or a new one gets 503")
+HEADER_TIMEOUT = Option("http_header_timeout", float, 10.0, "seconds an HTTP connection has to send a request's "
+                        "headers, from its connect or the first byte of its next request; then it is closed")
+BODY_TIMEOUT = Option("http_body_timeout", float, 30.0, "seconds an HTTP request has to send its body once its "
+                      "headers are in; then it is closed")
 GATEWAY_OPTIONS = [
     Option("http", str, None, f"serve the OpenAI-compatible HTTP API on HOST:PORT (`ridge gateway`: default "
            f"{DEFAULT_HTTP}); a non-loopback HOST needs an API key", example=DEFAULT_HTTP),
     Option("api_key", str, None, "require `Authorization: Bearer KEY` on /v1 and /metrics (prefer "
            "RIDGE_API_KEY or api_key_file to a flag, which other users can see)", example="change-me"),
-    Option("api_key_file", str, None, "read the API key from this file (its first line)",
+    Option("api_key_file", str, None, "read the API keys from this file, one a line (# comments and blank lines "
+           "skipped); each key holder has its own requests-in-flight budget and cached prefixes",
            example="/etc/ridge/api_key"),
     Option("cors_allow_origins", list, None, "origins allowed to call the API from a browser, besides the "
            "gateway's own (CORS is off unless set; * allows any); other origins get 403",
@@ -31,7 +39,7 @@ GATEWAY_OPTIONS = [
     Option("allowed_hosts", list, None, "Host names the API answers for, besides localhost, the loopback "
            "addresses and the address it listens on (*.example.com: any name under it; *: any); "
            "other Hosts get 421", example=("ridge.lan",)),
-    RESPONSES_TTL,
+    RESPONSES_TTL, MAX_CONNECTIONS, HEADER_TIMEOUT, BODY_TIMEOUT,
     Option("ollama", str, None, "serve Ollama's API (/api/chat, /api/generate, /api/embed, /api/tags, ...; and "
            "the OpenAI routes, as Ollama does) on HOST:PORT, its own listener with the same rules as --http",
            example=OLLAMA_HTTP),
@@ -48,6 +56,14 @@ class GatewaySettings:
     cors_allow_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     responses_ttl: float = RESPONSES_TTL.default
+    more_keys: tuple[str, ...] = ()  # api_key_file's other lines: each its own principal (app.py)
+    max_connections: int = MAX_CONNECTIONS.default
+    header_timeout: float = HEADER_TIMEOUT.default
+    body_timeout: float = BODY_TIMEOUT.default
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return (self.api_key, *self.more_keys) if self.api_key else ()
 
     @property
     def url(self) -> str:
@@ -64,18 +80,20 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _api_key(values: dict) -> str | None:
+def _api_keys(values: dict) -> tuple[str, ...]:
+    """The keys, the first one the key (api_key_file's first, or api_key): each a principal of its own."""
     key = values.get("api_key")
     path = values.get("api_key_file")
-    if path:
-        try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise EndpointError(f"cannot read api_key_file {path}: {e.strerror}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise EndpointError(f"api_key_file {path} holds no key")
-    return key or None
+    if not path:
+        return (key,) if key else ()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise EndpointError(f"cannot read api_key_file {path}: {e.strerror}") from None
+    keys = tuple(dict.fromkeys(k for k in (line.strip() for line in lines) if k and not k.startswith("#")))
+    if not keys:
+        raise EndpointError(f"api_key_file {path} holds no key")
+    return keys
 
 
 def _listed(values: dict, name: str) -> tuple[str, ...]:
@@ -110,7 +128,8 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP, syst
     if not addr:
         return None
     host, port = parse_address(addr)
-    api_key = _api_key(values)
+    keys = _api_keys(values)
+    api_key = keys[0] if keys else None
     if not is_loopback(host) and api_key is None:
         raise EndpointError(f"refusing to serve HTTP on {addr}: {host} is not a loopback address, and the API is "
                             "open to anyone who can reach it without an API key (set api_key_file, or "
@@ -118,6 +137,12 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP, syst
     if system:
         refuse_keyless_system(addr, api_key)
     ttl = RESPONSES_TTL.convert(values.get("responses_ttl"), "responses_ttl")
+    given = {o.name: o.convert(values.get(o.name), o.name) for o in (MAX_CONNECTIONS, HEADER_TIMEOUT, BODY_TIMEOUT)}
+    given = {name: _BY_NAME[name].default if v is None else v for name, v in given.items()}
+    if given["http_max_connections"] < 0 or not (given["http_header_timeout"] > 0 and given["http_body_timeout"] > 0):
+        raise EndpointError("http_max_connections must be >= 0 (0: from the open-file limit), and "
+                            "http_header_timeout and http_body_timeout > 0")
     return GatewaySettings(host, port, api_key, _origins(values), _listed(values, "allowed_hosts"),
-                           RESPONSES_TTL.default if ttl is None else ttl)
+                           RESPONSES_TTL.default if ttl is None else ttl, keys[1:], given["http_max_connections"],
+                           given["http_header_timeout"], given["http_body_timeout"])
 

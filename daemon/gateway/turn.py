@@ -29,7 +29,7 @@ def salt(request, link, body: dict, gen: Generation, key_header: str | None = No
     authorization = request.headers.get("authorization")
     if authorization is None and key_header and (key := request.headers.get(key_header)):
         authorization = f"Bearer {key}"
-    if s := cache_salt(body, authorization, link.hello.get("prefix_sharing")):
+    if s := cache_salt(body, authorization, link.hello.get("prefix_sharing"), getattr(request.app.state, "keyed", False)):
         gen.params["cache_salt"] = s
 
 

@@ -1,6 +1,7 @@
 """The engine's live figures, as plain data (the daemon's `stats` reply)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import psutil
@@ -11,6 +12,7 @@ from ridge.quant.linear import FP8Linear
 
 from .request import RequestStatus
 
+log = logging.getLogger("ridge.engine")
 WINDOW_S = 10.0
 
 
@@ -22,17 +24,34 @@ def _rates(history, now: float) -> tuple[float, float]:
     return sum(p for _, p, _ in recent) / span, sum(d for _, _, d in recent) / span
 
 
+_host: dict = {"host_total": 0, "host_available": 0, "host_rss": 0}  # the last figures read
+
+
+def host_memory() -> dict:
+    """The host's memory and this process's RSS, read from /proc. A read that fails (EMFILE, when
+    clients hold every descriptor) keeps the last figures: a statistic is never worth a failed step."""
+    try:
+        vm = psutil.virtual_memory()
+        _host.update(host_total=vm.total, host_available=vm.available, host_rss=psutil.Process().memory_info().rss)
+    except OSError as e:
+        if not _host.get("failed"):
+            log.warning("reading the host's memory failed (%s); the last figures stand until a read works", e)
+        _host["failed"] = True
+    else:
+        _host.pop("failed", None)
+    return {k: _host[k] for k in ("host_total", "host_available", "host_rss")}
+
+
 def memory_stats(engine) -> dict:
     m = engine.memory
-    vm = psutil.virtual_memory()
+    host = host_memory()
     out = {"device": m.device, "device_total": m.total_bytes, "weights": m.weight_bytes,
-           "kv_pool": m.kv_pool_bytes, "activations": m.activation_bytes, "reserve": m.reserve_bytes,
-           "host_total": vm.total, "host_available": vm.available, "host_rss": psutil.Process().memory_info().rss}
+           "kv_pool": m.kv_pool_bytes, "activations": m.activation_bytes, "reserve": m.reserve_bytes, **host}
     if engine.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(engine.device)
         out["device_free"] = free
     else:
-        out["device_free"] = vm.available
+        out["device_free"] = host["host_available"]
     return out
 
 

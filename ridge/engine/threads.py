@@ -68,8 +68,11 @@ class ThreadGovernor:
         now = time.monotonic()
         if now - self._t < SAMPLE_S:
             return
+        try:
+            busy, own = _busy_seconds(), _own_seconds(self._proc)
+        except OSError:  # /proc unreadable for now (EMFILE): the sample waits, the step does not fail
+            return
         self._samples += 1
-        busy, own = _busy_seconds(), _own_seconds(self._proc)
         wall = now - self._t
         self.others = max(0.0, (busy - self._busy) - (own - self._own)) / wall
         self._t, self._busy, self._own = now, busy, own
