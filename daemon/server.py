@@ -285,7 +285,8 @@ class Server:
         version = self.validator.hello(env)
         c = self.cfg
         self._send(peer, message("hello", env.id, version=version, supported=list(P.SUPPORTED),
-                                 server=self.server_name, model=self.model, limits=c.limits.to_dict(),
+                                 server=self.server_name, model=self._seen_by(peer, self.model),
+                                 limits=c.limits.to_dict(),
                                  heartbeat={"interval": c.heartbeat_interval, "client_timeout": c.client_timeout},
                                  pub_endpoint=c.pub_endpoint, state=self.state, prefix_sharing=c.prefix_sharing))
 
@@ -405,7 +406,18 @@ class Server:
 
     def _stats(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)
-        self._send(peer, self.stats_message("stats", env.id))
+        msg = self.stats_message("stats", env.id)
+        msg["model"] = self._seen_by(peer, msg["model"])
+        self._send(peer, msg)
+
+    @staticmethod
+    def _is_owner(peer: Peer) -> bool:
+        """The daemon's own uid over ipc: the one client that may see where its files are."""
+        return peer.identity == uid_identity(os.getuid())
+
+    def _seen_by(self, peer: Peer, model: dict) -> dict:
+        """A model's description as this peer may see it: others get its name, not its path."""
+        return model if self._is_owner(peer) else {k: v for k, v in model.items() if k != "path"}
 
     def _health(self, peer: Peer, env) -> None:
         self.validator.no_fields(env)
@@ -438,7 +450,7 @@ class Server:
             raise ProtocolError(P.UNKNOWN_TYPE, f"models is a version 3 message; this one is version {env.v}", env.id)
         self.validator.no_fields(env)
         self._send(peer, message("models", env.id, default=self.models.registry.default.name,
-                                 models=self.models.listing(owner=peer.identity == uid_identity(os.getuid())),
+                                 models=self.models.listing(owner=self._is_owner(peer)),
                                  counts=dict(self.models.counts),
                                  max_loaded_models=self.models.max_loaded))
 
@@ -522,7 +534,9 @@ class Server:
         if self.pub is not None and key != self._published_seq:
             self._published_seq = key
             try:
-                self.pub.send_multipart((P.PUB_TOPIC, pack(self.stats_message("stats"))), zmq.NOBLOCK)
+                feed = self.stats_message("stats")  # read by every member of the socket's group
+                feed["model"] = {k: v for k, v in feed["model"].items() if k != "path"}
+                self.pub.send_multipart((P.PUB_TOPIC, pack(feed)), zmq.NOBLOCK)
             except zmq.Again:
                 pass
         if now - self._last_sweep >= SWEEP_S:

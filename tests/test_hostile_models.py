@@ -281,8 +281,13 @@ def test_only_the_owner_sees_where_the_files_are(served):
     other = Raw(d.tcp)  # loopback TCP without CURVE: nobody in particular
     try:
         reply = other.call({"v": 3, "type": "models", "id": "m"}, timeout=30)
+        hello = other.call({"type": "hello", "id": "h"}, timeout=30)
+        figures = other.call({"type": "stats", "id": "s"}, timeout=30)
     finally:
         other.close()
+    # the stats feed's endpoint is the daemon's to give; where the models are is not
+    assert hello["type"] == "hello" and "path" not in hello["model"] and str(d.models) not in json.dumps(hello)
+    assert figures["type"] == "stats" and str(d.models) not in json.dumps(figures)
     assert reply["type"] == "models"
     for m in reply["models"]:
         assert m["path"] is None and m["size"] is None and m["modified_at"] is None, m
