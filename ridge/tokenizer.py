@@ -251,17 +251,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         source = self.chat_template or _CHATML
+        from .template_sandbox import BudgetedSandbox, render
         if self._template is None or self._template[0] != source:  # compile once per template
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # Sandboxed, and within a time and an output budget: the template is the model's code,
+            # run on what clients send (template_sandbox.py).
+            env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = _tojson
+            env.finish_filters()
             env.globals.update(raise_exception=_raise_exception,
                                strftime_now=lambda fmt: datetime.now().strftime(fmt))
             self._template = (source, env.from_string(source))
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return self._template[1].render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.token_text(self.bos_token_id),
-                                        eos_token=self.token_text(eos), **kwargs)
+        return render(self._template[1], messages=messages, add_generation_prompt=add_generation_prompt,
+                      bos_token=self.token_text(self.bos_token_id), eos_token=self.token_text(eos), **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, **kwargs))

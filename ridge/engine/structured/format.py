@@ -19,7 +19,7 @@ TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 _FIELDS = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"},
            "grammar": {"grammar"}}
 _SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
-MAX_TEXT = 1 << 20  # characters of a regex or grammar
+MAX_TEXT = 1 << 20  # characters of a regex, a grammar or a schema (as compact JSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,9 @@ def _schema_text(js) -> str:
         raise _bad(".json_schema.schema must be a JSON schema (a map)")
     try:
         # Not sorted: properties are generated in the schema's order, so order is meaning.
-        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise _bad(f".json_schema.schema is not JSON: {e}") from None
+    if len(text) > MAX_TEXT:  # as a regex's or a grammar's: the compiler's work grows with it
+        raise _bad(f".json_schema.schema must be at most {MAX_TEXT} characters as compact JSON")
+    return text

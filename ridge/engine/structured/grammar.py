@@ -18,6 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from ..sampling_params import InvalidRequest
+from .bounds import check_chain, check_gbnf, run_bounded
 from .format import Constraint
 
 log = logging.getLogger("ridge.engine")
@@ -122,15 +123,25 @@ class GrammarCompiler:
 
         what = {"json_schema": "the JSON schema", "regex": "the regex", "grammar": "the grammar",
                 "llguidance": "the chat grammar (the tools' schemas, the response_format)"}[c.kind]
-        try:
-            grammar = grammar_text(c)
-        except ValueError as e:
-            raise InvalidRequest(f"response_format: {what} does not compile: {e}") from None
-        m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if not m.is_error():
-            # The first mask builds lexer states that every copy shares: here, at admission
-            # (on the daemon's socket thread), rather than in the first step.
-            m.compute_bitmask()
+        if c.kind == "grammar":
+            check_gbnf(c.text, what)
+        ll_tokenizer = self.ll_tokenizer
+
+        def build():  # on a compile thread (bounds.py), the conversion of a GBNF grammar included
+            try:
+                grammar = grammar_text(c)
+            except (ValueError, RecursionError) as e:
+                raise InvalidRequest(f"response_format: {what} does not compile: {e}") from None
+            # A chain too long for the compiler's stack would end the daemon, not the request.
+            check_chain(grammar, what)
+            m = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+            if not m.is_error():
+                # The first mask builds lexer states that every copy shares: here, at admission,
+                # rather than in the first step.
+                m.compute_bitmask()
+            return m
+
+        m = run_bounded(build, what)
         if m.is_error():
             raise InvalidRequest(f"response_format: {what} does not compile: {m.get_error()}"[:2000])
         return m
@@ -154,6 +165,8 @@ def named_grammars(c: Constraint, name: str) -> list[dict]:
     it (`@name`): the daemon's chat grammar puts a response_format after the thinking."""
     import json
 
+    if c.kind == "grammar":  # converted here, on the caller's thread: bounded as _build bounds it
+        check_gbnf(c.text, "the grammar")
     text = grammar_text(c)
     try:
         entries = json.loads(text)["grammars"]
