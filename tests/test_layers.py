@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = 0
 LAYERS = {
     "ridge.config": SHARED, "ridge.tokenizer": SHARED, "ridge.plan": SHARED, "ridge.options": SHARED,
-    "ridge.errors": SHARED, "ridge.spawn": SHARED,
+    "ridge.errors": SHARED, "ridge.spawn": SHARED, "ridge.template_sandbox": SHARED,
     "ridge.kernels": 1,
     "ridge.quant": 2, "ridge.cache": 2,
     "ridge.models": 3,
