@@ -208,8 +208,10 @@ class AsyncClient:
             raise RidgeError(reply["code"], reply["message"], rid, reply)
         return reply
 
-    async def hello(self) -> dict:
-        reply = await self.call("hello", versions=[VERSION], client="ridge-python-asyncio")
+    async def hello(self, principal: str | None = None) -> dict:
+        """principal: whom this connection speaks for, for a gateway run as the daemon's own user."""
+        extra = {"principal": principal} if principal is not None else {}
+        reply = await self.call("hello", versions=[VERSION], client="ridge-python-asyncio", **extra)
         self.heartbeat_interval = float(reply["heartbeat"]["interval"])
         self.client_timeout = float(reply["heartbeat"]["client_timeout"])
         return reply

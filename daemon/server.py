@@ -283,6 +283,8 @@ class Server:
     # -- handlers ------------------------------------------------------------------
     def _hello(self, peer: Peer, env) -> None:
         version = self.validator.hello(env)
+        if (sub := env.body.get("principal")) is not None:
+            self._subdivide(peer, sub, env.id)
         c = self.cfg
         self._send(peer, message("hello", env.id, version=version, supported=list(P.SUPPORTED),
                                  server=self.server_name, model=self._seen_by(peer, self.model),
@@ -409,6 +411,19 @@ class Server:
         msg = self.stats_message("stats", env.id)
         msg["model"] = self._seen_by(peer, msg["model"])
         self._send(peer, msg)
+
+    def _subdivide(self, peer: Peer, sub: str, rid: str) -> None:
+        """A gateway speaks for many people over connections of its own uid: the daemon's own user
+        may split its identity per connection (each API key's holder, or keyless HTTP), and then
+        admission, prefix sharing and model control treat each part as its own principal. No one
+        else may: an identity is what the transport proves (daemon/sharing.py)."""
+        owner = uid_identity(os.getuid())
+        if peer.identity == f"{owner}/{sub}":  # a hello again (the gateway's refresh)
+            return
+        if peer.identity != owner or peer.requests:
+            raise ProtocolError(P.INVALID_REQUEST, "principal: only the daemon's own user may name one, "
+                                "once, on a connection with no request in flight", rid)
+        peer.identity = f"{owner}/{sub}"
 
     @staticmethod
     def _is_owner(peer: Peer) -> bool:

@@ -6,6 +6,7 @@ what it admits (max_tokens fitted to the context, the response_format parsed
 and compiled) the engine takes as checked and does not check again."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ridge.engine import rerank as judging
@@ -36,6 +37,7 @@ PARAMS = {  # key -> (check, what it must be)
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 MAX_SALT_BYTES = 1024
+PRINCIPAL_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # hello's sub-principal (Server._subdivide)
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 MAX_CALLS = 128  # calls in one sample, parallel_tool_calls true
 # The prompts of one embed or rerank together: what one request may ask of the tokenizer and the
@@ -449,7 +451,10 @@ class Validator:
     @staticmethod
     def hello(env: Envelope) -> int:
         rid, body = env.id, env.body
-        check_keys(body, {"versions", "client"}, rid)
+        check_keys(body, {"versions", "client", "principal"}, rid)
+        p = body.get("principal")
+        if p is not None and not (isinstance(p, str) and PRINCIPAL_RE.fullmatch(p)):
+            raise fail("principal", "a string of 1-64 letters, digits and . _ : -", rid)
         versions = body.get("versions", list(SUPPORTED))
         if not isinstance(versions, list) or not all(is_int(v) for v in versions) or len(versions) > 64:
             raise fail("versions", "an array of integers", rid)

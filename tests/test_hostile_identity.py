@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from ridge.daemon.gateway.responses_api import ResponseStore
-from test_daemon_harness import Daemon
+from test_daemon_harness import Daemon, pump_all
 from test_gateway import ask, free_port, wait_http
 from test_prefix_sharing import CACHED, ask as ask_socket, fresh_prompt
 from tiny_models import make_tiny
@@ -206,3 +206,39 @@ def test_one_principal_cannot_unload_or_evict_anothers_models(many):
     finally:
         victim.close()
         other.close()
+
+
+# -- the gateway's principals, as the daemon knows them ---------------------------------------------------
+def _raw_hello(endpoint: str, principal: str):
+    from test_daemon_harness import Raw
+
+    c = Raw(endpoint)
+    return c, c.call({"type": "hello", "id": "h", "principal": principal})
+
+
+def test_only_the_daemons_own_user_may_split_its_identity(many):
+    """The gateway speaks for many people over connections of the daemon's own uid: it names the
+    principal of each (hello's `principal`), and each is then apart for prefixes, admission and
+    model control. Any other peer naming one is refused: an identity is what the transport proves."""
+    tcp, reply = _raw_hello(many.tcp, "http:key0")
+    tcp.close()
+    assert reply["type"] == "error" and reply["code"] == "invalid_request" and "principal" in reply["message"]
+    prompt = fresh_prompt(256)
+    assert ask_socket(many.endpoint, prompt) == 0  # the owner, on its own
+    assert ask_socket(many.endpoint, prompt) == CACHED
+
+    def as_principal(name: str) -> int:
+        c, hello = _raw_hello(many.endpoint, name)
+        assert hello["type"] == "hello", hello
+        again = c.call({"type": "hello", "id": "h2", "principal": name})  # the gateway's refresh
+        assert again["type"] == "hello", again
+        other = c.call({"type": "hello", "id": "h3", "principal": name + "x"})
+        assert other["type"] == "error" and other["code"] == "invalid_request"
+        c.generate("a", stream=False, prompt_token_ids=prompt, params={"max_tokens": 2, "ignore_eos": True})
+        pump_all([c], lambda: not c.open)
+        c.close()
+        return c.streams["a"]["final"]["usage"]["cached_tokens"]
+
+    assert as_principal("http:key0") == 0  # not the owner's prefix
+    assert as_principal("http:key0") == CACHED  # its own
+    assert as_principal("http:key1") == 0

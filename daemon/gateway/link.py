@@ -50,7 +50,7 @@ class DaemonLink:
             raise ApiError(503, f"the ridge daemon is not running: {e.message}", "service_unavailable_error",
                            code="unavailable", retry_after=5.0) from None
         try:
-            self.hello = await client.hello()
+            self.hello = await client.hello(_principal(client, principal))
         except RidgeError as e:
             await client.aclose()
             raise from_daemon(e.code, e.message, e.reply) from None
@@ -69,7 +69,7 @@ class DaemonLink:
         """Ask `hello` again: the daemon may have been restarted on another model."""
         client = await self.connect()
         try:
-            self.hello = await client.hello()
+            self.hello = await client.hello(_principal(client, PRINCIPAL.get()))
         except RidgeError as e:
             raise self.failed(e) from None
 
@@ -113,3 +113,10 @@ class DaemonLink:
         clients, self.clients = list(self.clients.values()), {}
         for client in clients:
             await client.aclose()
+
+
+def _principal(client, principal: str) -> str | None:
+    """What the connection tells the daemon it speaks for: over ipc the gateway runs as a user the
+    daemon knows by uid, and splits that identity per principal (Server._subdivide); over TCP the
+    daemon knows no user to split."""
+    return f"http:{principal}" if client.endpoint.startswith("ipc://") else None
