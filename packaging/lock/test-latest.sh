@@ -20,8 +20,9 @@ newest=$(ls /opt/wheels/torch-*+cpu-cp311-*.whl 2>/dev/null | sed 's/.*torch-\([
     --generate-hashes --python-version "${LOCK_PYTHON:-3.11}" --python-platform "${LOCK_PLATFORM:-x86_64-manylinux_2_28}" \
     ${TORCH_SRC:-} --override <(echo "$torch_pin") --no-header -o "$OUT"
 echo "== packages whose newest release differs from requirements.lock =="
-diff <(grep -o '^[a-z0-9_.-]*==[^ ]*' requirements.lock | sort) <(grep -o '^[a-z0-9_.-]*==[^ ]*' "$OUT" | sort) \
-    | sed -n 's/^< /  lock:   /p; s/^> /  newest: /p' | sort -k2 || true
+changes=$(diff <(grep -o '^[a-z0-9_.-]*==[^ ]*' requirements.lock | sort) \
+               <(grep -o '^[a-z0-9_.-]*==[^ ]*' "$OUT" | sort) | sed -n 's/^< /  lock:   /p; s/^> /  newest: /p' | sort -k2 || true)
+echo "${changes:-  none: the lock pins the newest release of every package}"
 # shellcheck disable=SC2086
 "$VENV/bin/pip" install -q --require-hashes --no-deps ${TORCH_SRC:-} -r "$OUT"
 "$VENV/bin/pip" check
