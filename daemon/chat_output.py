@@ -170,7 +170,8 @@ class _CallObject:
 
 class OutputParser:
     """One sample's reader. feed(text) -> what that text adds (Parsed); feed(..., final=True) once
-    at the end gives out what was held back. calls: [{index, id, name, arguments}] so far."""
+    at the end gives out what was held back (cut=True: the end is max_tokens' or the context's, in
+    the middle of what was being written). calls: [{index, id, name, arguments}] so far."""
 
     def __init__(self, spec: OutputSpec):
         self.spec, self.mode, self.buf = spec, spec.start, ""
@@ -183,14 +184,14 @@ class OutputParser:
         self.raw = ""  # the text of the calls being read, for content if it cannot be read
         self.thought = False  # this feed read thinking (its tokens count as reasoning)
 
-    def feed(self, text: str, final: bool = False) -> Parsed:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> Parsed:
         out = Parsed()
         self.thought = self.mode == "think"
         self.buf += text
-        while getattr(self, "_" + self.mode)(out, final):
+        while getattr(self, "_" + self.mode)(out, final and not cut):  # cut: what may be markup stays held
             pass
         if final:
-            self._finish(out)
+            self._finish(out, cut)
         return out
 
     # -- thinking -------------------------------------------------------------------------------
@@ -348,10 +349,19 @@ class OutputParser:
         self.buf = ""
         return False
 
-    def _finish(self, out: Parsed) -> None:
-        if self.mode == "calls":
-            started = self.obj is not None and self.calls and self.calls[-1]["_obj"] is self.obj
-            # A call cut short stays a call; what never got a name is content, as it was written.
+    def _finish(self, out: Parsed, cut: bool) -> None:
+        started = self.mode == "calls" and self.obj is not None and self.calls and self.calls[-1]["_obj"] is self.obj
+        if cut:
+            # max_tokens ended the output midway through a marker or a call: what was held back (a
+            # marker's start, `<tool_c`, `</think`; a call's unread framing) is no answer's text, and
+            # a call's cut arguments are no call's (a prefix would run the tool with half its input).
+            # The calls finished before it stand; the finish reason, length, says one was cut.
+            if started:
+                self.calls.pop()
+            self.buf, self.raw, self.obj, self.mode = "", "", None, "plain"
+        elif self.mode == "calls":
+            # The end came otherwise (a stop string): a call cut short stays a call; what never got
+            # a name is content, as it was written.
             if not started and not (self.calls and self.phase in ("item", "sep")):
                 self._text(out, self.raw + self.buf)
             self.buf, self.mode = "", "plain"

@@ -257,9 +257,17 @@ class HarmonySpec:
         return HarmonyParser(self.reads_calls)
 
 
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class HarmonyParser:
-    """One sample's reader, OutputParser's interface (chat_output.py): feed(text, final) -> Parsed;
-    calls; thought (this feed read the analysis channel); tool_calls()."""
+    """One sample's reader, OutputParser's interface (chat_output.py): feed(text, final, cut) ->
+    Parsed; calls; thought (this feed read the analysis channel); tool_calls()."""
 
     def __init__(self, reads_calls: bool):
         self.mode, self.buf = "head", ""
@@ -268,13 +276,20 @@ class HarmonyParser:
         self.calls: list[dict] = []
         self.thought = False
 
-    def feed(self, text: str, final: bool = False) -> Parsed:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> Parsed:
         out = Parsed()
         self.thought = self.mode == "body" and self.channel == "analysis"
         self.buf += text
-        while getattr(self, "_" + self.mode)(out, final):
+        while getattr(self, "_" + self.mode)(out, final and not cut):  # cut: what may be markup stays held
             pass
-        if final and self.buf:
+        if final and cut:
+            # chat_output's rule: a call whose arguments max_tokens ended midway is no call (one cut
+            # only in its <|call|> stands); a header or an end marker begun is no text
+            if self.mode == "body" and self.channel == "commentary" and self.recipient and self.reads_calls \
+                    and not _whole_json(self.calls[-1]["arguments"]):
+                self.calls.pop()
+            self.buf = ""
+        elif final and self.buf:
             out.content += self.buf
             self.buf = ""
         return out

@@ -87,7 +87,7 @@ class InFlight:
     def _read(s: Sample, o) -> str:
         """The output's text split by the sample's parser: -> its content; the reasoning and the
         call pieces wait in the sample. A step's tokens count as reasoning when it read thinking."""
-        p = s.parser.feed(o.new_text, final=o.finished)
+        p = s.parser.feed(o.new_text, final=o.finished, cut=o.finished and o.finish_reason == "length")
         if s.parser.thought:
             s.reasoning_tokens += len(o.new_token_ids)
         s.reasoning += p.reasoning

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ridge.daemon.commands import gateway_endpoint
 from ridge.daemon.endpoint import EndpointError, system_endpoint, user_endpoint
-from ridge.daemon.gateway.door import HostRule, is_json, origin_allowed
+from ridge.daemon.gateway.door import FORM, HostRule, body_admitted, is_json, origin_allowed
 from ridge.daemon.gateway.run import GatewayThread, listen
 from ridge.daemon.gateway.settings import gateway_settings
 from test_daemon_harness import ROOT, Daemon, Raw, stats, wait_idle
@@ -178,6 +178,12 @@ def test_origins_and_content_types():
     assert origin_allowed("http://anything.example", own, ("*",)) and origin_allowed("null", own, ("null",))
     assert is_json("application/json") and is_json("Application/JSON; charset=utf-8")
     assert not any(map(is_json, (None, "", "text/plain", "application/jsonx", "multipart/form-data", "json")))
+    for kind in (None, "", FORM, FORM + "; charset=utf-8", "application/json"):  # a program's: read as JSON
+        assert body_admitted(kind, has_origin=False), kind
+    for kind in (None, FORM, "text/plain"):  # a page's (its Origin allowed): JSON only
+        assert not body_admitted(kind, has_origin=True), kind
+    assert body_admitted("application/json", has_origin=True)
+    assert not any(body_admitted(k, has_origin=False) for k in ("text/plain", "multipart/form-data", "text/xml"))
 
 
 # -- the API ---------------------------------------------------------------------------------------
@@ -289,7 +295,7 @@ def test_response_format_constrains_the_output(oai):
 # -- errors ------------------------------------------------------------------------------------------
 def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+        oai.completions.create(model="tiny", prompt="x", max_tokens=0)  # 10**6 is a ceiling (test_clients.py)
     assert e.value.code == "invalid_field" and e.value.param == "max_tokens"
     for bad in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 0.5},
                 {"messages": []}, {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
@@ -352,8 +358,9 @@ def gateway_count(url: str, route: str, status: int) -> float:
 
 def test_the_door_refuses_other_hosts_origins_and_plain_text(daemon):
     """What a web page can send to a loopback port is refused before it reaches the daemon: another
-    Host (DNS rebinding: 421), another page's Origin (403), a body that is not declared JSON (415, the
-    POST a page may send across sites without a preflight). Each refusal is counted, in OpenAI's shape."""
+    Host (DNS rebinding: 421), another page's Origin (403), a body declared neither JSON nor a form
+    (415: a program's untyped and form bodies are read as JSON, test_clients.py). Each refusal is
+    counted, in OpenAI's shape."""
     port = daemon.url.rsplit(":", 1)[1]
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     json_type = {"Content-Type": "application/json"}
@@ -364,7 +371,7 @@ def test_the_door_refuses_other_hosts_origins_and_plain_text(daemon):
     for origin in ("http://attacker.example", f"http://localhost:{int(port) + 1}", "null"):
         status, reply = ask(daemon.url, "POST", "/v1/completions", {"Origin": origin, **json_type}, body)
         assert status == 403 and reply["error"]["code"] == "origin_not_allowed", (origin, reply)
-    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+    for kind in ("text/plain", "multipart/form-data; boundary=x", "application/xml"):
         status, reply = ask(daemon.url, "POST", "/v1/completions", {"Content-Type": kind} if kind else {}, body)
         assert status == 415 and set(reply["error"]) == {"message", "type", "param", "code"}, (kind, reply)
     assert {code: gateway_count(daemon.url, "/v1/completions", code) - n for code, n in counts.items()} == \

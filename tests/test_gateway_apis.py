@@ -124,7 +124,8 @@ def test_count_tokens(claude, daemon):
 
 def test_messages_errors_have_anthropics_shape(claude, daemon):
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="tiny", max_tokens=10**6, messages=[{"role": "user", "content": "x"}])
+        # 0: 10**6 is a ceiling (test_clients.py)
+        claude.messages.create(model="tiny", max_tokens=0, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in e.value.body["error"]["message"]
     resp = post(daemon.url, "/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
@@ -236,7 +237,7 @@ def test_responses_errors(oai, daemon):
         oai.responses.create(model="tiny", input=[{"type": "item_reference", "id": "x"}])
     assert e.value.param == "input"
     with pytest.raises(openai.BadRequestError) as e:
-        oai.responses.create(model="tiny", input="x", max_output_tokens=10**6)
+        oai.responses.create(model="tiny", input="x", max_output_tokens=0)  # 10**6: a ceiling (test_clients.py)
     assert e.value.param == "max_tokens"  # the daemon's refusal, in OpenAI's shape
 
 

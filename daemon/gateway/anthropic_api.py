@@ -22,7 +22,7 @@ from . import turn
 from .anthropic_schemas import (CountTokensRequest, MessagesRequest, Prompted, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
 from .generation import SSEResponse, model_fields, served, until_disconnect
-from .openai_api import ApiError, Generation, bad
+from .openai_api import ApiError, Generation, bad, ceiling
 
 KEY_HEADER = "x-api-key"  # where Anthropic's clients send the API key
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -82,13 +82,28 @@ def _user(i: int, blocks) -> list[dict]:
     return out
 
 
+def _system(i: int, blocks) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if bad_blocks := [j for j, b in enumerate(blocks) if not isinstance(b, TextBlock)]:
+        raise bad(f"messages[{i}].content[{bad_blocks[0]}]: a system message holds only text blocks", "messages")
+    return _text(blocks)
+
+
 def chat_of(req: Prompted) -> list[dict]:
-    """The system prompt and the messages -> the daemon's chat messages (docs/protocol.md §3.2.3)."""
-    out = []
-    if req.system:
-        out.append({"role": "system", "content": _text(req.system)})
+    """The system prompt and the messages -> the daemon's chat messages (docs/protocol.md §3.2.3).
+    System messages among the messages (Claude Code sends them) before the first turn join the
+    system prompt, since templates take one system message at the head; a later one stands where it
+    is, as /v1/chat/completions passes it, for the template to render (or refuse: a 400)."""
+    out, head = [], [_text(req.system)] if req.system else []
     for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
+        if m.role == "system":
+            text = _system(i, m.content)
+            if not out:
+                head.append(text)
+            else:
+                out.append({"role": "system", "content": text})
+        elif isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "assistant":
             out.append(_assistant(i, m.content))
@@ -97,7 +112,9 @@ def chat_of(req: Prompted) -> list[dict]:
     if req.messages[-1].role == "assistant":
         raise bad("a last assistant message (a prefill to continue) is not supported by ridge: the chat "
                   "template closes the assistant's turn", "messages")
-    return out
+    if not out:
+        raise bad("messages holds only system messages: a turn needs a user message", "messages")
+    return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + out
 
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -129,8 +146,10 @@ def chat_fields(req: Prompted) -> dict:
     return out
 
 
-def messages_request(req: MessagesRequest) -> Generation:
-    params: dict = {"max_tokens": req.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature}
+def messages_request(req: MessagesRequest, limit: int | None = None) -> Generation:
+    """limit: the daemon's limits.max_tokens, up to which max_tokens is a ceiling (openai_api.ceiling)."""
+    params: dict = {"max_tokens": ceiling(req.max_tokens, limit),
+                    "temperature": 1.0 if req.temperature is None else req.temperature}
     for key in ("top_p", "top_k", "seed"):
         if (v := getattr(req, key)) is not None:
             params[key] = v
@@ -191,7 +210,7 @@ async def stop_of(link, gen: Generation, f) -> tuple[str, str | None]:
 # -- routes ------------------------------------------------------------------------------------------------
 async def messages(request: Request) -> Response:
     link, client, body, req = await turn.checked(request, MessagesRequest)
-    gen = messages_request(req)
+    gen = messages_request(req, link.limits.get("max_tokens"))
     turn.salt(request, link, body, gen, KEY_HEADER)
     gen.params.update(model_fields(body))
     model = served(link, gen.params)

@@ -46,7 +46,8 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
 
 
 class AnthropicMessage(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(
+        description="system: Claude Code's system messages among the turns (text only), rendered where they stand")
     content: text_or(Block)
 
 

@@ -14,7 +14,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from ridge.errors import internal_error
 
@@ -22,7 +22,7 @@ from . import anthropic_api, openapi, responses_api
 from .embeddings_api import embeddings
 from .rerank_api import ROUTES as RERANK_ROUTES
 from . import responses as R
-from .door import HostRule, is_json, origin_allowed
+from .door import HostRule, body_admitted, origin_allowed
 from .generation import ClientGone, generate
 from .link import PRINCIPAL, SHARED, DaemonLink
 from .metrics import CONTENT_TYPE, Metrics
@@ -85,8 +85,9 @@ class Door:
 
 class Guard:
     """ASGI middleware inside CORS (a browser's preflight carries no key): the API key (Bearer) on
-    every route but /health, and JSON bodies on POST. The key a request carries names its principal
-    (link.py), whose connection to the daemon, and so whose requests-in-flight budget, it uses."""
+    every route but /health, and JSON bodies on POST (door.body_admitted). The key a request carries
+    names its principal (link.py), whose connection to the daemon, and so whose requests-in-flight
+    budget, it uses."""
 
     def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
@@ -124,9 +125,11 @@ class Guard:
             if principal is None:
                 return SHARED, ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                         "authentication_error", code="invalid_api_key")
-        if scope["method"] == "POST" and not is_json((_headers(scope, b"content-type") or [None])[0]):
-            return principal, ApiError(415, "a POST body must be JSON, sent as Content-Type: application/json",
-                                       code="unsupported_media_type")
+        if scope["method"] == "POST" and not body_admitted((_headers(scope, b"content-type") or [None])[0],
+                                                            bool(_headers(scope, b"origin"))):
+            return principal, ApiError(415, "a POST body must be JSON, sent as Content-Type: application/json "
+                                       "(a program that sends no Origin may also leave the type out, or send "
+                                       "curl's application/x-www-form-urlencoded)", code="unsupported_media_type")
         return principal, None
 
 
@@ -184,7 +187,7 @@ async def metrics(request: Request) -> Response:
 async def openapi_json(request: Request) -> Response:
     state = request.app.state
     if state.openapi is None:  # made on first use: the models' schemas take a moment to generate
-        state.openapi = openapi.document(keyed=state.keyed)
+        state.openapi = openapi.document(keyed=state.keyed, ollama=state.ollama)
     return JSONResponse(state.openapi)
 
 
@@ -193,9 +196,23 @@ async def _api_error(request: Request, e: ApiError) -> Response:
     return error_response(e, request.url.path)
 
 
+def allowed_methods(app, scope) -> list[str]:
+    """Every method some route of this path takes: one path may be several routes (GET and DELETE of
+    /v1/responses/{id}), each of which knows only its own."""
+    methods: set[str] = set()
+    for route in app.routes:
+        if route.matches(scope)[0] is not Match.NONE and route.methods:
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
 async def _http_error(request: Request, e: HTTPException) -> Response:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(ApiError(e.status_code, str(e.detail), type_, code=str(e.status_code)), request.url.path)
+    response = error_response(ApiError(e.status_code, str(e.detail), type_, code=str(e.status_code)),
+                              request.url.path)
+    if e.status_code == 405:  # RFC 9110 §15.5.6: a 405 names the methods the resource takes
+        response.headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
+    return response
 
 
 async def _client_gone(request: Request, e: ClientGone) -> Response:
@@ -248,5 +265,5 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
                                         Exception: _internal})
     app.state.link, app.state.metrics, app.state.started = link, metrics_, int(time.time())
     app.state.responses = responses_api.ResponseStore(settings.responses_ttl)
-    app.state.openapi, app.state.keyed = None, settings.api_key is not None
+    app.state.openapi, app.state.keyed, app.state.ollama = None, settings.api_key is not None, ollama_api
     return app

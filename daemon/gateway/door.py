@@ -11,8 +11,13 @@ pages from using the answers.
   own origin (`http://` + an allowed Host) and `cors_allow_origins` are
   answered; the Host rule comes first, since a rebound page's origin looks
   like the gateway's own.
-- Content-Type: a page may POST `text/plain` across sites without a CORS
-  preflight; JSON bodies need one, so POST bodies must be application/json.
+- Content-Type: a page may POST `text/plain`, a form or no declared type
+  across sites without a CORS preflight, but a browser names the page in an
+  Origin on every POST. So a POST that carries an Origin (an allowed one: the
+  others are refused whatever they send) must declare application/json; one
+  without an Origin is a program's, and its body is read as JSON whether it
+  declares JSON, nothing, or the form type `curl -d` sends (as Ollama reads
+  it). Another declared type says the body is something else: refused.
 
 The rules only; app.py applies them to requests."""
 from __future__ import annotations
@@ -71,6 +76,21 @@ def origin_allowed(origin: str, host: str, cors: tuple[str, ...]) -> bool:
     return origin.lower() == f"http://{host.strip().lower()}"  # the gateway's own origin: it speaks plain HTTP
 
 
+def _media(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
 def is_json(content_type: str | None) -> bool:
     """application/json, with or without parameters (`; charset=utf-8`)."""
-    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+    return _media(content_type) == "application/json"
+
+
+FORM = "application/x-www-form-urlencoded"
+
+
+def body_admitted(content_type: str | None, has_origin: bool) -> bool:
+    """Whether a POST body is read as JSON: declared JSON always; undeclared or declared a form (curl
+    -d, litellm, Ollama's clients) only from a program, which sends no Origin."""
+    if is_json(content_type):
+        return True
+    return not has_origin and (content_type is None or _media(content_type) in ("", FORM))

@@ -147,7 +147,8 @@ async def generate(request: Request, kind: str) -> Response:
     link = request.app.state.link
     client = await link.connect()
     body = await read_json(request, 2 * link.limits.get("max_frame_bytes", DEFAULT_BODY_LIMIT // 2))
-    gen = chat_request(body, link.limits.get("max_tokens")) if kind == R.CHAT else completion_request(body)
+    limit = link.limits.get("max_tokens")
+    gen = chat_request(body, limit) if kind == R.CHAT else completion_request(body, limit)
     if salt := cache_salt(body, request.headers.get("authorization"), link.hello.get("prefix_sharing"),
                        getattr(request.app.state, "keyed", False)):
         gen.params["cache_salt"] = salt

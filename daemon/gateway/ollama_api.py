@@ -14,7 +14,7 @@ import hmac
 import os
 import re
 
-from .openai_api import ApiError, Generation, bad
+from .openai_api import ApiError, Generation, bad, ceiling
 from .ollama_schemas import ChatRequest, GenerateRequest, Options
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, when a Modelfile sets none
@@ -93,7 +93,7 @@ def sampling(options: Options | None, link, model: dict) -> dict:
         raise bad("options.num_predict must be a positive count of tokens, or -1 or -2 (until the context is "
                   "full)", "options")
     else:
-        params["max_tokens"] = o.num_predict
+        params["max_tokens"] = ceiling(o.num_predict, max_len or link.limits["max_tokens"])
     for key, default in DEFAULTS.items():
         params[key] = default if (v := getattr(o, key)) is None else v
     if o.min_p is not None:

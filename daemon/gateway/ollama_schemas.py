@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
-from .schemas import Body, Bool, FunctionTool, Int, Num, Stop, Str, nonempty
+from .schemas import Answer, Body, Bool, FunctionTool, Int, Num, Stop, Str, nonempty
 
 KeepAlive = Union[Str, Num, None]  # "5m", "1h30m", 300 (seconds); negative: held forever; 0: unloaded at once
 Format = Union[Literal["", "json"], dict[str, Any], None]  # "json": any JSON object; a map: a JSON schema
@@ -96,3 +96,51 @@ class LegacyEmbedRequest(Body):
 class ShowRequest(Body):
     model: Optional[Str] = None
     name: Optional[Str] = Field(None, description="the older name of `model`")
+
+
+# -- the answers' shapes, for /openapi.json (openapi.py) --------------------------------------------------
+class OllamaError(Answer):
+    error: str
+
+
+class Turn(Answer):
+    """One object of /api/chat or /api/generate (a whole answer, or one line of the NDJSON stream: the
+    last has done true, done_reason and the counts)."""
+    model: str
+    created_at: str
+    done: bool
+    done_reason: Optional[str] = None
+
+
+class ChatAnswer(Turn):
+    message: dict[str, Any] = Field(description="role, content, and thinking and tool_calls when there are")
+
+
+class GenerateAnswer(Turn):
+    response: str
+
+
+class EmbedAnswer(Answer):
+    model: str
+    embeddings: list[list[float]]
+
+
+class LegacyEmbedAnswer(Answer):
+    embedding: list[float]
+
+
+class ModelListing(Answer):
+    models: list[dict[str, Any]]
+
+
+class ShowAnswer(Answer):
+    modelfile: str
+    parameters: str
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class VersionAnswer(Answer):
+    version: str

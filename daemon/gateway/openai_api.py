@@ -110,12 +110,22 @@ class Generation:
     n: int = 1
 
 
-def _sampling(req: Sampling, max_tokens: int | None, given: int | None) -> tuple[dict, int]:
+def ceiling(given: int, limit: int | None) -> int:
+    """A client's max_tokens, a ceiling as the HTTP APIs mean it: clients ask for more than a small
+    model's context holds (Claude Code asks 32000), and get what the context leaves, with the finish
+    reason saying it ran out (`length`). limit: the daemon's limits.max_tokens (docs/protocol.md §4),
+    which the daemon refuses to see exceeded; the room left after the prompt it fits itself. A count
+    below 1 is left for the daemon to refuse."""
+    return min(given, limit) if limit and given > limit else given
+
+
+def _sampling(req: Sampling, max_tokens: int | None, given: int | None,
+              limit: int | None = None) -> tuple[dict, int]:
     """The sampling fields both endpoints share -> (daemon params, n). max_tokens: the default;
-    given: the body's (chat has two names for it)."""
+    given: the body's (chat has two names for it), a ceiling up to limit (the daemon's)."""
     p: dict = {}
     if given is not None:
-        max_tokens = given
+        max_tokens = ceiling(given, limit)
     if max_tokens is not None:
         p["max_tokens"] = max_tokens
     p["temperature"] = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
@@ -217,7 +227,7 @@ def chat_request(body: dict, max_tokens: int) -> Generation:
     req = parsed(ChatCompletionRequest, body)
     messages = chat_messages(req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params, n = _sampling(req, max_tokens, given)
+    params, n = _sampling(req, max_tokens, given, max_tokens)
     _response_format(req, body, params)
     turn_fields(req, params)
     stream, usage = _stream(req)
@@ -240,14 +250,15 @@ def _prompts(prompt) -> list[dict]:
     return [{"prompt": x} if isinstance(x, str) else {"token_ids": x} for x in prompt]
 
 
-def completion_request(body: dict) -> Generation:
+def completion_request(body: dict, limit: int | None = None) -> Generation:
     req = parsed(CompletionRequest, body)
     prompts = _prompts(req.prompt)
     if req.echo:
         raise bad("echo is not supported by ridge", "echo")
     if req.suffix:
         raise bad("suffix is not supported by ridge", "suffix")
-    params, n = _sampling(req, COMPLETION_DEFAULT_MAX_TOKENS, req.max_tokens)
+    default = COMPLETION_DEFAULT_MAX_TOKENS if limit is None else min(COMPLETION_DEFAULT_MAX_TOKENS, limit)
+    params, n = _sampling(req, default, req.max_tokens, limit)
     _response_format(req, body, params)  # not in OpenAI's completions; vLLM and llama-server take it there too
     stream, usage = _stream(req)
     if req.logprobs is not None:

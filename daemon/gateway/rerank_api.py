@@ -6,7 +6,7 @@ and its `relevance_score` (the reranker's P(yes), engine/rerank.py)."""
 from __future__ import annotations
 
 import uuid
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import Field
 from starlette.requests import Request
@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from . import turn
 from .generation import until_disconnect
 from .openai_api import bad
-from .schemas import Body, Bool, Int, Str, nonempty
+from .schemas import Answer, Body, Bool, Int, Str, nonempty
 
 
 class TextDocument(Body):
@@ -30,6 +30,20 @@ class RerankRequest(Body):
     return_documents: Optional[Bool] = Field(None, description="default true (Jina's); false leaves them out")
     instruction: Optional[Str] = Field(None, description="ridge: the task the reranker judges for (Qwen3-Reranker's "
                                                          "Instruct; default: web search)")
+
+
+class RerankResult(Answer):
+    index: int
+    relevance_score: float
+    document: Optional[dict[str, Any]] = Field(None, description="{text}; left out with return_documents false")
+
+
+class RerankAnswer(Answer):
+    id: str
+    model: str
+    results: list[RerankResult] = Field(description="the best first")
+    usage: dict[str, Any]
+    meta: dict[str, Any] = Field(description="Cohere's billed_units and tokens")
 
 
 def _text(d) -> str:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from ..client import RidgeError
 from . import turn
 from .generation import SSEResponse, model_fields, served
-from .openai_api import ROLES, ApiError, Generation, bad
+from .openai_api import ROLES, ApiError, Generation, bad, ceiling
 from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, Refusal,
                                 ResponsesRequest)
 
@@ -181,7 +181,8 @@ def responses_request(req: ResponsesRequest, body: dict, history: list[dict], ma
     if not chat:
         raise bad("input must hold at least one item", "input")
     params: dict = {"temperature": 1.0 if req.temperature is None else req.temperature}
-    max_tokens = req.max_output_tokens if req.max_output_tokens is not None else max_tokens
+    if req.max_output_tokens is not None:
+        max_tokens = ceiling(req.max_output_tokens, max_tokens)
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     for key in ("top_p", "seed", "top_k", "min_p"):
