@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from ridge.options import FP8_RECIPE
 from . import store
 from .fp8 import FP8, is_linear_weight, quantize_state_dict
 from .recipe import Recipe, quantize_head, resolve_spec
-from .fuse import fuse_hf_state_dict
-from .source import read_source, resolve_model_path
+from .fuse import fuse_globals, fuse_hf_state_dict, fuse_layer
+from .progress import progress
+from .source import SourceStream, open_source, read_source, resolve_model_path
 
 log = logging.getLogger("ridge.quant")
 CALIBRATION = Path(__file__).resolve().parent / "calibration.txt"  # the text GPTQ and auto measure on
@@ -37,13 +39,21 @@ class ConvertedModel:
 
 def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str | None = None,
             calibrate=None, use_cache: bool = True, show_progress: bool = True,
-            device: str = "cpu") -> ConvertedModel:
+            device: str = "cpu", calibrate_layers=None, on_layer=None) -> ConvertedModel:
     """recipe: an FP8 recipe's spec (quant/recipe.py), or "auto". Those measured on the calibration
     text (auto, and GPTQ rounding) need calibrate(cfg, fused state dict, rope factors, tokenizer,
     spec) -> (Recipe, GPTQ's input statistics or None, what it measured or None), which runs the
     model (ridge/models/fp8_calibrate.calibrate: quant/ sits below models/). None: RIDGE_FP8_RECIPE,
     else the declared default (ridge/options.py FP8_RECIPE). "device": the default of the device
-    the weights are for (quant/recipe.py DEVICE_RECIPES), which is also what the cache key holds."""
+    the weights are for (quant/recipe.py DEVICE_RECIPES), which is also what the cache key holds.
+
+    A recipe quantized weight by weight (any but auto and GPTQ's) streams (issue 39): the source
+    is read, fused, quantized and cached one layer at a time, and what is returned is the cache's
+    memory map (or, uncached, the FP8 result), never the whole model unquantized. +act measures its
+    statistics a layer at a time through calibrate_layers (ridge/models/fp8_calibrate.py
+    stream_act_importance), without which a calibrated recipe takes the whole-model path.
+    on_layer(i, layers): called as layer i is done, with the layers whose source tensors are still
+    alive then (weak references: a test's witness that one layer at a time is held)."""
     from ridge.tokenizer import Tokenizer
 
     if recipe is None:
@@ -61,6 +71,8 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
         freq = tensors.pop("__rope_freqs__", None)
         return ConvertedModel(ModelConfig.from_dict(meta["config"]), tensors,
                               Tokenizer.from_dict(meta["tokenizer"]), freq, True, key, meta.get("recipe"))
+    if quantize and (stream := _streams(path, recipe, calibrate_layers)) is not None:
+        return _convert_streamed(stream, path, key, rule, recipe, calibrate_layers, use_cache, show_progress, on_layer)
     cfg, sd, freq, tok = read_source(path, show_progress)
     fused = fuse_hf_state_dict(sd, cfg, path)
     chosen = None
@@ -91,3 +103,86 @@ def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[d
     out = recipe.quantize(fused, rule, hess)
     log.info("FP8 recipe %s%s", recipe.spec, " (chosen on the calibration text)" if measured else "")
     return out, {"spec": recipe.spec, "rule": rule, "asked": spec, **({"measured": measured} if measured else {})}
+
+
+def _streams(path, spec: str, calibrate_layers) -> SourceStream | None:
+    """The source opened for a streamed conversion, or None where the recipe needs the whole model:
+    auto and GPTQ measure it whole, an FP8 checkpoint is loaded as it is (1 byte a weight already)."""
+    if spec == "auto":
+        return None
+    r = Recipe.parse(spec)
+    if r.gptq or (r.act and calibrate_layers is None):
+        return None
+    stream = open_source(path)
+    return None if stream.fp8_checkpoint() else stream
+
+
+def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str, calibrate_layers,
+                      use_cache: bool, show_progress: bool, on_layer) -> ConvertedModel:
+    cfg, freq, tok, recipe = stream.config, stream.freq_factors, stream.tokenizer, Recipe.parse(spec)
+    entry = store.Entry(key) if use_cache else None
+    kept: dict[str, torch.Tensor] = {}  # uncached: the converted model, FP8 (1 byte a linear weight)
+    bar = progress(range(cfg.num_layers), "converting", enabled=show_progress)
+    read = weakref.WeakValueDictionary()  # (layer, name) -> each source tensor read, while it lives
+
+    def emit(tensors: dict[str, torch.Tensor]) -> None:
+        if entry is None:
+            kept.update(tensors)
+            return
+        try:
+            entry.add(tensors)
+        except OSError as e:
+            raise _Uncached(e) from None
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        src = stream.layer(i)
+        read.update({(i, n): t for n, t in src.items()})
+        return fuse_layer(src, cfg, i, {}, path)
+
+    def done(i: int, fused: dict[str, torch.Tensor], importance) -> None:
+        emit(recipe.quantize_layer(fused, rule, importance))
+        if on_layer is not None:
+            on_layer(i, sorted({j for j, _ in read.keys()}))
+        bar.update(1)
+
+    try:
+        glob = fuse_globals(stream.globals(), cfg, path)
+        head = quantize_head(glob, rule, recipe.grouping) if recipe.head else {}
+        emit({**glob, **head, **({"__rope_freqs__": freq} if freq is not None else {})})
+        if recipe.act:
+            calibrate_layers(cfg, glob, layer, freq, tok, done)
+        else:
+            for i in range(cfg.num_layers):
+                done(i, layer(i), None)
+        bar.close()
+        del glob, head
+        chosen = {"spec": recipe.spec, "rule": rule, "asked": spec}
+        log.info("FP8 recipe %s (converted a layer at a time)", recipe.spec)
+        if entry is None:
+            kept.pop("__rope_freqs__", None)
+            return ConvertedModel(cfg, kept, tok, freq, False, key, chosen)
+        try:
+            entry.commit({"config": cfg.to_dict(), "tokenizer": tok.to_dict(), "source": str(path),
+                          "recipe": chosen})
+        except OSError as e:
+            raise _Uncached(e) from None
+    except _Uncached as e:
+        entry.abort()
+        log.warning("could not cache the converted model: %s", e.args[0])
+        hit = None
+    except BaseException:
+        if entry is not None:
+            entry.abort()
+        raise
+    else:
+        hit = store.load(key)
+    if hit is None:  # not cached, or not readable back: the FP8 result held in memory instead
+        return convert(path, rule=rule, recipe=spec, use_cache=False, show_progress=show_progress,
+                       calibrate_layers=calibrate_layers, on_layer=on_layer)
+    tensors = hit[1]
+    tensors.pop("__rope_freqs__", None)  # the memory map of what was just written: the FP8 model
+    return ConvertedModel(cfg, tensors, tok, freq, False, key, chosen)
+
+
+class _Uncached(Exception):
+    """The cache could not take a shard (a full disk, say): the conversion goes on uncached."""

@@ -84,9 +84,9 @@ def search_scale(t: torch.Tensor, rule: str, weight: torch.Tensor | None = None,
         e = (q * s[..., None] - t) ** 2
         return s, (e if weight is None else e * weight).sum(dim=-1), q
 
-    starts = [tried(amax * clip) for clip in CLIPS]
-    errs = torch.stack([e for _, e, _ in starts])
-    best, best_err = torch.stack([s for s, _, _ in starts]).gather(0, errs.argmin(0)[None])[0], errs.amin(0)
+    starts = [tried(amax * clip)[:2] for clip in CLIPS]  # not the codes: 6 copies of the weight's size
+    errs = torch.stack([e for _, e in starts])
+    best, best_err = torch.stack([s for s, _ in starts]).gather(0, errs.argmin(0)[None])[0], errs.amin(0)
     for rank in range(REFINE[0]):
         pick = errs.argsort(0)[rank]
         s, _, q = tried(amax * torch.tensor(CLIPS)[pick])

@@ -50,41 +50,59 @@ def _cat(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = False
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    if "model.embed_tokens.weight" not in sd and "embed_tokens.weight" in sd:
-        # A base model's checkpoint (transformers' Qwen3Model, as embedding models ship): the same
-        # tensors without the "model." prefix. Without lm_head it needs tied embeddings, as below.
-        sd = {k if k.startswith("lm_head.") else "model." + k: v for k, v in sd.items()}
+    sd = with_model_prefix(sd)
+    out = fuse_globals(sd, cfg, path)
+    for i in range(cfg.num_layers):
+        fuse_layer(sd, cfg, i, out, path)
+    return out
 
+
+def with_model_prefix(sd):
+    """A base model's checkpoint (transformers' Qwen3Model, as embedding models ship) names its
+    tensors without the "model." prefix; without lm_head it needs tied embeddings, as below."""
+    if "model.embed_tokens.weight" not in sd and "embed_tokens.weight" in sd:
+        return {k if k.startswith("lm_head.") else "model." + k: v for k, v in sd.items()}
+    return sd
+
+
+def fuse_globals(sd, cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
+    """The tensors outside the decoder layers: the embedding, the final norm, an untied head."""
+    out: dict[str, torch.Tensor] = {}
+    for src, dst in (("model.embed_tokens.weight", "embed_tokens.weight"), ("model.norm.weight", "norm.weight")):
+        if src not in sd:
+            raise ModelLoadError(path, f"missing tensor {src}")
+        out[dst] = sd[src]
+    if not cfg.tie_word_embeddings:  # tied: the model reuses the embedding table
+        _cat(sd, ["lm_head"], out, "lm_head", path)
+    return out
+
+
+def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path="model") -> dict[str, torch.Tensor]:
+    """Layer i's tensors (HF names; sd needs hold no other layer's) -> its fused ones, into out."""
     def take(src: str, dst: str):
         if src not in sd:
             raise ModelLoadError(path, f"missing tensor {src}")
         out[dst] = sd[src]
 
-    take("model.embed_tokens.weight", "embed_tokens.weight")
-    take("model.norm.weight", "norm.weight")
-    if not cfg.tie_word_embeddings:  # tied: the model reuses the embedding table
-        _cat(sd, ["lm_head"], out, "lm_head", path)
-    for i in range(cfg.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        for norm in LAYER_NORMS.get(cfg.arch, _LLAMA_NORMS):
-            take(p + norm + ".weight", q + norm + ".weight")
-        a, m = p + "self_attn.", p + "mlp."
-        shipped = cfg.arch in FUSED_AS_SHIPPED  # rows [q | k | v] and [gate | up], as ours
-        _cat(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
-             path, cfg.attention_bias)
-        _cat(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
-        if cfg.is_moe_layer(i):
-            fuse_experts(sd, cfg, i, out, path)
-        else:
-            _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
-                 path, cfg.mlp_bias)
-            _cat(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
-        if cfg.qk_norm:
-            take(a + "q_norm.weight", q + "q_norm.weight")
-            take(a + "k_norm.weight", q + "k_norm.weight")
-        if cfg.attention_sinks:
-            take(a + "sinks", q + "sinks")
+    p, q = f"model.layers.{i}.", f"layers.{i}."
+    for norm in LAYER_NORMS.get(cfg.arch, _LLAMA_NORMS):
+        take(p + norm + ".weight", q + norm + ".weight")
+    a, m = p + "self_attn.", p + "mlp."
+    shipped = cfg.arch in FUSED_AS_SHIPPED  # rows [q | k | v] and [gate | up], as ours
+    _cat(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
+         path, cfg.attention_bias)
+    _cat(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
+    if cfg.is_moe_layer(i):
+        fuse_experts(sd, cfg, i, out, path)
+    else:
+        _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
+             path, cfg.mlp_bias)
+        _cat(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
+    if cfg.qk_norm:
+        take(a + "q_norm.weight", q + "q_norm.weight")
+        take(a + "k_norm.weight", q + "k_norm.weight")
+    if cfg.attention_sinks:
+        take(a + "sinks", q + "sinks")
     return out
 
 

@@ -7,6 +7,8 @@ K rows of llama models for its interleaved RoPE; we undo it to get back the
 rotate-half layout the model uses. Qwen models are stored unpermuted."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -138,32 +140,75 @@ def open_gguf(path):
         raise ModelLoadError(path, f"not a readable GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
 
 
-def load_gguf(path, show_progress: bool = True):
-    """-> (config, HF-named fp32 state dict, rope freq factors or None, reader)."""
-    reader = open_gguf(path)
-    cfg = read_config(reader, path)
-    sd: dict[str, torch.Tensor] = {}
-    freq_factors = None
-    for t in progress(reader.tensors, "dequantizing", enabled=show_progress):
+class GGUFTensors:
+    """A GGUF file's tensors under Hugging Face names, by layer (layer(i): block i's; globals():
+    the rest), each dequantized from the reader's memory map when its layer is asked for, so
+    that conversion holds one layer in fp32 at a time (issue 39). Every name is checked on
+    opening: a tensor the model would not use refuses the file before anything is read."""
+
+    def __init__(self, path, reader=None):
+        self.path = path
+        self.reader = reader if reader is not None else open_gguf(path)
+        self.cfg = cfg = read_config(self.reader, path)
+        self.freq_factors = None
+        self._layers: dict[int, list] = {}
+        self._globals: list = []
+        for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":
+                self.freq_factors = self._dequantize(t)
+                continue
+            if t.name in CONFIG_TENSORS:
+                continue
+            if expert_tensors(t.name, torch.empty(0), cfg.arch) is None and hf_name(t.name, cfg.arch) is None:
+                # a tensor the model would not use: the file is a variant ridge does not know
+                raise ModelLoadError(path, f"tensor {t.name}: not part of the {cfg.arch} model ridge runs")
+            parts = t.name.split(".", 2)
+            if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
+                self._layers.setdefault(int(parts[1]), []).append(t)
+            else:
+                self._globals.append(t)
+
+    def _dequantize(self, t) -> torch.Tensor:
         try:
-            w = _dequantize(t)
+            return _dequantize(t)
         except Exception as e:
-            raise ModelLoadError(path, f"tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}") from None
-        if t.name == "rope_freqs.weight":
-            freq_factors = w
-            continue
-        if t.name in CONFIG_TENSORS:
-            continue
-        experts = expert_tensors(t.name, w, cfg.arch)
-        if experts is not None:
-            sd.update(experts)
-            continue
-        name = hf_name(t.name, cfg.arch)
-        if name is None:  # a tensor the model would not use: the file is a variant ridge does not know
-            raise ModelLoadError(path, f"tensor {t.name}: not part of the {cfg.arch} model ridge runs")
-        if cfg.arch in PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_qk(w, cfg.num_heads)
-        elif cfg.arch in PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        sd[name] = w
-    return cfg, sd, freq_factors, reader
+            raise ModelLoadError(self.path, f"tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}") from None
+
+    def _read(self, tensors) -> dict[str, torch.Tensor]:
+        cfg, sd = self.cfg, {}
+        for t in tensors:
+            w = self._dequantize(t)
+            experts = expert_tensors(t.name, w, cfg.arch)
+            if experts is not None:
+                sd.update(experts)
+                continue
+            if cfg.arch in PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                w = unpermute_qk(w, cfg.num_heads)
+            elif cfg.arch in PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                w = unpermute_qk(w, cfg.num_kv_heads)
+            sd[hf_name(t.name, cfg.arch)] = w
+        # The values are copies now: the file's pages just read leave the process (they stay in
+        # the page cache), else every layer's would count in its resident memory to the end.
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+        return sd
+
+    def globals(self) -> dict[str, torch.Tensor]:
+        return self._read(self._globals)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._read(self._layers.get(i, ()))
+
+
+def load_gguf(path, show_progress: bool = True):
+    """-> (config, HF-named fp32 state dict, rope freq factors or None, reader): the whole model
+    at once, for the callers that want it (unquantized weights, a recipe measured on the whole model)."""
+    src = GGUFTensors(path)
+    sd = src.globals()
+    for i in progress(sorted(src._layers), "dequantizing", enabled=show_progress):
+        sd.update(src.layer(i))
+    return src.cfg, sd, src.freq_factors, src.reader

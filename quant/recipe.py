@@ -113,6 +113,17 @@ class Recipe:
         out = self._quantize_layers(sd, rule, hessians)
         return {**out, **quantize_head(sd, rule, self.grouping)} if self.head else out
 
+    def quantize_layer(self, sd: dict[str, torch.Tensor], rule: str = "mse",
+                       importance: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Part of a state dict (one layer's tensors, as a streamed conversion holds them) with this
+        recipe's FP8 (and bf16) linear weights; never the head. +act takes importance (weight name ->
+        the mean square per input column, diag X^T X), all GPTQ's statistics would be X^T X itself."""
+        if self.gptq:
+            raise ValueError(f"FP8 recipe {self.spec}: GPTQ rounds with the whole X^T X, not a layer's importance")
+        if self.act and importance is None:
+            raise ValueError(f"FP8 recipe {self.spec}: it needs the calibration text's input statistics")
+        return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep), importance if self.act else None)
+
     def _quantize_layers(self, sd: dict[str, torch.Tensor], rule: str,
                          hessians: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The state dict with this recipe's FP8 (and bf16) linear weights. gptq and act need hessians
@@ -122,8 +133,7 @@ class Recipe:
         if hessians is None:
             raise ValueError(f"FP8 recipe {self.spec}: it needs the calibration text's input statistics")
         if self.act:
-            return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep),
-                                       {n: h.diagonal() for n, h in hessians.items()})
+            return self.quantize_layer(sd, rule, {n: h.diagonal() for n, h in hessians.items()})
         from .gptq import gptq_fp8
 
         plain = {n: t for n, t in sd.items() if n not in hessians or n in self.keep}

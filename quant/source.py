@@ -68,7 +68,7 @@ def _tokenizer_from_hf(path):
 
 
 def read_source(path: Path, show_progress: bool):
-    """-> (config, HF-named fp32 state dict, rope freq factors or None, tokenizer)."""
+    """-> (config, HF-named fp32 state dict, rope freq factors or None, tokenizer): the whole model."""
     if path.is_dir():
         from .hf_loader import load_hf
         cfg, sd = load_hf(path, show_progress)
@@ -76,3 +76,37 @@ def read_source(path: Path, show_progress: bool):
     from .gguf_loader import load_gguf
     cfg, sd, freq, reader = load_gguf(path, show_progress)
     return cfg, sd, freq, _tokenizer_from_gguf(reader, path)
+
+
+class SourceStream:
+    """A model source read a layer at a time: config, rope freq factors, tokenizer, and its
+    tensors (HF names) as globals() and layer(i), each read from the file's memory map when
+    asked (quant/hf_loader.py HFTensors, quant/gguf_loader.py GGUFTensors)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.is_dir():
+            from .hf_loader import HFTensors, read_hf_config
+            self.config = read_hf_config(path)
+            self.tensors = HFTensors(path, self.config)
+            self.freq_factors = None
+            self.tokenizer = _tokenizer_from_hf(path)
+        else:
+            from .gguf_loader import GGUFTensors
+            self.tensors = GGUFTensors(path)
+            self.config, self.freq_factors = self.tensors.cfg, self.tensors.freq_factors
+            self.tokenizer = _tokenizer_from_gguf(self.tensors.reader, path)
+
+    def fp8_checkpoint(self) -> bool:
+        """Whether the file ships FP8 weights (their scales name them): it is loaded as it is, whole."""
+        return self.path.is_dir() and any(n.endswith(".weight_scale") for n in self.tensors.names())
+
+    def globals(self):
+        return self.tensors.globals()
+
+    def layer(self, i: int):
+        return self.tensors.layer(i)
+
+
+def open_source(path: Path) -> SourceStream:
+    return SourceStream(path)

@@ -29,7 +29,9 @@ CACHE_GIB = Option("model_cache_gib", float, 64.0,
                    "the converted-weights cache's size cap in GiB ($XDG_CACHE_HOME/ridge/models), least recently "
                    "used entries removed past it; 0: no cap")
 STALE_TMP_S = 3600  # a save's temporary folder this old is a crashed save's
-FORMAT = 2  # 2: ModelConfig gained the per-family fields (issue 25); older entries lack them
+FORMAT = 3  # 2: ModelConfig gained the per-family fields (issue 25); 3: the weights in shards (Entry)
+SHARD = "weights-{:05d}.safetensors"
+MAPPED_MIN_BYTES = 1 << 20  # a cached tensor this large is read by memory map, a smaller one copied
 
 
 def cache_root() -> Path:
@@ -48,15 +50,26 @@ def cache_key(src: Path, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def load(key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
-    """-> (meta, tensors) or None on a miss or an unreadable entry."""
-    from safetensors.torch import load_file
+def load(key: str, copy_below: int = MAPPED_MIN_BYTES) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """-> (meta, tensors) or None on a miss or an unreadable entry. The tensors of copy_below bytes
+    or more are the shards' memory maps (copy-on-write): nothing is read until used, and a page once
+    used is the page cache's, so loading holds no second copy of the weights."""
+    from safetensors import safe_open
 
     d = cache_root() / key
     try:
         meta = json.loads((d / "meta.json").read_text())
-        out = meta, load_file(str(d / "weights.safetensors"))
-    except (OSError, ValueError):
+        tensors: dict[str, torch.Tensor] = {}
+        for n in range(meta["shards"]):
+            with safe_open(str(d / SHARD.format(n)), framework="pt") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    # Every tensor of a shard is a view of its one mapping, and a norm or a scale the
+                    # model keeps as it is would keep the whole shard mapped (its pages counted as
+                    # the process's): the small ones are copied out, the weights stay views.
+                    tensors[name] = t.clone() if t.nbytes < copy_below else t
+        out = meta, tensors
+    except Exception:  # OSError, bad JSON, a truncated or foreign shard: a miss
         return None
     try:
         os.utime(d)  # used now: the last to be pruned
@@ -65,30 +78,54 @@ def load(key: str) -> tuple[dict, dict[str, torch.Tensor]] | None:
     return out
 
 
-def save(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Written to a temporary folder and renamed, so a crash never leaves half an entry."""
-    from safetensors.torch import save_file
+class Entry:
+    """An entry written a shard at a time (add: one layer's tensors, say), so that a conversion
+    never holds the whole converted model to save it; commit() makes it visible by a rename,
+    so a crash never leaves half an entry."""
 
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
+    def __init__(self, key: str):
+        self.key, self.root = key, cache_root()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=".tmp-"))
+        self.shards = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
         seen: set[int] = set()
         flat = {}
         for name, t in tensors.items():  # safetensors refuses shared storage
             ptr = t.untyped_storage().data_ptr()
             flat[name] = t.contiguous().clone() if ptr in seen else t.contiguous()
             seen.add(ptr)
-        save_file(flat, str(tmp / "weights.safetensors"))
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        (tmp / "source").write_text(str(meta.get("source", "")))  # what prune() checks, without meta.json
-        final = root / key
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    prune(keep=key)
-    return final
+        save_file(flat, str(self.tmp / SHARD.format(self.shards)))
+        self.shards += 1
+
+    def commit(self, meta: dict) -> Path:
+        try:
+            (self.tmp / "meta.json").write_text(json.dumps({**meta, "shards": self.shards}))
+            (self.tmp / "source").write_text(str(meta.get("source", "")))  # what prune() checks, without meta.json
+            final = self.root / self.key
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(self.tmp, final)
+        finally:
+            self.abort()
+        prune(keep=self.key)
+        return final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def save(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """The whole entry at once: one shard."""
+    entry = Entry(key)
+    try:
+        entry.add(tensors)
+    except BaseException:
+        entry.abort()
+        raise
+    return entry.commit(meta)
 
 
 def cap_bytes() -> int | None:

@@ -20,7 +20,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ridge.cache.kv_cache import KVCache
 from ridge.kernels.fp8_scales import dequantize
+from ridge.kernels.metadata import AttentionMetadata
 from ridge.quant.convert import CALIBRATION
 from ridge.quant.fp8 import GROUPINGS, is_linear_weight, quantize_fp8
 from ridge.quant.recipe import Recipe, linear_shapes, short_name
@@ -100,6 +102,53 @@ def split_calibration(ids: list[int]) -> tuple[list[int], list[int]]:
 
 def recipe_kl(cfg, sd, freq, recipe: Recipe, ids, ref, hess=None) -> float:
     return kl(prompt_logits(build(cfg, recipe.quantize(sd, hessians=hess), freq), ids), ref)
+
+
+@torch.inference_mode()
+def stream_act_importance(cfg, globals_sd: dict[str, torch.Tensor], layer, freq, tokenizer, done) -> None:
+    """+act's statistics a layer at a time, for a streamed conversion (quant/convert.py): the
+    calibration text runs through the fp32 model as CausalLM.forward runs it, but each layer's
+    weights exist only while that layer runs. layer(i) -> layer i's fused, unquantized tensors;
+    done(i, those tensors, importance) is called once layer i has run, importance mapping each
+    linear weight's name to its inputs' sum of squares per column (fp64 summed, returned fp32:
+    the diagonal of the X^T X hessians() sums). What stays is the embedding table, the layer
+    inputs (calibration tokens x hidden) and the KV cache of the calibration text."""
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model.load_globals(globals_sd, cpu, torch.float32, freq)
+    ids = calibration_ids(tokenizer, cfg)
+    n, block = len(ids), 16
+    nb = -(-n // block)
+    cache = KVCache(cfg, nb, block, "fp32", cpu)
+    meta = AttentionMetadata.build([n], [n], [list(range(nb))], list(range(n)), cpu)
+    positions = torch.arange(n)
+    h, residual = model.embed(torch.tensor(ids)), None
+    for i in range(cfg.num_layers):
+        fused = layer(i)
+        model.load_layer(i, fused, cpu, torch.float32)
+        sums: dict[str, torch.Tensor] = {}
+        mods = [(name + ".weight", mod) for name, mod in model.layers[i].named_modules(prefix=f"layers.{i}")
+                if is_linear_weight(name + ".weight")]
+
+        def wrap(key, forward):
+            def seen(x):  # the layers call .forward directly (no module hooks run): an instance attribute
+                x2 = x.reshape(-1, x.shape[-1]).double()
+                sums[key] = sums.get(key, 0) + x2.square().sum(0)
+                return forward(x)
+            return seen
+
+        for key, mod in mods:
+            mod.forward = wrap(key, mod.forward)
+        try:
+            h, residual = model.layers[i].forward(h, residual, positions, model.cos_sin, meta, cache.layers[i])
+        finally:
+            for _, mod in mods:  # the wrapper refers to its module: a cycle that would keep the weights
+                del mod.forward
+        with torch.device("meta"):  # the layer's weights go before the next one's come
+            model.layers[i] = model.make_layer(cfg, i)
+        done(i, fused, {k: v.float() for k, v in sums.items()})
+        del fused
 
 
 def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):

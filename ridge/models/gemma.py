@@ -65,13 +65,17 @@ class GemmaCausalLM(CausalLM):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
-    def load_weights(self, sd, device, dtype, freq_factors=None) -> None:
-        super().load_weights(sd, device, dtype, freq_factors)
+    def load_globals(self, sd, device, dtype, freq_factors=None) -> None:
+        super().load_globals(sd, device, dtype, freq_factors)
         cfg = self.cfg
         # transformers: embeddings * torch.tensor(sqrt(hidden)).to(the weights' dtype)
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5).to(dtype))
         if cfg.rope_local_theta is not None:
             self.cos_sin_local = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_local_theta,
                                               cfg.rope_local_scaling).to(device)
-            for layer in self.layers:
-                layer.own_cos_sin = self.cos_sin_local if layer.window is not None else None
+
+    def load_layer(self, i, sd, device, dtype) -> None:
+        super().load_layer(i, sd, device, dtype)
+        layer = self.layers[i]
+        if self.cfg.rope_local_theta is not None:
+            layer.own_cos_sin = self.cos_sin_local if layer.window is not None else None

@@ -137,13 +137,28 @@ class CausalLM(nn.Module):
     def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                      freq_factors: torch.Tensor | None = None) -> None:
         """sd: the fused, possibly FP8 state dict (quant/). Norms stay fp32."""
-        for name, mod in self.named_modules():
-            if name == "lm_head" and "lm_head.weight" not in sd:
-                continue
+        self.load_globals(sd, device, dtype, freq_factors)
+        for i in range(len(self.layers)):
+            self.load_layer(i, sd, device, dtype)
+
+    @staticmethod
+    def _load_modules(modules, sd, device: torch.device, dtype: torch.dtype) -> None:
+        for name, mod in modules:
             if isinstance(mod, FP8Linear):
                 mod.load(sd[name + ".weight"], sd.get(name + ".weight_scale"), sd.get(name + ".bias"), device, dtype)
             elif isinstance(mod, RMSNorm):
                 mod.weight = sd[name + ".weight"].float().to(device)
+
+    def load_layer(self, i: int, sd, device: torch.device, dtype: torch.dtype) -> None:
+        """Layer i's weights from sd (which needs hold no other layer's): a streamed conversion
+        loads, runs and drops one layer at a time (fp8_calibrate.stream_act_importance)."""
+        self._load_modules(self.layers[i].named_modules(prefix=f"layers.{i}"), sd, device, dtype)
+
+    def load_globals(self, sd, device: torch.device, dtype: torch.dtype,
+                     freq_factors: torch.Tensor | None = None) -> None:
+        """Everything but the decoder layers: the embedding, final norm, head and RoPE tables."""
+        mods = [(n, m) for n, m in self.named_modules() if n and not n.startswith("layers")]
+        self._load_modules([(n, m) for n, m in mods if n != "lm_head" or "lm_head.weight" in sd], sd, device, dtype)
         self.embed_tokens.weight = nn.Parameter(sd["embed_tokens.weight"].to(device=device, dtype=dtype),
                                                 requires_grad=False)
         if "lm_head.weight" not in sd:  # tied embeddings: one table serves both ends

@@ -18,7 +18,7 @@ from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
 
 from .families import model_class
-from .fp8_calibrate import calibrate
+from .fp8_calibrate import calibrate, stream_act_importance
 from .llama import CausalLM
 
 
@@ -55,12 +55,20 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     device = torch.device(device) if device is not None else default_device()
     dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
     conv = convert(path, quantize=weights == "fp8", rule=rule, recipe=recipe, calibrate=calibrate,
-                   use_cache=use_cache, show_progress=show_progress, device=device.type)
+                   use_cache=use_cache, show_progress=show_progress, device=device.type,
+                   calibrate_layers=stream_act_importance)
     if weights != "fp8":
         _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
         model = model_class(conv.config)(conv.config, max_model_len)
-    model.load_weights(conv.state_dict, device, dtype, conv.freq_factors)
+    sd = conv.state_dict
+    model.load_globals(sd, device, dtype, conv.freq_factors)
+    for i in range(conv.config.num_layers):
+        # Consumed a layer at a time: once the model holds its own copy, the cache's mapping of
+        # that layer's shard (or the converted tensors) can go before the next layer comes.
+        model.load_layer(i, sd, device, dtype)
+        for k in [k for k in sd if k.startswith(f"layers.{i}.")]:
+            del sd[k]
     if weights == "bf16" and dtype != torch.bfloat16:
         _round_to_bf16(model)
     model.eval()

@@ -60,19 +60,18 @@ class MoeCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return MoeDecoderLayer(cfg, index) if cfg.is_moe_layer(index) else DecoderLayer(cfg, index)
 
-    def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                     freq_factors: torch.Tensor | None = None) -> None:
-        super().load_weights(sd, device, dtype, freq_factors)
-        for i, layer in enumerate(self.layers):
-            if self.cfg.attention_sinks:
-                layer.sinks = sd[f"layers.{i}.sinks"].float().to(device)
-            if isinstance(layer, MoeDecoderLayer):
-                p = f"layers.{i}."
-                layer.router.weight = sd[p + "router.weight"].float().to(device)
-                if p + "router.bias" in sd:
-                    layer.router.bias = sd[p + "router.bias"].float().to(device)
-                layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")},
-                                   device, dtype)
+    def load_layer(self, i: int, sd, device: torch.device, dtype: torch.dtype) -> None:
+        super().load_layer(i, sd, device, dtype)
+        layer = self.layers[i]
+        if self.cfg.attention_sinks:
+            layer.sinks = sd[f"layers.{i}.sinks"].float().to(device)
+        if isinstance(layer, MoeDecoderLayer):
+            p = f"layers.{i}."
+            layer.router.weight = sd[p + "router.weight"].float().to(device)
+            if p + "router.bias" in sd:
+                layer.router.bias = sd[p + "router.bias"].float().to(device)
+            layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")},
+                               device, dtype)
 
     def expert_modules(self) -> list[FP8Experts]:
         return [m for m in self.modules() if isinstance(m, FP8Experts)]
