@@ -120,7 +120,7 @@ def operations(ollama: bool) -> list[Operation]:
     return OPERATIONS + (OLLAMA_OPERATIONS if ollama else [])
 
 
-def document(keyed: bool, ollama: bool = False) -> dict:
+def document(keyed: bool, ollama: bool) -> dict:
     """keyed: the gateway asks for an API key; ollama: the --ollama listener's document."""
     ops = operations(ollama)
     models = {(op.body, "validation") for op in ops if op.body}
