@@ -47,11 +47,12 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
     else the declared default (ridge/options.py FP8_RECIPE). "device": the default of the device
     the weights are for (quant/recipe.py DEVICE_RECIPES), which is also what the cache key holds.
 
-    A recipe quantized weight by weight (any but auto and GPTQ's) streams (issue 39): the source
-    is read, fused, quantized and cached one layer at a time, and what is returned is the cache's
-    memory map (or, uncached, the FP8 result), never the whole model unquantized. +act measures its
-    statistics a layer at a time through calibrate_layers (ridge/models/fp8_calibrate.py
-    stream_act_importance), without which a calibrated recipe takes the whole-model path.
+    Every recipe streams (issue 39): the source is read, fused, quantized and cached one layer at
+    a time, and what is returned is the cache's memory map (or, uncached, the FP8 result), never
+    the whole model unquantized. The recipes measured on the calibration text (+act, +gptq,
+    auto) run it a layer at a time through calibrate_layers (ridge/models/fp8_calibrate.py
+    STREAMED: statistics(...) and choose(...)), without which they read the model whole and
+    measure it through calibrate.
     on_layer(i, layers): called as layer i is done, with the layers whose source tensors are still
     alive then (weak references: a test's witness that one layer at a time is held)."""
     from ridge.tokenizer import Tokenizer
@@ -106,12 +107,10 @@ def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[d
 
 
 def _streams(path, spec: str, calibrate_layers) -> SourceStream | None:
-    """The source opened for a streamed conversion, or None where the recipe needs the whole model:
-    auto and GPTQ measure it whole, an FP8 checkpoint is loaded as it is (1 byte a weight already)."""
-    if spec == "auto":
-        return None
-    r = Recipe.parse(spec)
-    if r.gptq or (r.act and calibrate_layers is None):
+    """The source opened for a streamed conversion, or None where the whole model is read: a
+    recipe measured on the calibration text when no calibrate_layers runs it a layer at a time,
+    or an FP8 checkpoint, which is loaded as it is (1 byte a weight already)."""
+    if calibrate_layers is None and (spec == "auto" or Recipe.parse(spec).calibrated):
         return None
     stream = open_source(path)
     return None if stream.fp8_checkpoint() else stream
@@ -119,7 +118,7 @@ def _streams(path, spec: str, calibrate_layers) -> SourceStream | None:
 
 def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str, calibrate_layers,
                       use_cache: bool, show_progress: bool, on_layer) -> ConvertedModel:
-    cfg, freq, tok, recipe = stream.config, stream.freq_factors, stream.tokenizer, Recipe.parse(spec)
+    cfg, freq, tok = stream.config, stream.freq_factors, stream.tokenizer
     entry = store.Entry(key) if use_cache else None
     kept: dict[str, torch.Tensor] = {}  # uncached: the converted model, FP8 (1 byte a linear weight)
     bar = progress(range(cfg.num_layers), "converting", enabled=show_progress)
@@ -139,25 +138,31 @@ def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str
         read.update({(i, n): t for n, t in src.items()})
         return fuse_layer(src, cfg, i, {}, path)
 
-    def done(i: int, fused: dict[str, torch.Tensor], importance) -> None:
-        emit(recipe.quantize_layer(fused, rule, importance))
+    def done(i: int, fused: dict[str, torch.Tensor], stats) -> None:
+        emit(recipe.quantize_layer(fused, rule, stats if recipe.calibrated else None))
         if on_layer is not None:
             on_layer(i, sorted({j for j, _ in read.keys()}))
         bar.update(1)
 
     try:
         glob = fuse_globals(stream.globals(), cfg, path)
+        measured = None
+        if spec == "auto":  # its walks over the layers first, then the conversion's
+            recipe, measured = calibrate_layers.choose(cfg, glob, layer, freq, tok)
+        else:
+            recipe = Recipe.parse(spec)
         head = quantize_head(glob, rule, recipe.grouping) if recipe.head else {}
         emit({**glob, **head, **({"__rope_freqs__": freq} if freq is not None else {})})
-        if recipe.act:
-            calibrate_layers(cfg, glob, layer, freq, tok, done)
+        if recipe.calibrated:  # auto's statistics come from the part of the text it fitted on
+            calibrate_layers.statistics(cfg, glob, layer, freq, tok, recipe, done, fitted_part=spec == "auto")
         else:
             for i in range(cfg.num_layers):
                 done(i, layer(i), None)
         bar.close()
         del glob, head
-        chosen = {"spec": recipe.spec, "rule": rule, "asked": spec}
-        log.info("FP8 recipe %s (converted a layer at a time)", recipe.spec)
+        chosen = {"spec": recipe.spec, "rule": rule, "asked": spec, **({"measured": measured} if measured else {})}
+        log.info("FP8 recipe %s (%sconverted a layer at a time)", recipe.spec,
+                 "chosen on the calibration text, " if measured else "")
         if entry is None:
             kept.pop("__rope_freqs__", None)
             return ConvertedModel(cfg, kept, tok, freq, False, key, chosen)

@@ -110,37 +110,31 @@ class Recipe:
 
     def quantize(self, sd: dict[str, torch.Tensor], rule: str = "mse",
                  hessians: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        out = self._quantize_layers(sd, rule, hessians)
+        out = self.quantize_layer(sd, rule, hessians)
         return {**out, **quantize_head(sd, rule, self.grouping)} if self.head else out
 
     def quantize_layer(self, sd: dict[str, torch.Tensor], rule: str = "mse",
-                       importance: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Part of a state dict (one layer's tensors, as a streamed conversion holds them) with this
-        recipe's FP8 (and bf16) linear weights; never the head. +act takes importance (weight name ->
-        the mean square per input column, diag X^T X), all GPTQ's statistics would be X^T X itself."""
-        if self.gptq:
-            raise ValueError(f"FP8 recipe {self.spec}: GPTQ rounds with the whole X^T X, not a layer's importance")
-        if self.act and importance is None:
-            raise ValueError(f"FP8 recipe {self.spec}: it needs the calibration text's input statistics")
-        return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep), importance if self.act else None)
-
-    def _quantize_layers(self, sd: dict[str, torch.Tensor], rule: str,
-                         hessians: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """The state dict with this recipe's FP8 (and bf16) linear weights. gptq and act need hessians
-        (weight name -> its input's X^T X on the calibration text, ridge/models/fp8_calibrate.py)."""
+                       stats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Part of a state dict (one layer's tensors, as a streamed conversion holds them; or all of
+        them) with this recipe's FP8 (and bf16) linear weights; never the head. A calibrated recipe
+        takes stats: weight name -> its input's X^T X on the calibration text (GPTQ rounds with
+        it), or for +act that matrix's diagonal alone (the mean square per input column)."""
         if not self.calibrated:
             return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep))
-        if hessians is None:
+        if stats is None:
             raise ValueError(f"FP8 recipe {self.spec}: it needs the calibration text's input statistics")
         if self.act:
-            return self.quantize_layer(sd, rule, {n: h.diagonal() for n, h in hessians.items()})
+            importance = {n: h.diagonal() if h.dim() == 2 else h for n, h in stats.items()}
+            return quantize_state_dict(sd, rule, self.grouping, frozenset(self.keep), importance)
+        if any(h.dim() != 2 for h in stats.values()):
+            raise ValueError(f"FP8 recipe {self.spec}: GPTQ rounds with the whole X^T X, not its diagonal")
         from .gptq import gptq_fp8
 
-        plain = {n: t for n, t in sd.items() if n not in hessians or n in self.keep}
+        plain = {n: t for n, t in sd.items() if n not in stats or n in self.keep}
         out = quantize_state_dict(plain, rule, self.grouping, frozenset(self.keep))
         for name, t in sd.items():
-            if name in hessians and name not in self.keep and t.dtype != FP8:
-                out[name], out[name + "_scale"] = gptq_fp8(t, hessians[name], self.grouping, rule)
+            if name in stats and name not in self.keep and t.dtype != FP8:
+                out[name], out[name + "_scale"] = gptq_fp8(t, stats[name], self.grouping, rule)
         return out
 
 

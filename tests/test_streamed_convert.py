@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ridge.models.fp8_calibrate import calibrate, stream_act_importance
+from ridge.models.fp8_calibrate import STREAMED, calibrate
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
 from ridge.quant import store
@@ -20,7 +20,7 @@ from ridge.quant.source import read_source
 from tiny_models import make_tiny, write_tokenizer_files
 
 FP8 = torch.float8_e4m3fn
-SPECS = ["g16", "g16+act", "channel+head"]
+SPECS = ["g16", "g16+act", "channel+head", "g32+gptq", "auto"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,8 @@ def sources(tmp_path_factory):
             "qwen3_moe-hf-bf16": _hf_moe(tmp / "moe")}
 
 
-@pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("name", ["llama-hf", "qwen3-gguf-q8", "qwen3_moe-hf-bf16"])
+@pytest.mark.parametrize("name,spec", [(n, s) for n in ("llama-hf", "qwen3-gguf-q8", "qwen3_moe-hf-bf16")
+                                       for s in SPECS if (n, s) != ("qwen3_moe-hf-bf16", "auto")])  # the slowest
 def test_streamed_equals_the_whole_model_path_and_holds_one_layer(sources, name, spec, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = sources[name]
@@ -62,14 +62,14 @@ def test_streamed_equals_the_whole_model_path_and_holds_one_layer(sources, name,
     want = recipe.quantize(fused, "mse", hess)
 
     alive = []
-    got = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=stream_act_importance,
+    got = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=STREAMED,
                   show_progress=False, on_layer=lambda i, layers: alive.append((i, layers)))
     # While layer i is converted, no other layer's source tensor is alive (the callback sees
     # every tensor the source gave, through weak references).
     assert alive == [(i, [i]) for i in range(cfg.num_layers)]
-    uncached = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=stream_act_importance,
+    uncached = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=STREAMED,
                        use_cache=False, show_progress=False)
-    cached = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=stream_act_importance,
+    cached = convert(path, recipe=spec, calibrate=calibrate, calibrate_layers=STREAMED,
                      show_progress=False)
     assert not got.from_cache and cached.from_cache and got.recipe["spec"] == recipe.spec
     for conv in (got, uncached, cached):
@@ -123,3 +123,31 @@ def test_the_streamed_model_runs_as_the_whole_model_path_did(sources, tmp_path, 
     for _ in range(2):  # converted, then from the cache
         lm = load_model(path, device="cpu", recipe="g16+act", show_progress=False)
         torch.testing.assert_close(prompt_logits(lm.model, ids), ref, rtol=0, atol=0)
+
+
+def test_streamed_auto_measures_what_whole_models_measure(sources):
+    """auto judges its candidates, each weight's sensitivity and the bf16 keeps in walks over the
+    layers (ridge/models/fp8_stream.py); each KL it records is the one a whole model built with
+    that recipe's weights gives (fp8_calibrate's whole-model functions, the oracle)."""
+    from ridge.models.fp8_calibrate import (SENSITIVITY_TOKENS, build, calibration_ids, choose_recipe, hessians,
+                                            recipe_kl, sensitivity, split_calibration)
+    from ridge.quant.recipe import Recipe, long_name
+
+    path = sources["llama-hf"]
+    cfg, sd, freq, tok = read_source(path, False)
+    fused = fuse_hf_state_dict(sd, cfg, path)
+    chosen, _, measured = choose_recipe(cfg, fused, freq, tok, budget=0.0, groupings=("g32", "g64"), max_bf16=3)
+    tried = measured["tried"]
+    assert len(tried) == 6 + 3 and len(chosen.keep) == 3  # nothing meets a zero budget: every step measured
+    fit, ids = split_calibration(calibration_ids(tok, cfg))
+    model = build(cfg, fused, freq)
+    ref, hess = prompt_logits(model, ids), hessians(model, fit)
+    for t in tried:
+        r = Recipe.parse(t["recipe"])
+        want = recipe_kl(cfg, fused, freq, r, ids, ref, hess if r.calibrated else None)
+        assert t["kl"] == pytest.approx(want, rel=1e-4, abs=1e-9), t["recipe"]
+    best = Recipe.parse(tried[-1]["recipe"]).grouping
+    whole = sensitivity(model, fused, ids[:SENSITIVITY_TOKENS], best)
+    assert measured["sensitivity"]
+    for short, v in measured["sensitivity"].items():
+        assert v == pytest.approx(whole[long_name(short)], rel=1e-4, abs=1e-9), short

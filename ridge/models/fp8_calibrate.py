@@ -16,18 +16,19 @@ calibrate callback from the loader."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ridge.cache.kv_cache import KVCache
 from ridge.kernels.fp8_scales import dequantize
-from ridge.kernels.metadata import AttentionMetadata
 from ridge.quant.convert import CALIBRATION
-from ridge.quant.fp8 import GROUPINGS, is_linear_weight, quantize_fp8
+from ridge.quant.fp8 import GROUPINGS, quantize_fp8
 from ridge.quant.recipe import Recipe, linear_shapes, short_name
 
 from .families import model_class
+from .fp8_stream import Lane, LinearInputs, dequantized, walk
 from .oneshot import prompt_logits
 
 log = logging.getLogger("ridge.quant")
@@ -35,6 +36,7 @@ FP8_KL_BUDGET = 0.006  # on the calibration text: the evaluation target is 0.008
 MAX_BF16 = 8  # the most sensitive weights auto tries keeping in bf16, one at a time
 SENSITIVITY_TOKENS = 128  # the ranking's slice of the calibration text: a ranking needs less than a KL
 JUDGE_SHARE = 1 / 3  # the calibration text's last part, which auto's statistics never see
+GROUPINGS_TRIED = ("g128", "g64", "g32", "g16")  # auto's, coarse to fine
 
 
 def kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
@@ -43,9 +45,10 @@ def kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def build(cfg, sd: dict[str, torch.Tensor], freq) -> torch.nn.Module:
+    """The fp32 model of sd's numbers (FP8 linear weights widened: fp8_stream.dequantized)."""
     with torch.device("meta"):
         m = model_class(cfg)(cfg)
-    m.load_weights(sd, torch.device("cpu"), torch.float32, freq)
+    m.load_weights(dequantized(sd), torch.device("cpu"), torch.float32, freq)
     return m.eval()
 
 
@@ -58,22 +61,8 @@ def calibration_ids(tokenizer, cfg) -> list[int]:
 def hessians(model, ids: list[int]) -> dict[str, torch.Tensor]:
     """Weight name -> X^T X (fp64 summed, returned fp32) of its layer's inputs over ids."""
     out: dict[str, torch.Tensor] = {}
-    mods = [(name + ".weight", mod) for name, mod in model.named_modules() if is_linear_weight(name + ".weight")]
-
-    def wrap(key, forward):
-        def seen(x):  # the layers call .forward directly (no module hooks run): an instance attribute
-            x2 = x.reshape(-1, x.shape[-1]).double()
-            out[key] = out.get(key, 0) + x2.t() @ x2
-            return forward(x)
-        return seen
-
-    for key, mod in mods:
-        mod.forward = wrap(key, mod.forward)
-    try:
+    with LinearInputs(model, "", "full", out):
         prompt_logits(model, ids)
-    finally:
-        for _, mod in mods:
-            del mod.forward
     return {k: v.float() for k, v in out.items()}
 
 
@@ -104,53 +93,6 @@ def recipe_kl(cfg, sd, freq, recipe: Recipe, ids, ref, hess=None) -> float:
     return kl(prompt_logits(build(cfg, recipe.quantize(sd, hessians=hess), freq), ids), ref)
 
 
-@torch.inference_mode()
-def stream_act_importance(cfg, globals_sd: dict[str, torch.Tensor], layer, freq, tokenizer, done) -> None:
-    """+act's statistics a layer at a time, for a streamed conversion (quant/convert.py): the
-    calibration text runs through the fp32 model as CausalLM.forward runs it, but each layer's
-    weights exist only while that layer runs. layer(i) -> layer i's fused, unquantized tensors;
-    done(i, those tensors, importance) is called once layer i has run, importance mapping each
-    linear weight's name to its inputs' sum of squares per column (fp64 summed, returned fp32:
-    the diagonal of the X^T X hessians() sums). What stays is the embedding table, the layer
-    inputs (calibration tokens x hidden) and the KV cache of the calibration text."""
-    cpu = torch.device("cpu")
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    model.load_globals(globals_sd, cpu, torch.float32, freq)
-    ids = calibration_ids(tokenizer, cfg)
-    n, block = len(ids), 16
-    nb = -(-n // block)
-    cache = KVCache(cfg, nb, block, "fp32", cpu)
-    meta = AttentionMetadata.build([n], [n], [list(range(nb))], list(range(n)), cpu)
-    positions = torch.arange(n)
-    h, residual = model.embed(torch.tensor(ids)), None
-    for i in range(cfg.num_layers):
-        fused = layer(i)
-        model.load_layer(i, fused, cpu, torch.float32)
-        sums: dict[str, torch.Tensor] = {}
-        mods = [(name + ".weight", mod) for name, mod in model.layers[i].named_modules(prefix=f"layers.{i}")
-                if is_linear_weight(name + ".weight")]
-
-        def wrap(key, forward):
-            def seen(x):  # the layers call .forward directly (no module hooks run): an instance attribute
-                x2 = x.reshape(-1, x.shape[-1]).double()
-                sums[key] = sums.get(key, 0) + x2.square().sum(0)
-                return forward(x)
-            return seen
-
-        for key, mod in mods:
-            mod.forward = wrap(key, mod.forward)
-        try:
-            h, residual = model.layers[i].forward(h, residual, positions, model.cos_sin, meta, cache.layers[i])
-        finally:
-            for _, mod in mods:  # the wrapper refers to its module: a cycle that would keep the weights
-                del mod.forward
-        with torch.device("meta"):  # the layer's weights go before the next one's come
-            model.layers[i] = model.make_layer(cfg, i)
-        done(i, fused, {k: v.float() for k, v in sums.items()})
-        del fused
-
-
 def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
     """quant/convert.py's calibrate: -> (recipe, GPTQ's input statistics or None, what auto measured or None)."""
     if spec == "auto":
@@ -160,38 +102,136 @@ def calibrate(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, spec: str):
     return recipe, hess, None
 
 
+def _layers_of(sd: dict[str, torch.Tensor]):
+    """A whole state dict as the walk reads a stream: (its globals, layer(i) -> layer i's tensors)."""
+    glob = {n: t for n, t in sd.items() if not n.startswith("layers.")}
+    return glob, lambda i: {n: t for n, t in sd.items() if n.startswith(f"layers.{i}.")}
+
+
 def choose_recipe(cfg, sd: dict[str, torch.Tensor], freq, tokenizer, budget: float = FP8_KL_BUDGET,
-                  groupings: tuple[str, ...] = ("g128", "g64", "g32", "g16"), max_bf16: int = MAX_BF16):
-    """The recipe of fewest bytes whose KL on the held-out part of the calibration text meets budget: groupings
-    coarse to fine, each plain, with the activation-weighted search (+act), then GPTQ, then the
-    most sensitive weights (KL per byte) kept in bf16 one by one. -> (recipe, the input statistics when it uses GPTQ, what was measured: for the metadata)."""
+                  groupings: tuple[str, ...] = GROUPINGS_TRIED, max_bf16: int = MAX_BF16):
+    """stream_choose_recipe on a model held whole. -> (recipe, the input statistics on the fitted
+    part of the text when it needs them, what was measured: for the metadata)."""
+    glob, layer = _layers_of(sd)
+    recipe, measured = stream_choose_recipe(cfg, glob, layer, freq, tokenizer, budget, groupings, max_bf16)
+    hess = None
+    if recipe.calibrated:
+        fit, _ = split_calibration(calibration_ids(tokenizer, cfg))
+        hess = hessians(build(cfg, sd, freq), fit)
+    return recipe, hess, measured
+
+
+def stream_statistics(cfg, globals_sd: dict[str, torch.Tensor], layer, freq, tokenizer, recipe: Recipe, done,
+                      fitted_part: bool = False) -> None:
+    """A calibrated recipe's statistics a layer at a time, for a streamed conversion (quant/convert.py):
+    done(i, layer i's fused fp32 tensors, stats) once layer i has run the calibration text
+    (fitted_part: only the part auto fits on), stats mapping each linear weight's name to its
+    inputs' X^T X (GPTQ) or that matrix's diagonal (+act), the sums hessians() makes whole."""
+    ids = calibration_ids(tokenizer, cfg)
+    if fitted_part:
+        ids, _ = split_calibration(ids)
+    walk(cfg, globals_sd, layer, freq, [Lane(ids, stats="full" if recipe.gptq else "diag")], done)
+
+
+def stream_choose_recipe(cfg, globals_sd: dict[str, torch.Tensor], layer, freq, tokenizer,
+                         budget: float = FP8_KL_BUDGET, groupings: tuple[str, ...] = GROUPINGS_TRIED,
+                         max_bf16: int = MAX_BF16) -> tuple[Recipe, dict]:
+    """The recipe of fewest bytes whose KL on the held-out part of the calibration text meets budget:
+    groupings coarse to fine, each plain, with the activation-weighted search (+act), then GPTQ,
+    then the most sensitive weights (KL per byte) kept in bf16 one by one. -> (recipe, what was
+    measured: for the metadata). Read a layer at a time (layer(i), as stream_statistics), in at
+    most three walks: every candidate side by side, then, if none meets the budget, each weight's
+    sensitivity, then the candidates keeping the most sensitive in bf16. A walk measures all of
+    its candidates, but `tried` lists them as a one-by-one search would have, up to the first
+    that meets the budget."""
     fit, ids = split_calibration(calibration_ids(tokenizer, cfg))
-    model = build(cfg, sd, freq)
-    ref = prompt_logits(model, ids)
-    hess = hessians(model, fit)
-    shapes = linear_shapes(sd)
+    shapes: dict[str, tuple[int, int]] = {}
+    cands = [Recipe(g, gptq, act=act) for g in groupings if g in GROUPINGS
+             for gptq, act in ((False, False), (False, True), (True, False))]
+
+    def quantized(r: Recipe):
+        return lambda i, fused, stats: r.quantize_layer(fused, "mse", stats if r.calibrated else None)
+
+    def record(i, fused, stats):
+        shapes.update(linear_shapes(fused))
+
+    kls = _judge(cfg, globals_sd, layer, freq, ids, {r: quantized(r) for r in cands}, fit, record)
     tried = []
 
-    def measure(r: Recipe) -> float:
-        v = recipe_kl(cfg, sd, freq, r, ids, ref, hess if r.calibrated else None)
+    def measured(r: Recipe, v: float) -> bool:
         tried.append({"recipe": r.spec, "kl": v, "bytes": r.weight_bytes(shapes)})
         log.info("FP8 recipe %s: KL %.5f on the calibration text, %d weight bytes", r.spec, v, tried[-1]["bytes"])
-        return v
+        return v <= budget
 
-    cands = sorted((Recipe(g, gptq, act=act) for g in groupings if g in GROUPINGS
-                    for gptq, act in ((False, False), (False, True), (True, False))),
-                   key=lambda r: (r.weight_bytes(shapes), r.gptq, r.act))
+    cands.sort(key=lambda r: (r.weight_bytes(shapes), r.gptq, r.act))
     for r in cands:
-        if measure(r) <= budget:
-            return r, hess if r.calibrated else None, {"budget": budget, "tried": tried}
-    best = min(cands, key=lambda r: next(t["kl"] for t in tried if t["recipe"] == r.spec))
-    sens = sensitivity(model, sd, ids[:SENSITIVITY_TOKENS], best.grouping)
+        if measured(r, kls[r]):
+            return r, {"budget": budget, "tried": tried}
+    best = min(cands, key=lambda r: kls[r])
+    sens = _sensitivity(cfg, globals_sd, layer, freq, ids[:SENSITIVITY_TOKENS], best.grouping, shapes)
     extra = {n: 2 * shapes[n][0] * shapes[n][1] - Recipe(best.grouping).weight_bytes({n: shapes[n]}) for n in sens}
     order = sorted(sens, key=lambda n: -sens[n] / extra[n])[:max_bf16]
+    keeps = [Recipe(best.grouping, best.gptq, tuple(sorted(order[:k])), best.act) for k in range(1, len(order) + 1)]
+    kls = _judge(cfg, globals_sd, layer, freq, ids, {r: quantized(r) for r in keeps}, fit) if keeps else {}
     r = best
-    for n in order:
-        r = Recipe(best.grouping, best.gptq, tuple(sorted((*r.keep, n))), best.act)
-        if measure(r) <= budget:
+    for r in keeps:
+        if measured(r, kls[r]):
             break
-    return r, hess if r.calibrated else None, {"budget": budget, "tried": tried,
-                                         "sensitivity": {short_name(k): sens[k] for k in order}}
+    return r, {"budget": budget, "tried": tried, "sensitivity": {short_name(k): sens[k] for k in order}}
+
+
+def _judge(cfg, globals_sd, layer, freq, ids: list[int], weights: dict, fit: list[int], done=None) -> dict:
+    """Each candidate's KL from the fp32 model on ids, in one walk: candidate -> weights(i, fused,
+    stats) as Lane.weights takes it, with the statistics of the fitted text."""
+    ref = Lane(ids)
+    lanes = {key: Lane(ids, w) for key, w in weights.items()}
+    out, logits = {}, {}
+    by_lane = {id(lane): key for key, lane in lanes.items()}
+
+    def finish(lane: Lane, got: torch.Tensor) -> None:
+        if lane is ref:
+            logits["ref"] = got
+        else:
+            out[by_lane[id(lane)]] = kl(got, logits["ref"])
+
+    walk(cfg, globals_sd, layer, freq, [Lane(fit, stats="full"), ref, *lanes.values()], done, finish)
+    return out
+
+
+def _sensitivity(cfg, globals_sd, layer, freq, ids: list[int], grouping: str, shapes) -> dict[str, float]:
+    """Weight name -> the KL from fp32 with only that weight quantized (MSE scales, grouping), in
+    one walk: each weight's lane follows the reference up to its own layer."""
+    ref = Lane(ids)
+    lanes = {}
+    for name in shapes:
+        j = int(name.split(".")[1])
+
+        def one(i, fused, stats, name=name, j=j):
+            if i != j:
+                return None
+            q, s = quantize_fp8(fused[name], "mse", grouping)
+            return {**fused, name: dequantize(q, s)}
+        lanes[name] = Lane(ids, one, follows=ref, start=j)
+    out, logits = {}, {}
+    by_lane = {id(lane): name for name, lane in lanes.items()}
+
+    def finish(lane: Lane, got: torch.Tensor) -> None:
+        if lane is ref:
+            logits["ref"] = got
+        else:
+            out[by_lane[id(lane)]] = kl(got, logits["ref"])
+
+    walk(cfg, globals_sd, layer, freq, [ref, *lanes.values()], finish=finish)
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """What a streamed conversion (quant/convert.py, which cannot run a model) calls to measure on
+    the calibration text a layer at a time: statistics as stream_statistics, choose as
+    stream_choose_recipe."""
+    statistics: Callable
+    choose: Callable
+
+
+STREAMED = LayerCalibration(stream_statistics, stream_choose_recipe)

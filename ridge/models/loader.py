@@ -18,7 +18,7 @@ from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
 
 from .families import model_class
-from .fp8_calibrate import calibrate, stream_act_importance
+from .fp8_calibrate import STREAMED, calibrate
 from .llama import CausalLM
 
 
@@ -56,7 +56,7 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
     conv = convert(path, quantize=weights == "fp8", rule=rule, recipe=recipe, calibrate=calibrate,
                    use_cache=use_cache, show_progress=show_progress, device=device.type,
-                   calibrate_layers=stream_act_importance)
+                   calibrate_layers=STREAMED)
     if weights != "fp8":
         _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
