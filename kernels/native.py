@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger("ridge.kernels")
 SRC = Path(__file__).with_name("csrc")
-SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c")
+SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c", "fp8_quant.c")
 FLAGS = ("-O3", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-psabi")
 
 _lock = threading.Lock()
@@ -124,6 +124,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]
     lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, p, p, p, p, i32]
     lib.silu_and_mul.argtypes = [p, i64, i64, p, i32]
+    lib.fp8_search_scale.argtypes = [p, p, i64, i64, p, i32, i32, i32, i32, p, i32]
+    lib.fp8_search_scale.restype = i32
     for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
         fn.restype = i32
 
@@ -235,3 +237,21 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rc = library().bf16_linear(x.data_ptr(), m, k, packed.data_ptr(), nb * 16, y.data_ptr(), torch.get_num_threads())
     assert rc == 0, "bf16_linear: no AVX-512 BF16 kernel here"
     return y
+
+
+def fp8_search_scale(tiles: torch.Tensor, weight: torch.Tensor | None, bf16: bool, clips: tuple[float, ...],
+                     refine: int, iters: int) -> torch.Tensor | None:
+    """quant/fp8.py search_scale's "mse" search in C (kernels/csrc/fp8_quant.c): tiles [..., G]
+    fp32 (weight: the same shape, or None) -> each tile's scale [...] fp32, bf16-exact where bf16;
+    None where the library is not built or the tile is too long for it."""
+    lib = library()
+    g = tiles.shape[-1]
+    if lib is None or g > 16384:
+        return None
+    t = tiles.reshape(-1, g).float().contiguous()
+    w = None if weight is None else weight.expand_as(tiles).reshape(-1, g).float().contiguous()
+    out = torch.empty(t.shape[0], dtype=torch.float32)
+    c = torch.tensor(clips, dtype=torch.float32)
+    rc = lib.fp8_search_scale(t.data_ptr(), None if w is None else w.data_ptr(), t.shape[0], g, c.data_ptr(),
+                              len(clips), refine, iters, int(bf16), out.data_ptr(), torch.get_num_threads())
+    return out.view(tiles.shape[:-1]) if rc == 0 else None

@@ -153,13 +153,15 @@ def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str
             recipe = Recipe.parse(spec)
         head = quantize_head(glob, rule, recipe.grouping) if recipe.head else {}
         emit({**glob, **head, **({"__rope_freqs__": freq} if freq is not None else {})})
+        del head
+        glob = {n: t for n, t in glob.items() if not n.startswith("lm_head.")}  # written; the statistics need no head
         if recipe.calibrated:  # auto's statistics come from the part of the text it fitted on
             calibrate_layers.statistics(cfg, glob, layer, freq, tok, recipe, done, fitted_part=spec == "auto")
         else:
             for i in range(cfg.num_layers):
                 done(i, layer(i), None)
         bar.close()
-        del glob, head
+        del glob
         chosen = {"spec": recipe.spec, "rule": rule, "asked": spec, **({"measured": measured} if measured else {})}
         log.info("FP8 recipe %s (%sconverted a layer at a time)", recipe.spec,
                  "chosen on the calibration text, " if measured else "")

@@ -16,10 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ridge.kernels import native
 from ridge.kernels.fp8_scales import expand_scale
 
-QUANT_VERSION = 4  # 3: scales per group or block (kernels/fp8_scales.py), recipes (quant/recipe.py);
-# 4: the "mse" search refines each scale by least squares, group and block scales in bf16
+QUANT_VERSION = 5  # 3: scales per group or block (kernels/fp8_scales.py), recipes (quant/recipe.py);
+# 4: the "mse" search refines each scale by least squares, group and block scales in bf16;
+# 5: the search in C (kernels/csrc/fp8_quant.c), whose sums may break a near tie the other way
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Internal (fused) names of the decoder layers' linear weights.
@@ -57,6 +59,7 @@ def _cast(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)  # the "mse" search's clippings of each tile's range
 REFINE = (2, 2)  # the clippings refined per tile (its best ones), and the refinements of each
+SEARCH_CHUNK = 1 << 22  # the values quantize_fp8 searches scales for at once
 
 
 def search_scale(t: torch.Tensor, rule: str, weight: torch.Tensor | None = None,
@@ -71,7 +74,21 @@ def search_scale(t: torch.Tensor, rule: str, weight: torch.Tensor | None = None,
     finds the scales at which a tile's values fall near e4m3 values: on SmolLM2's weights it
     leaves 19 % (1 x 16) and 19 % (1 x 32) less squared error than the clippings alone, less than
     257 clippings do, and 3 % less per channel (docs/benchmarks.md). Each scale is rounded to
-    scale_dtype before it is tried, so the error measured is the stored scale's."""
+    scale_dtype before it is tried, so the error measured is the stored scale's.
+
+    The "mse" search runs in C where ridge's kernels are built (kernels/csrc/fp8_quant.c: a tile
+    stays in registers through all of its tries, where torch makes a dozen passes over the whole
+    weight through its slow e4m3 cast); search_scale_torch is its oracle."""
+    if rule == "mse":
+        got = native.fp8_search_scale(t, weight, scale_dtype == torch.bfloat16, CLIPS, *REFINE)
+        if got is not None:
+            return got
+    return search_scale_torch(t, rule, weight, scale_dtype)
+
+
+def search_scale_torch(t: torch.Tensor, rule: str, weight: torch.Tensor | None = None,
+                       scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """search_scale in torch: the C search's oracle, and what runs where ridge's C kernels do not."""
     amax = t.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     if rule == "absmax":
         return amax.to(scale_dtype).float()
@@ -120,14 +137,21 @@ def quantize_fp8(w: torch.Tensor, rule: str = "mse", grouping: str = "channel",
             raise ValueError("stacked experts take per-channel scales only")
         q, s = quantize_fp8(w.reshape(-1, w.shape[-1]), rule)
         return q.reshape(w.shape), s.reshape(w.shape[:2])
-    w = w.float()
     bn, bk = grouping_block(grouping, tuple(w.shape))
-    weight = None if importance is None else _tiles(importance.float().expand_as(w), bn, bk)
-    scale = search_scale(_tiles(w, bn, bk), rule, weight, scale_dtype(grouping))
-    if grouping == "channel":
-        scale = scale[:, 0]
-    q = (w / expand_scale(scale, tuple(w.shape))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale.to(scale_dtype(grouping))
+    # A row of tiles at a time, as many as SEARCH_CHUNK values hold: each tile's scale depends on
+    # its own values alone, and the search makes a dozen temporaries of its input's size, which
+    # for a whole large weight (an 8B model's gate_up: 117M values) came to several GB.
+    step = bn * max(1, SEARCH_CHUNK // (bn * w.shape[1]))
+    scales, codes = [], []
+    for r in range(0, w.shape[0], step):
+        part = w[r:r + step].float()
+        weight = None if importance is None else _tiles(importance.float().expand_as(part), bn, bk)
+        scale = search_scale(_tiles(part, bn, bk), rule, weight, scale_dtype(grouping))
+        if grouping == "channel":
+            scale = scale[:, 0]
+        codes.append((part / expand_scale(scale, tuple(part.shape))).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+        scales.append(scale)
+    return torch.cat(codes), torch.cat(scales).to(scale_dtype(grouping))
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], rule: str = "mse", grouping: str = "channel",

@@ -12,11 +12,21 @@ $XDG_CACHE_HOME/ridge/bench-loading/converted (the warm-up's loads, not timed). 
 embedded SmolLM2-135M and a random Llama-3.2-1B-shaped directory (bf16 safetensors, written
 once under $XDG_CACHE_HOME/ridge/bench-loading).
 
-    ridge bench loading [--rounds 3] [--cold-rounds 1] [--skip-1b]"""
+    ridge bench loading [--rounds 3] [--cold-rounds 1] [--skip-1b]
+
+With --model PATH it times a process's start on that model instead (issue 39): `ridge generate
+--local` to its first tokens, cold (the converted cache empty: the source read, converted and
+calibrated a layer at a time) and from the converted cache; each start's wall time, peak RSS
+(the child's rusage) and resident weights (the memory plan's log line), and the weights' load
+against the time to read the converted cache's bytes in the same state (its pages cached).
+
+    ridge bench loading --model DIR [--cold-rounds 1] [--rounds 3]"""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -163,10 +173,103 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _start(path: Path, cache: Path, threads: int) -> dict:
+    """One `ridge generate --local` on path with XDG_CACHE_HOME=cache: wall, peak RSS, what its log says."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    t = time.perf_counter()
+    proc = subprocess.Popen([*python("-m", "ridge.cli"), "generate", "--local", "--raw", "--model", str(path),
+                             "--max-tokens", "4", "--threads", str(threads), "--no-kv-disk", "Hello"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ridge generate failed ({proc.returncode}):\n{err[-4000:]}")
+    weights = re.search(r"memory: weights ([0-9.]+) GiB", err)
+    loaded = re.search(r"weights loaded in ([0-9.]+) s \((from the converted cache|converted from the source)\)", err)
+    if not (weights and loaded):
+        raise RuntimeError(f"the start's log lacks its memory plan or load line:\n{err[-4000:]}")
+    return {"wall": wall, "peak_rss": usage.ru_maxrss * 1024, "weights": float(weights[1]) * (1 << 30),
+            "load": float(loaded[1]), "cached": loaded[2].startswith("from")}
+
+
+def source_params(path: Path) -> int:
+    """The source's parameter count, from its files' headers (safetensors or GGUF)."""
+    if path.is_dir():
+        from safetensors import safe_open
+
+        total = 0
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    total += math.prod(st.get_slice(name).get_shape())
+        return total
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def read_seconds(entry: Path) -> float:
+    """The time to read every file of a converted-cache entry into one reused buffer."""
+    buf = bytearray(64 << 20)
+    t = time.perf_counter()
+    for f in sorted(entry.iterdir()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    return time.perf_counter() - t
+
+
+def measure_starts(path: Path, cold_rounds: int, rounds: int, threads: int) -> dict:
+    """-> {"cold": [start, ...], "cached": [start with "read": seconds, ...], "params": n, "cache_bytes": n}."""
+    work = Path(tempfile.mkdtemp(prefix="ridge-bench-starts-"))
+    cache = work / "cache"
+    real = cache_home() / "ridge"
+    (cache / "ridge").mkdir(parents=True)
+    for name in ("native", "cpu-format.json"):  # built and measured once per machine: shared
+        if (real / name).exists():
+            (cache / "ridge" / name).symlink_to(real / name)
+    out: dict = {"cold": [], "cached": [], "params": source_params(path)}
+    try:
+        for _ in range(max(1, cold_rounds)):
+            shutil.rmtree(cache / "ridge" / "models", ignore_errors=True)
+            out["cold"].append(_start(path, cache, threads))
+        entries = [d for d in (cache / "ridge" / "models").iterdir() if (d / "meta.json").is_file()]
+        out["cache_bytes"] = sum(f.stat().st_size for d in entries for f in d.iterdir())
+        for _ in range(rounds):
+            start = _start(path, cache, threads)
+            start["read"] = sum(read_seconds(d) for d in entries)
+            out["cached"].append(start)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def report_starts(path: Path, r: dict) -> str:
+    gib, n = 1 << 30, r["params"]
+    lines = [f"{path.name}: {n / 1e9:.2f}B parameters, converted cache {r['cache_bytes'] / gib:.2f} GiB",
+             "", "| start | wall (median) | peak RSS | resident weights | bytes/param | RSS - weights | "
+             "weights load | reading the cache | load / read | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in ("cold", "cached"):
+        rows = r[kind]
+        if not rows:
+            continue
+        med = {k: statistics.median(x[k] for x in rows) for k in ("wall", "peak_rss", "weights", "load")}
+        read = statistics.median(x["read"] for x in rows) if kind == "cached" else None
+        lines.append(f"| {kind} | {med['wall']:.1f} s | {med['peak_rss'] / gib:.2f} GiB | {med['weights'] / gib:.2f} GiB"
+                     f" | {med['weights'] / n:.2f} | {(med['peak_rss'] - med['weights']) / gib:.2f} GiB"
+                     f" | {med['load']:.2f} s | " + (f"{read:.2f} s | {med['load'] / read:.1f}x" if read else "- | -")
+                     + f" | {len(rows)} |")
+    return "\n".join(lines)
+
+
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds from host RAM and from the converted cache")
     p.add_argument("--cold-rounds", type=int, default=1, help="rounds that convert the source")
     p.add_argument("--skip-1b", action="store_true", help="only the embedded model")
+    p.add_argument("--model", type=Path, help="time a process's start on this model (cold and cached) instead")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="with --model: the starts' CPU threads")
 
 
 def add_loading_parser(sub) -> None:
@@ -176,6 +279,9 @@ def add_loading_parser(sub) -> None:
 
 
 def run_loading(args) -> int:
+    if args.model is not None:
+        print(report_starts(args.model, measure_starts(args.model, args.cold_rounds, args.rounds, args.threads)))
+        return 0
     print(report(measure(args.rounds, args.cold_rounds, not args.skip_1b)))
     return 0
 

@@ -101,6 +101,15 @@ def walk(cfg, globals_sd: dict[str, torch.Tensor], layer: Callable, freq, lanes:
     in the lanes' order (none when finish is None: the statistics need no head)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    tokens = {lane: lane.ids for lane in lanes}
+    if finish is None:
+        # Statistics alone end at the last layer: no head, and of the embedding table only the
+        # rows the lanes read (an 8B model's table and head are 4 GB in fp32).
+        used = sorted({t for lane in lanes for t in lane.ids})
+        row = {t: i for i, t in enumerate(used)}
+        globals_sd = {n: t for n, t in globals_sd.items() if not n.startswith("lm_head.")}
+        globals_sd["embed_tokens.weight"] = globals_sd["embed_tokens.weight"][torch.tensor(used)]
+        tokens = {lane: [row[t] for t in lane.ids] for lane in lanes}
     model.load_globals(globals_sd, CPU, torch.float32, freq)
     longest = max(len(lane.ids) for lane in lanes)
     cache = KVCache(cfg, -(-longest // BLOCK), BLOCK, "fp32", CPU)
@@ -110,7 +119,7 @@ def walk(cfg, globals_sd: dict[str, torch.Tensor], layer: Callable, freq, lanes:
         metas[n] = (AttentionMetadata.build([n], [n], [list(range(nb))], list(range(n)), CPU), torch.arange(n))
     for lane in lanes:
         if lane.follows is None:
-            lane.h, lane.residual = model.embed(torch.tensor(lane.ids)), None
+            lane.h, lane.residual = model.embed(torch.tensor(tokens[lane])), None
 
     def run(i: int, lane: Lane, sums: dict | None = None) -> None:
         meta, positions = metas[len(lane.ids)]
