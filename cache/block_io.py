@@ -6,7 +6,7 @@ draft model's), layer by layer: K, V, and for FP8 the K and V scales, each at a
 
 On CPU the copies go through numpy views of the cache tensors: numpy copies on
 one thread and releases the GIL, so a tier thread never opens an OpenMP team
-(daemon/engine_loop.py: more OpenMP threads than cores throttle every step).
+(daemon/frontend/engine_loop.py: more OpenMP threads than cores throttle every step).
 On CUDA they run on a side stream (CudaBlockIO)."""
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
-from .endpoint import find_daemon, ipc_path, probe
+from .transport.endpoint import find_daemon, ipc_path, probe
 
 VERSION = 4  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
 # Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
@@ -108,7 +108,7 @@ class Completion:
 class Inbox:
     """One request's frames that its reader has not taken yet. Consecutive deltas of a sample are
     merged into one (text joined, token ids and logprobs appended), as the daemon merges them for a
-    slow reader (daemon/streams.py): a request nobody reads holds one delta per sample and its end,
+    slow reader (daemon/frontend/streams.py): a request nobody reads holds one delta per sample and its end,
     never a backlog of frames."""
     __slots__ = ("deltas", "texts", "end", "since", "sent", "waiter", "stuck", "loading")
 

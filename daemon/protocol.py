@@ -11,6 +11,16 @@ import msgpack
 
 VERSION = 4  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
 SUPPORTED = (1, 2, 3, 4)
+# The version each feature came in: the one place a version gate's number is written. A message in
+# an older version may not use the feature (a refusal naming the version), and a peer speaking an
+# older one is not sent its frames.
+SINCE = {
+    "tools": 2,  # tool calls and results, reasoning, tools / tool_choice / parallel_tool_calls /
+    #              chat_template_kwargs, params.max_reasoning_tokens (§3.2.3)
+    "embed": 3,  # the embed message (§3.9)
+    "models": 3,  # model and keep_alive fields, the models message, loading events (§3.10)
+    "rerank": 4,  # the rerank message (§3.11)
+}
 PUB_TOPIC = b"stats"
 MAX_ID_BYTES = 128
 MAX_MESSAGES = 1024
@@ -52,7 +62,7 @@ class ProtocolError(Exception):
 @dataclass(slots=True, kw_only=True)
 class Limits:
     """What hello announces. The fields that are options take their values from `ridge serve`'s
-    resolved options (daemon/serve.py, limits): their defaults live only in daemon/config.py."""
+    resolved options (daemon/cli/serve.py, limits): their defaults live only in daemon/cli/config.py."""
     max_frame_bytes: int
     max_prompt_tokens: int  # fitted to the context: at most its length - 1
     max_tokens: int  # at most the context length
@@ -69,6 +79,17 @@ class Limits:
 # -- encoding ------------------------------------------------------------------
 def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
+
+
+def speaks(v: int, feature: str) -> bool:
+    """Whether version v has the feature (SINCE)."""
+    return v >= SINCE[feature]
+
+
+def too_old(feature: str, v: int, rid: str | None) -> ProtocolError:
+    """A message type that came in a later version than the one it was sent in."""
+    return ProtocolError(UNKNOWN_TYPE, f"{feature} is a version {SINCE[feature]} message; this one is version {v}",
+                         rid)
 
 
 def message(type_: str, request_id: str | None = None, *, v: int = VERSION, **fields) -> dict:

@@ -9,7 +9,7 @@ import sys
 
 
 def _read_model_shape(path):
-    from ridge.quant.source import read_config  # the readers and torch, only for `ridge plan MODEL`
+    from ridge.models.registry import read_config  # the readers and torch, only for `ridge plan MODEL`
     return read_config(path).shape()
 
 
@@ -21,9 +21,9 @@ def _engine_option(name: str):
 def build_parser() -> argparse.ArgumentParser:
     from ridge.bench.command import add_bench_parser
     from ridge.bench.daemon import add_bench_daemon_parser
-    from ridge.daemon.commands import add_daemon_parsers
-    from ridge.daemon.generate import add_generate_parser
-    from ridge.daemon.service import add_service_parser
+    from ridge.daemon.cli.commands import add_daemon_parsers
+    from ridge.daemon.cli.generate import add_generate_parser
+    from ridge.daemon.cli.service import add_service_parser
     from ridge.plan import add_plan_parser
     from ridge.tui.command import add_top_parser  # textual is imported only when `ridge top` runs
 

@@ -1,4 +1,5 @@
-"""Internal failures as a client sees them: an error id and a generic message.
+"""Errors as a client sees them: a request refused, and internal failures (an error id and a
+generic message).
 
 What an exception says (file paths, library versions, other requests' state)
 is the operator's to read, not every client's. The exception goes to the log,
@@ -15,3 +16,7 @@ def internal_error(log: logging.Logger, what: str, exc: BaseException) -> str:
     error_id = uuid.uuid4().hex[:12]
     log.error("%s (error id %s)", what, error_id, exc_info=(type(exc), exc, exc.__traceback__))
     return f"internal error; id {error_id}"
+
+
+class InvalidRequest(ValueError):
+    """A request the engine can never serve; rejected at admission."""

@@ -3,7 +3,7 @@ variable RIDGE_MAX_QUEUE and the config-file key `max_queue`.
 
 The engine declares its options as EngineConfig fields (ridge/engine/config.py)
 and `options_of` reads them from there; the daemon lists its own
-(ridge/daemon/config.py). Everything else, argparse flags, environment
+(daemon/cli/config.py). Everything else, argparse flags, environment
 variables, the config file, `--print-config` and the config built from parsed
 values, is generated from these."""
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Option:
     example: object = None  # shown in the default config file for an option that is unset by default
     field: str | None = None  # the config field it fills, where that is not `name` (threads -> num_threads)
     negate: bool = False  # a switch that turns its field off (--no-prefix-caching: enable_prefix_caching=False)
+    per_model: bool = False  # a daemon's [models.NAME] table may set it for that model's engine (registry.py)
 
     @property
     def flag(self) -> str:
@@ -130,8 +131,8 @@ def _words(raw) -> tuple[str, ...]:
 
 def options_of(cls) -> list[Option]:
     """The options a config dataclass declares: each field with a "help" in its
-    metadata, optionally "flag" (where the flag is not --field-name), "choices" and
-    "example". A bool field that defaults to True becomes a switch that turns it off,
+    metadata, optionally "flag" (where the flag is not --field-name), "choices",
+    "example" and "per_model" (what one engine of a daemon's models may set). A bool field that defaults to True becomes a switch that turns it off,
     the only way a flag can change it."""
     hints = typing.get_type_hints(cls)
     out = []
@@ -143,7 +144,8 @@ def options_of(cls) -> list[Option]:
         name = meta.get("flag", "--" + f.name).removeprefix("--").replace("-", "_")
         negate = kind is bool and f.default is True
         out.append(Option(name, kind, False if negate else f.default, meta["help"], meta.get("choices"),
-                          meta.get("example"), None if name == f.name else f.name, negate))
+                          meta.get("example"), None if name == f.name else f.name, negate,
+                          meta.get("per_model", False)))
     return out
 
 

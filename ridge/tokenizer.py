@@ -153,7 +153,7 @@ def _raise_exception(message):
 
 # Characters past which encode() goes through tokenizers' batch call: the same ids (it only skips
 # the offsets), and it releases the GIL, which encode() holds (512 KiB of text: 0.37 s), so the
-# daemon's socket thread keeps running while an admission worker tokenizes (daemon/admission.py).
+# daemon's socket thread keeps running while an admission worker tokenizes (daemon/frontend/admission.py).
 LONG_TEXT = 4096
 
 

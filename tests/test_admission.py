@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from ridge.bench.health_load import big_prompt, schema
-from ridge.daemon.admission import Admission
+from ridge.daemon.frontend.admission import Admission
 from ridge.daemon.client import Client, RidgeError
 from ridge.daemon.protocol import BUSY, Envelope, ProtocolError
 from test_daemon_harness import Daemon, Raw

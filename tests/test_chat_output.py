@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from ridge.daemon.chat_format import HERMES, LLAMA3_JSON, MARKER_TEXT, MISTRAL, read_format
-from ridge.daemon.chat_output import OutputSpec
+from ridge.daemon.frontend.chat_format import HERMES, LLAMA3_JSON, MARKER_TEXT, MISTRAL, read_format
+from ridge.daemon.frontend.chat_output import OutputSpec
 from ridge.daemon.client import merge_pieces
 
 MARKERS = {HERMES: ("call_open", "call_close"), LLAMA3_JSON: ("python_tag",), MISTRAL: ("tool_calls",), None: ()}

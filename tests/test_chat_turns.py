@@ -12,10 +12,10 @@ import pytest
 
 from chat_models import make_chat_model
 from ridge.daemon import protocol as P
-from ridge.daemon.chat_format import HERMES, LLAMA3_JSON, MISTRAL, TOOLS_PROMPT
-from ridge.daemon.config import defaults
-from ridge.daemon.serve import limits
-from ridge.daemon.validate import Validator
+from ridge.daemon.frontend.chat_format import HERMES, LLAMA3_JSON, MISTRAL, TOOLS_PROMPT
+from ridge.daemon.cli.config import defaults
+from ridge.daemon.cli.serve import limits
+from ridge.daemon.frontend.validate import Validator
 from ridge.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -201,7 +201,7 @@ def test_the_thinking_budget_forces_the_close_tag(validators):
 
 
 def test_a_tools_objects_admit_only_their_keys():
-    from ridge.daemon.chat_grammar import closed
+    from ridge.daemon.frontend.chat_grammar import closed
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
                                                "c": {"type": "array", "items": {"properties": {"d": {}}}},

@@ -196,8 +196,8 @@ def test_a_call_cut_by_max_tokens_is_dropped_and_no_markup_is_content():
     the text before the calls, the first call stands whole, the cut one is gone (one whose object is
     whole stands: only its close tag was cut); a stop string at the same place keeps the protocol's
     rule (a named call stays, an unnamed one is text)."""
-    from ridge.daemon.chat_format import HERMES, LLAMA3_JSON, MARKER_TEXT, MISTRAL
-    from ridge.daemon.chat_output import OutputSpec
+    from ridge.daemon.frontend.chat_format import HERMES, LLAMA3_JSON, MARKER_TEXT, MISTRAL
+    from ridge.daemon.frontend.chat_output import OutputSpec
 
     def parse(fmt, roles, text: str, cut: bool, start: str = "content"):
         p = OutputSpec(start, fmt, 128, {r: MARKER_TEXT[r] for r in roles}).parser()
@@ -226,7 +226,7 @@ def test_a_call_cut_by_max_tokens_is_dropped_and_no_markup_is_content():
     assert parse(MISTRAL, ("tool_calls",), mistral, cut=True) == ("", whole)
     llama = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "no'
     assert parse(LLAMA3_JSON, ("python_tag",), llama, cut=True) == ("", whole)
-    from ridge.daemon import harmony
+    from ridge.daemon.frontend import harmony
     call = ('<|channel|>commentary to=functions.now <|constrain|>json<|message|>{"zone": "UTC"}<|call|>')
     for k in range(len(call) + 1):  # gpt-oss' one call, cut at every character
         p = harmony.HarmonySpec(True).parser()

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from ridge.daemon.endpoint import ipc_path, socket_alive
+from ridge.daemon.transport.endpoint import ipc_path, socket_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT = 0.5

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, load_tiny, make_engine, prompts, run
-from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+from ridge.errors import InvalidRequest
+from ridge.engine.sampling_params import SamplingParams
 from ridge.kernels import cpu_linear_plan
 from ridge.kernels.cpu_linear import CpuLinear
 

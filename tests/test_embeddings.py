@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts
-from ridge.engine.sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 from ridge.models.loader import load_model
 from ridge.quant.errors import ModelLoadError
 from test_families import build_hf

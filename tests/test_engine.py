@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, prompts, run
-from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+from ridge.errors import InvalidRequest
+from ridge.engine.sampling_params import SamplingParams
 from ridge.models.loader import load_model
 from tiny_models import make_tiny
 

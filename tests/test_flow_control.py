@@ -60,8 +60,8 @@ def test_engine_outbox_stays_bounded_while_nobody_drains_it(tmp_path_factory):
     """The socket thread held up for a whole request: the engine keeps stepping (it never waits for
     the outbox), the outbox stays at its bound, and the outputs past it arrive merged, in order."""
     from engine_utils import greedy, load_tiny, make_engine
-    from ridge.daemon.config import defaults
-    from ridge.daemon.engine_loop import OUTBOX_STEPS, EngineLoop
+    from ridge.daemon.cli.config import defaults
+    from ridge.daemon.frontend.engine_loop import OUTBOX_STEPS, EngineLoop
 
     loaded = load_tiny(tmp_path_factory, "outbox")
     loop = EngineLoop(lambda: make_engine(loaded), defaults()["stats_interval"])
@@ -245,7 +245,7 @@ def test_unread_deltas_are_merged_and_a_stuck_stream_is_aborted(tmp_path):
 ENTRY = f"""
 import sys
 
-import ridge.daemon.server as server
+import ridge.daemon.transport.loop as server
 from ridge.cli import main
 
 server.PEER_FORGET_S = {PEER_FORGET}

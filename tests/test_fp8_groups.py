@@ -54,7 +54,7 @@ def test_groups_lower_the_error_and_mse_beats_absmax():
 
 
 def test_mse_search_refines_past_its_clippings_and_weights_the_error():
-    from ridge.quant.fp8 import CLIPS, search_scale
+    from ridge.kernels.fp8_search import CLIPS, search_scale
 
     t = weight(64, 576).view(64, 18, 32)
     imp = torch.rand(18, 32, generator=torch.Generator().manual_seed(4)) ** 4  # a few columns matter

@@ -1,5 +1,5 @@
 """The converter's FP8 scale search in C (kernels/csrc/fp8_quant.c) against its torch oracle
-(quant/fp8.py search_scale_torch), and quantize_fp8's search a block of rows at a time.
+(kernels/fp8_search.py search_scale_torch), and quantize_fp8's search a block of rows at a time.
 
 The C search sums each try's error in its own order, so a near tie between two scales may go
 the other way and an fp32 (per-channel) scale may differ in its last bits: what is held is the
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ridge.kernels import native
-from ridge.quant import fp8
+from ridge.kernels import fp8_search as fp8
+from ridge.quant import fp8 as quant_fp8
 
 FP8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.skipif(native.library() is None, reason="ridge's C kernels are not built here")
@@ -69,9 +70,9 @@ def test_quantize_fp8_searches_a_block_of_rows_at_a_time_with_the_same_result(gr
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.05
     imp = torch.rand(shape[1], generator=torch.Generator().manual_seed(8))
     for importance in (None, imp):
-        whole = fp8.quantize_fp8(w, "mse", grouping, importance)
-        monkeypatch.setattr(fp8, "SEARCH_CHUNK", 3 * shape[1])  # three rows (one row of blocks at least)
-        rows = fp8.quantize_fp8(w, "mse", grouping, importance)
+        whole = quant_fp8.quantize_fp8(w, "mse", grouping, importance)
+        monkeypatch.setattr(quant_fp8, "SEARCH_CHUNK", 3 * shape[1])  # three rows (one row of blocks at least)
+        rows = quant_fp8.quantize_fp8(w, "mse", grouping, importance)
         monkeypatch.undo()
         assert torch.equal(whole[0].view(torch.uint8), rows[0].view(torch.uint8))
         assert torch.equal(whole[1], rows[1])

@@ -24,8 +24,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from ridge.daemon.commands import gateway_endpoint
-from ridge.daemon.endpoint import EndpointError, system_endpoint, user_endpoint
+from ridge.daemon.cli.commands import gateway_endpoint
+from ridge.daemon.transport.endpoint import EndpointError, system_endpoint, user_endpoint
 from ridge.daemon.gateway.door import FORM, HostRule, body_admitted, is_json, origin_allowed
 from ridge.daemon.gateway.run import GatewayThread, listen
 from ridge.daemon.gateway.settings import gateway_settings

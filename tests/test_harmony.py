@@ -14,8 +14,8 @@ import pytest
 import transformers
 
 from chat_models import make_harmony_model
-from ridge.daemon import harmony
-from ridge.daemon.tools import template_messages
+from ridge.daemon.frontend import harmony
+from ridge.daemon.frontend.tools import template_messages
 from test_daemon_harness import Daemon
 from test_gateway import free_port, wait_http
 from test_gateway_tools import ASK, SCHEMAS, TOOLS, streamed, valid_calls

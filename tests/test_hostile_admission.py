@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ridge.daemon.admission import Admission
+from ridge.daemon.frontend.admission import Admission
 from ridge.daemon.protocol import BUSY, Envelope, Limits, ProtocolError
-from ridge.daemon.validate import MAX_REQUEST_TOKENS, Validator
+from ridge.daemon.frontend.validate import MAX_REQUEST_TOKENS, Validator
 from ridge.engine import rerank
 from ridge.models.loader import load_model
 from test_daemon_harness import Daemon, Raw

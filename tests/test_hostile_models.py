@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ridge.daemon.client import Client, RidgeError
-from ridge.daemon.registry import scan
+from ridge.daemon.frontend.registry import scan
 from ridge.quant import store
 from ridge.quant.errors import ModelLoadError
 from ridge.quant.gguf_header import MAX_ARRAY, MAX_KV, HeaderError, read_header

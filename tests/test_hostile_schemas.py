@@ -114,9 +114,9 @@ def test_chains_in_tools_parameters_are_refused(daemon, tmp_path):
     tiny byte-level model, past its context: the validator is given a context that takes it, as a
     real tokenizer and a 128K context would."""
     from ridge.daemon import protocol as P
-    from ridge.daemon.config import defaults
-    from ridge.daemon.serve import limits
-    from ridge.daemon.validate import Validator
+    from ridge.daemon.cli.config import defaults
+    from ridge.daemon.cli.serve import limits
+    from ridge.daemon.frontend.validate import Validator
     from ridge.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(make_chat_model(tmp_path, "hermes"))

@@ -249,7 +249,7 @@ def test_tiers_off(loaded, workload, cold):
 
 
 def test_status_and_top_show_the_engines_tier_figures(loaded, workload):
-    from ridge.daemon.commands import format_status
+    from ridge.daemon.cli.commands import format_status
     from ridge.tui.figures import tier_line_short, tier_lines
 
     eng = tier_engine(loaded, num_kv_blocks=8)
@@ -452,7 +452,7 @@ def test_a_full_disk_pauses_the_writes_until_there_is_room(tmp_path, monkeypatch
 
 
 def test_an_engine_whose_disk_fills_keeps_serving_and_says_its_writes_are_paused(loaded, workload, cold, monkeypatch):
-    from ridge.daemon.commands import format_status
+    from ridge.daemon.cli.commands import format_status
 
     eng = tier_engine(loaded)
     real_write = os.write

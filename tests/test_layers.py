@@ -2,7 +2,7 @@
 
 Low to high: kernels < quant, cache < models < engine < daemon < bench, tui < cli.
 A package imports only from layers below it; ridge/config.py, tokenizer.py,
-plan.py, options.py and errors.py are shared low-level modules that import only each
+plan.py, options.py, errors.py and durations.py are shared low-level modules that import only each
 other. So no package imports one above it and the package graph has no cycle;
 only the CLI imports ridge.bench. tui talks to the daemon's protocol and never
 reaches torch; nothing outside tui imports textual. The HTTP gateway
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = 0
 LAYERS = {
     "ridge.config": SHARED, "ridge.tokenizer": SHARED, "ridge.plan": SHARED, "ridge.options": SHARED,
-    "ridge.errors": SHARED, "ridge.spawn": SHARED, "ridge.template_sandbox": SHARED,
+    "ridge.errors": SHARED, "ridge.spawn": SHARED, "ridge.template_sandbox": SHARED, "ridge.durations": SHARED,
     "ridge.kernels": 1,
     "ridge.quant": 2, "ridge.cache": 2,
     "ridge.models": 3,
@@ -166,6 +166,7 @@ KERNEL_ENTRIES = {
     "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens", "choose_invariant", "invariant_unavailable"},
     "ridge.kernels.moe": {"CpuExperts"},  # a mixture of experts' CpuLinear per expert product, held as FP8Linear's
     "ridge.kernels.fp8_scales": None,  # the FP8 scale layouts: data the converter writes and every product reads
+    "ridge.kernels.fp8_search": {"search_scale"},  # the converter's scale search, C or torch as kernels choose
 }
 
 
@@ -269,7 +270,7 @@ DEVICE_BRANCHES = {
     "ridge.cache.block_io": "block copies: CUDA streams or host memcpy",
     "ridge.cache.tiers": "a pinned host tier beside a GPU",
     "ridge.cache.kv_cache": "a CPU pool zeroed lazily through calloc",
-    "ridge.daemon.models": "memory budgets (a GPU's, RAM on CPU) and parked weights: pinned host copies of a GPU's",
+    "ridge.daemon.frontend.memory": "memory budgets (a GPU's, RAM on CPU) and parked weights: pinned host copies of a GPU's",
 }
 
 

@@ -6,6 +6,8 @@ goes back (RSS on CPU)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +18,8 @@ import pytest
 import zmq
 
 from ridge.daemon.client import Client, RidgeError
-from ridge.daemon.registry import FOREVER, Entry, Registry, config_entries, parse_duration, scan
+from ridge.daemon.frontend.registry import Entry, Registry, config_entries, scan
+from ridge.durations import FOREVER, parse_duration
 from test_daemon_harness import Daemon
 from test_gateway import free_port, wait_http
 from tiny_models import make_tiny
@@ -34,6 +37,13 @@ def test_durations_read_as_ollama_writes_them():
     for bad in ("5 minutes", "", "m", True, [1], float("nan")):
         with pytest.raises(ValueError, match="keep_alive"):
             parse_duration(bad)
+
+
+def test_the_registry_is_plain_data_without_torch():
+    """The registry and the duration parser it shares with the gateway load no torch (issue 40):
+    the engine options a [models.NAME] table may set are read from their declarations alone."""
+    code = "import sys, ridge.daemon.frontend.registry, ridge.durations; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_a_models_directory_and_config_entries(tmp_path):

@@ -19,7 +19,9 @@ import pytest
 from chat_models import make_chat_model
 from ridge.daemon.client import Client
 from ridge.daemon.gateway.ollama_api import PINNED, keep_alive
+from ridge.daemon.frontend.registry import config_entries
 from ridge.daemon.gateway.openai_api import ApiError
+from ridge.durations import wire_duration
 from test_daemon_harness import Daemon, Raw
 from test_gateway import ask, free_port, wait_http
 from test_rerank import DOCS, QUERY, ranker, reference  # noqa: F401  ranker: the fixture, built here too
@@ -186,9 +188,31 @@ def test_keep_alive_reads_gos_durations():
     assert keep_alive("5m") == 300 and keep_alive("1h30m") == 5400 and keep_alive("1.5s") == 1.5
     assert keep_alive(0) == 0 and keep_alive("0") == 0 and keep_alive(-1) == PINNED and keep_alive("-1m") == PINNED
     assert keep_alive(None) is None and keep_alive(120) == 120
-    for bad in ("", "5", "m", "5d", "1h x"):
+    for bad in ("", "m", "5 d", "1h x", True):
         with pytest.raises(ApiError):
             keep_alive(bad)
+
+
+# config.toml's keep_alive and this API's read by one parser (ridge/durations.py, issue 40): "1d"
+# was a 400 here while config.toml took it, and a number in a string ("90") the other way round.
+SAME_DURATIONS = ["1d", "90s", "5m", "1h30m", "90", 120, 2.5, "-1", -1, "-5m"]
+
+
+def test_keep_alive_means_the_same_in_config_and_over_ollamas_api(daemon, ridge, tmp_path):
+    """Each value as a [models.NAME] keep_alive (config_entries, as `ridge serve` reads config.toml)
+    and as the keep_alive of a POST /api/generate: the daemon's `models` then lists the same
+    seconds (-1: kept) for the model."""
+    table = {f"m{i}": {"path": "x.gguf", "keep_alive": v} for i, v in enumerate(SAME_DURATIONS)}
+    configured = config_entries(table, "config.toml", tmp_path)
+    for i, value in enumerate(SAME_DURATIONS):
+        status, body = ask(daemon.url, "POST", "/api/generate", {"Content-Type": "application/json"},
+                           {"model": "other", "prompt": "", "keep_alive": value})
+        assert status == 200 and body["done_reason"] == "load", (value, body)
+        held = {m["name"]: m for m in ridge.models()["models"]}["other"]
+        assert held["keep_alive"] == wire_duration(configured[f"m{i}"].keep), value
+    status, body = ask(daemon.url, "POST", "/api/generate", {"Content-Type": "application/json"},
+                       {"model": "other", "prompt": "", "keep_alive": 0})
+    assert status == 200 and body["done_reason"] == "unload"
 
 
 # -- reranking, on the same daemon ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ridge.daemon.config import add_serve_args, all_options, defaults, resolve
+from ridge.daemon.cli.config import add_serve_args, all_options, defaults, resolve
 from ridge.engine.config import EngineConfig, add_engine_args, engine_config, engine_options
 from ridge.options import options_of
 
@@ -205,7 +205,7 @@ def test_the_scan_finds_a_second_default(tmp_path, monkeypatch):
 def test_the_builders_pass_the_declared_values():
     """What `ridge serve` builds from nothing set: the declarations' defaults, with the context's
     bounds where an option's 0 means 'the context'."""
-    from ridge.daemon.serve import limits
+    from ridge.daemon.cli.serve import limits
 
     d = defaults()
     lim = limits(d, 100)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from engine_utils import greedy, load_tiny, make_engine
-from ridge.daemon.sharing import engine_salt, peer_identity, uid_identity, uid_of
+from ridge.daemon.transport.sharing import engine_salt, peer_identity, uid_identity, uid_of
 from test_daemon_harness import Daemon, Raw, pump_all
 from tiny_models import make_tiny
 

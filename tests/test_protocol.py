@@ -16,14 +16,14 @@ import pytest
 import zmq
 
 from ridge.daemon import protocol as P
-from ridge.daemon.config import add_serve_args, defaults, resolve
-from ridge.daemon.endpoint import (EndpointError, EndpointLock, check_tcp, client_candidates, is_loopback, load_curve,
+from ridge.daemon.cli.config import add_serve_args, defaults, resolve
+from ridge.daemon.transport.endpoint import (EndpointError, EndpointLock, check_tcp, client_candidates, is_loopback, load_curve,
                                    prepare_dir, pub_endpoint_for, secure_curve_socket, socket_alive, tcp_host,
                                    user_dir)
-from ridge.daemon.notify import Notifier
-from ridge.daemon.peers import Peer
-from ridge.daemon.streams import InFlight
-from ridge.daemon.validate import Validator
+from ridge.daemon.transport.notify import Notifier
+from ridge.daemon.transport.peers import Peer
+from ridge.daemon.frontend.streams import InFlight
+from ridge.daemon.frontend.validate import Validator
 from ridge.engine.output import RequestOutput
 
 DAEMON_DIR = Path(__file__).resolve().parent.parent / "daemon"
@@ -103,7 +103,7 @@ def validator(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     write_tokenizer_files(d)
     tok = Tokenizer.from_hf_dir(d)
-    from ridge.daemon.serve import limits
+    from ridge.daemon.cli.serve import limits
 
     return Validator(tok, tok.vocab_size, 64, 16, 8, limits(defaults(), 64))  # prompts <= 63, max_tokens <= 64
 
@@ -269,7 +269,7 @@ def test_socket_directories_get_their_modes(tmp_path):
 
 def test_an_explicit_endpoint_directory_follows_the_same_rule(tmp_path):
     """Issue 15, defect 4: --endpoint's directory is checked and given its mode like the default one."""
-    from ridge.daemon.serve import claim_endpoint
+    from ridge.daemon.cli.serve import claim_endpoint
 
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
@@ -292,7 +292,7 @@ def test_an_explicit_endpoint_directory_follows_the_same_rule(tmp_path):
 
 def test_served_model_name_is_the_gguf_file_name():
     """Issue 15, defect 6: the embedded model is called what the README calls it."""
-    from ridge.daemon.serve import served_name
+    from ridge.daemon.frontend.registry import served_name
     from ridge.quant.source import default_model_path
 
     readme = (DAEMON_DIR.parent / "README.md").read_text()
@@ -432,7 +432,7 @@ def test_notify_never_blocks_on_a_full_receiver(tmp_path):
 def test_journald_log_lines_carry_syslog_priorities():
     import logging
 
-    from ridge.daemon.serve import JournalFormatter
+    from ridge.daemon.cli.serve import JournalFormatter
 
     f = JournalFormatter("%(name)s: %(message)s")
     rec = logging.LogRecord("ridge.daemon", logging.WARNING, __file__, 1, "two\nlines", None, None)

@@ -14,7 +14,7 @@ import torch
 
 from engine_utils import make_engine
 from ridge.engine import rerank
-from ridge.engine.sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 from ridge.models.loader import load_model
 from ridge.quant.errors import ModelLoadError
 from test_families import V, build_hf

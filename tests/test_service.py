@@ -18,10 +18,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ridge.daemon import service
-from ridge.daemon.config import add_serve_args, all_options, default_config, resolve
-from ridge.daemon.endpoint import EndpointError, load_curve
-from ridge.daemon.serve import check_listeners
+from ridge.daemon.cli import service
+from ridge.daemon.cli.config import add_serve_args, all_options, default_config, resolve
+from ridge.daemon.transport.endpoint import EndpointError, load_curve
+from ridge.daemon.cli.serve import check_listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 RIDGE = Path(sys.executable).parent / "ridge"

@@ -14,7 +14,8 @@ import torch
 from engine_utils import assert_no_leak, load_tiny, make_engine, prompts
 from ridge.engine.request import Request
 from ridge.engine.sampler import apply_token_bitmask
-from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+from ridge.errors import InvalidRequest
+from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.scheduler import ScheduledRequest
 from ridge.engine.speculative.proposers import Draft
 from ridge.engine.structured.format import Constraint, parse_response_format

@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 
 from ridge.daemon import protocol as P
-from ridge.daemon.config import defaults
-from ridge.daemon.serve import limits
-from ridge.daemon.streams import InFlight
-from ridge.daemon.validate import Validator
+from ridge.daemon.cli.config import defaults
+from ridge.daemon.cli.serve import limits
+from ridge.daemon.frontend.streams import InFlight
+from ridge.daemon.frontend.validate import Validator
 from test_structured_smollm2 import engine  # noqa: F401  (its fixture: SmolLM2 in fp32, one thread)
 
 pytestmark = pytest.mark.slow

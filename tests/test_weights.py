@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridge.daemon.commands import weights_label
+from ridge.daemon.cli.commands import weights_label
 from ridge.engine.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 from ridge.engine.kv_tiers import disk_key

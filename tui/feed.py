@@ -18,7 +18,7 @@ import zmq
 
 from ridge.daemon import protocol
 from ridge.daemon.client import resolve_endpoint
-from ridge.daemon.endpoint import ipc_path, socket_alive
+from ridge.daemon.transport.endpoint import ipc_path, socket_alive
 
 MAX_FRAME = 64 << 20  # a stats frame lists at most running + 64 waiting requests; be generous
 SILENCE_S = 1.5  # no PUB frame for this long: ask `stats` over the DEALER

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
+
+from ridge.durations import FOREVER, parse_duration
 
 from .openai_api import ApiError, Generation, bad, ceiling
 from .ollama_schemas import ChatRequest, GenerateRequest, Options
@@ -53,26 +54,17 @@ async def card(link, name: str | None) -> dict:
     return {**(hello or {}), "name": found["name"], "kind": found.get("kind"), "entry": found}
 
 
-# -- keep_alive: Go's durations, as Ollama parses them ------------------------------------------------
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
+# -- keep_alive: the daemon's durations (ridge/durations.py), so that config.toml and this API agree --
 def keep_alive(value) -> float | None:
     """-> seconds (PINNED for a negative duration: held forever; 0: unloaded after the request),
-    None when absent. A number is seconds; a string is a Go duration ("5m", "1h30m", "-1s")."""
+    None when absent. A number is seconds; a string a duration ("5m", "1h30m", "-1s", "1d")."""
     if value is None:
         return None
-    if isinstance(value, (int, float)):
-        return PINNED if value < 0 else float(value)
-    text = value.strip()
-    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text.removeprefix("+"))
-    if body == "0":  # the one duration Go reads without a unit
-        return 0.0
-    if not re.fullmatch(f"(?:{_PART.pattern})+", body):
-        raise bad(f"keep_alive: {value!r} is not a duration (such as \"5m\", \"1h30m\" or -1)", "keep_alive")
-    seconds = sum(float(n) * _UNITS[u] for n, u in _PART.findall(body))
-    return PINNED if sign < 0 else seconds
+    try:
+        seconds = parse_duration(value)
+    except ValueError as e:
+        raise bad(str(e), "keep_alive") from None
+    return PINNED if seconds == FOREVER else seconds
 
 
 # -- options ---------------------------------------------------------------------------------------------

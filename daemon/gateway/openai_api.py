@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from ..sharing import http_salt
+from ..transport.sharing import http_salt
 from .schemas import FORMS, ChatCompletionRequest, CompletionRequest, Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end

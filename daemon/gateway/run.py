@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from ..endpoint import EndpointError
+from ..transport.endpoint import EndpointError
 from .app import build_app
 from .connections import CONNECTIONS, MAX_BACKLOG, connection_cap, guarded, raise_fd_limit
 from .link import DaemonLink

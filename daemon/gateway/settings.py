@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ridge.options import Option
 
-from ..endpoint import EndpointError, is_loopback
+from ..transport.endpoint import EndpointError, is_loopback
 
 DEFAULT_HTTP = "127.0.0.1:8000"
 OLLAMA_HTTP = "127.0.0.1:11434"  # Ollama's own port: its clients look there first

@@ -150,15 +150,6 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
-def make_engine(args, max_seqs: int):
-    from ridge.engine.config import engine_config
-    from ridge.engine.engine import LLMEngine
-
-    cfg = engine_config(args)
-    cfg.max_num_seqs = max(cfg.max_num_seqs, max_seqs)
-    return LLMEngine(cfg)
-
-
 def workload_for(args, engine=None, requests=None, lengths=None):
     from .workloads import make_workload
 
@@ -215,6 +206,7 @@ def part_hf(rep: Report, args, engine=None):
 
     res = {}
     if engine is None and not getattr(args, "no_ridge", False):
+        from .runs import make_engine
         engine = make_engine(args, args.in_flight)
     if engine is not None:
         from .runs import run_continuous, warm_up
@@ -391,6 +383,7 @@ def run_bench(args) -> int:
         need = max([getattr(args, "in_flight", 1)] + (_ints(args.batches) if name == "overhead" else [])
                    + ([args.batch] if name == "host" else [])
                    + ([64] if name == "all" else []))
+        from .runs import make_engine
         engine = make_engine(args, need)
         rep.set_env(engine)
         from .runs import warm_up

@@ -154,7 +154,7 @@ def _spawn(args, in_flight: int, poll_s: float = 0.2):
             cmd += o.argv(getattr(args, o.name))
     cmd += _share_the_gpu(args)  # after the user's flags: the last one wins
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    from ridge.daemon.endpoint import ipc_path, socket_alive
+    from ridge.daemon.transport.endpoint import ipc_path, socket_alive
     deadline = time.monotonic() + 600
     while not socket_alive(ipc_path(endpoint)):
         if proc.poll() is not None or time.monotonic() > deadline:

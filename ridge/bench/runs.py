@@ -21,6 +21,16 @@ from ridge.engine.sampling_params import SamplingParams
 from .workloads import QUESTIONS, Workload, continuous_steps, percentiles, static_bound, static_steps
 
 
+def make_engine(args, max_seqs: int):
+    """The engine a benchmark's options describe, with room for max_seqs requests at once."""
+    from ridge.engine.config import engine_config
+    from ridge.engine.engine import LLMEngine
+
+    cfg = engine_config(args)
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max_seqs)
+    return LLMEngine(cfg)
+
+
 @dataclass
 class Rec:
     index: int

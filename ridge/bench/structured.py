@@ -212,7 +212,7 @@ def part_overhead(rep, engine, args) -> None:
 
 
 def run_structured(args, rep) -> None:
-    from .command import make_engine
+    from .runs import make_engine
 
     if args.part in ("libraries", "all"):
         rep.set_env(None, args)

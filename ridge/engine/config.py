@@ -4,15 +4,18 @@ A field with a "help" is also a user option, and this declaration is its only
 one: ridge/options.py generates from it the flag (--field-name, or the
 metadata's "flag"), the RIDGE_* variable and the config-file key of
 `ridge serve`, the flags of `ridge generate --local` and `ridge bench`, and the
-EngineConfig built from their values. Fields without help are set by code."""
+EngineConfig built from their values. Fields without help are set by code; those
+with "per_model" a daemon's [models.NAME] table may set for one model's engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ridge.options import FP8_RECIPE, Option, add_options, fill, options_of
 from ridge.plan import WEIGHT_BYTES
+
+if TYPE_CHECKING:  # an annotation only: the options are read by the torch-free daemon registry
+    import torch
 
 
 def _opt(default, help: str, **meta):
@@ -26,18 +29,19 @@ class EngineConfig:
     device: str | None = _opt(None, "cuda or cpu (default: cuda if available)", example="cuda")
     kv_dtype: str | None = _opt(None, "KV cache dtype (default: fp8 on CUDA; on CPU bf16 with ridge's C kernels, "
                                 "else fp32; by measurement)",
-                                choices=("fp8", "bf16", "fp16", "fp32"), example="fp8")
-    block_size: int = _opt(16, "tokens per KV block")
-    max_model_len: int | None = _opt(None, "cap the context below the model's own", example=8192)
-    max_num_seqs: int = _opt(64, "requests in flight per step")
+                                choices=("fp8", "bf16", "fp16", "fp32"), example="fp8", per_model=True)
+    block_size: int = _opt(16, "tokens per KV block", per_model=True)
+    max_model_len: int | None = _opt(None, "cap the context below the model's own", example=8192, per_model=True)
+    max_num_seqs: int = _opt(64, "requests in flight per step", per_model=True)
     prefill_chunk: int | None = _opt(None, "largest prefill chunk per step (default: from the ridge point)",
-                                     example=512)  # engine/budget.py
-    num_kv_blocks: int | None = _opt(None, "fixed KV pool size instead of sizing from memory", example=4096)
-    kv_memory_gib: float | None = _opt(None, "cap on the KV pool", example=8.0)
+                                     example=512, per_model=True)  # engine/budget.py
+    num_kv_blocks: int | None = _opt(None, "fixed KV pool size instead of sizing from memory", example=4096,
+                                     per_model=True)
+    kv_memory_gib: float | None = _opt(None, "cap on the KV pool", example=8.0, per_model=True)
     gpu_reserve_gib: float = _opt(1.0, "GPU memory left for the desktop and others")
     cpu_kv_cap_gib: float = 4.0
     enable_prefix_caching: bool = _opt(True, "turn off the prefix cache (KV blocks shared by prompts that "
-                                             "start alike)", flag="--no-prefix-caching")
+                                             "start alike)", flag="--no-prefix-caching", per_model=True)
     kv_host_gib: float | None = _opt(None, "host-RAM tier of prefix KV blocks, which the pool evicts to (default: a "
                                            "quarter of the free RAM, at most 8 GiB; 0: off)", example=4.0)
     kv_disk: bool = _opt(True, "turn off the disk tier of prefix KV blocks, which survives restarts",
@@ -52,12 +56,13 @@ class EngineConfig:
                                   flag="--fixed-threads")
     weights: str = _opt("fp8", "weights in memory: fp8 (e4m3, scaled as --fp8-recipe says; upcast at load on CPU), "
                         "or the source's values unquantized in bf16 (on CPU held in fp32) or fp32",
-                        choices=tuple(WEIGHT_BYTES))
+                        choices=tuple(WEIGHT_BYTES), per_model=True)
     fp8_recipe: str | None = _opt(None, FP8_RECIPE.help + f" (default: {FP8_RECIPE.default})", example="g32")
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
                                      example=295.0)
-    speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off")
-    num_speculative_tokens: int = _opt(8, "most drafts per request per step")
+    speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off",
+                            per_model=True)
+    num_speculative_tokens: int = _opt(8, "most drafts per request per step", per_model=True)
     cuda_graph: bool | None = _opt(None, "replay pure-decode steps as CUDA graphs (auto: on CUDA)")
     async_scheduling: bool | None = _opt(None, "overlap scheduling: schedule step N+1 while step N runs "
                                                "(auto: on CUDA)")
@@ -65,9 +70,9 @@ class EngineConfig:
                                 "its tokens' final states, a reranker that judges yes/no with its head (rank: "
                                 "Qwen3-Reranker), or none (it generates); auto: as its metadata says "
                                 "(sentence-transformers' Pooling module, GGUF's pooling_type), else none",
-                        choices=("auto", "last", "mean", "rank", "none"))
+                        choices=("auto", "last", "mean", "rank", "none"), per_model=True)
     cpu_weight_format: str = _opt("auto", "CPU weights: auto (measured at start-up) | fp32 | bf16:N "
-                                          "(bf16 for steps of <= N tokens)")
+                                          "(bf16 for steps of <= N tokens)", per_model=True)
     deterministic: bool = _opt(False, "a request's tokens the same whatever its batch mates, prefill chunks and "
                                       "speculation: batch-invariant products and attention, sampling keyed by seed "
                                       "and position (a request's params.deterministic overrides it)")

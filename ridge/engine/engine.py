@@ -15,7 +15,7 @@ import torch
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
 from ridge.config import draft_table_mismatch
-from ridge.errors import internal_error
+from ridge.errors import InvalidRequest, internal_error
 from ridge.models.loader import LoadedModel, load_model
 
 from ridge.kernels import native, ops
@@ -31,7 +31,7 @@ from .pooling import pooled_output, resolve_pooling
 from .rerank import judged_tokens, prompt_ids, scores
 from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
-from .sampling_params import InvalidRequest, SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sizing import measure_activation_peak, plan_memory
 from .speculative import build_speculator, plan_speculation
@@ -207,7 +207,7 @@ class LLMEngine:
                     cache_salt: str = "", checked: bool = False) -> str:
         """prompt: token ids or raw text. cache_salt: the request shares prefix blocks only with
         requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission.
-        checked: the daemon's validator (daemon/validate.py) admitted prompt and params by these
+        checked: the daemon's validator (daemon/frontend/validate.py) admitted prompt and params by these
         rules already, max_tokens fitted to the context and the constraint compiled, so they are
         not checked again (its compilation is a cache hit of the compiler both share)."""
         params = params or SamplingParams()

@@ -4,9 +4,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 
-
-class InvalidRequest(ValueError):
-    """A request the engine can never serve; rejected at admission."""
+from ridge.errors import InvalidRequest
 
 
 @dataclass(slots=True)
@@ -30,7 +28,7 @@ class SamplingParams:
     # What the output must be (structured/format.py): OpenAI's json_schema / json_object, or
     # ridge's regex / grammar. None or {"type": "text"}: free text.
     response_format: dict | None = None
-    # The grammar the daemon composes for a chat turn (tools, reasoning; daemon/chat_grammar.py), in
+    # The grammar the daemon composes for a chat turn (tools, reasoning; daemon/frontend/chat_grammar.py), in
     # llguidance's own form; it replaces the response_format's, which it embeds. Not on the wire.
     chat_grammar: str | None = None
     # Special tokens whose text the output keeps (chat markers the daemon reads, such as Llama 3's

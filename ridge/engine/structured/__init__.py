@@ -14,7 +14,7 @@ at these points:
   finish  LLMEngine._forget       on_finish(req): the matcher holds the whole output
 
 The daemon's validator compiles with the engine's GrammarCompiler; its chat grammar
-(daemon/chat_grammar.py: tools, reasoning) takes JSON_WHITESPACE and named_grammars."""
+(daemon/frontend/chat_grammar.py: tools, reasoning) takes JSON_WHITESPACE and named_grammars."""
 from .constraints import Constraints
 
 __all__ = ["Constraints"]

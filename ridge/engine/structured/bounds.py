@@ -34,7 +34,7 @@ import re
 import threading
 import time
 
-from ..sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 
 STACK_BYTES = 64 << 20  # address space only: pages are committed as a deep compile touches them
 MAX_CHAIN = 5000  # the lowest measured crash at STACK_BYTES is 21,400 (Lark rules): over 4x margin

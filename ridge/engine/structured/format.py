@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 
 TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 _FIELDS = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"},

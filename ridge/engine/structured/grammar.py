@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from ..sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 from .bounds import check_chain, check_gbnf, run_bounded
 from .format import Constraint
 

@@ -8,7 +8,7 @@ from collections import deque
 
 import zmq
 
-from .protocol import SUPPORTED
+from ..protocol import SUPPORTED
 
 
 class Peer:
@@ -17,7 +17,7 @@ class Peer:
 
     def __init__(self, key, sock: zmq.Socket, ident: bytes, identity: str = ""):
         self.key, self.sock, self.ident = key, sock, ident
-        self.identity = identity  # who is at the other end, for prefix sharing (daemon/sharing.py)
+        self.identity = identity  # who is at the other end, for prefix sharing (daemon/transport/sharing.py)
         self.requests: dict = {}  # client id -> InFlight
         self.dirty: dict = {}  # InFlight with frames to take, in arrival order (a dict as an ordered set)
         self.outq: deque[bytes] = deque()  # encoded frames the socket had no room for yet

@@ -4,7 +4,7 @@ when the engine's output for the last of them comes back. The server holds it as
 InFlight (streams.py): the same aborts, timeouts and drain."""
 from __future__ import annotations
 
-from .protocol import message, pack
+from ..protocol import message, pack
 
 
 class EmbedFlight:

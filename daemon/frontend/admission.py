@@ -12,7 +12,7 @@ piece of daemon state stays on one thread.
 
 Fair shares (issue 38): on 2 cores there is one worker, so whoever's work runs
 decides everyone's latency. Work waits in one queue per connection, grouped by
-principal (the identity the transport proves: daemon/sharing.py), and the
+principal (the identity the transport proves: daemon/transport/sharing.py), and the
 workers serve principals round-robin, then each principal's connections
 round-robin: opening more connections or sending more work buys a principal
 nothing over another. Work that is a generator (a rerank) runs one step per
@@ -25,9 +25,9 @@ import threading
 import types
 from collections import OrderedDict, deque
 
-from . import protocol as P
-from .protocol import ProtocolError
-from .wake import drain, poke, wake_pipe
+from .. import protocol as P
+from ..protocol import ProtocolError
+from ..transport.wake import drain, poke, wake_pipe
 
 # One core is left to the socket and engine threads: on 2 cores, 2 workers made health's p99
 # 17-30 ms under load, 1 worker 5 ms (docs/benchmarks.md, health under admission load).

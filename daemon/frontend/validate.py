@@ -10,16 +10,17 @@ import re
 from dataclasses import dataclass
 
 from ridge.engine import rerank as judging
-from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+from ridge.errors import InvalidRequest
+from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.structured.grammar import GrammarCompiler
 
+from ..protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
+                        MAX_EMBED_INPUTS, Limits, ProtocolError, check_keys, fail, is_int, is_num, speaks,
+                        token_list, too_old)
 from . import harmony
 from .chat_format import HARMONY, chat_format, ridge_tool_messages
 from .chat_grammar import closed, turn_grammar
 from .chat_output import OutputSpec
-from .protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
-                       MAX_EMBED_INPUTS, UNKNOWN_TYPE, Limits, ProtocolError, check_keys, fail, is_int, is_num,
-                       token_list)
 from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
 _NUM, _INT, _BOOL = "a finite number", "an integer", "a boolean"
@@ -106,7 +107,7 @@ class Validator:
             raise fail("cache_salt", f"a non-empty string of at most {MAX_SALT_BYTES} bytes, or nil", rid)
         d, budget = self.param_fields(body.get("params", {}), env.v, rid)
         output = None
-        if "messages" in body and env.v >= 2:
+        if "messages" in body and speaks(env.v, "tools"):
             ids, text, turn = self.chat_prompt(body, rid)
             d, output = self.chat_output(turn, text, d, budget, rid)
         else:
@@ -182,7 +183,7 @@ class Validator:
         """-> (the SamplingParams fields, the reasoning budget)."""
         if not isinstance(raw, dict):
             raise fail("params", "a map", rid)
-        if version >= 2 and "max_reasoning_tokens" in raw:
+        if speaks(version, "tools") and "max_reasoning_tokens" in raw:
             raw = dict(raw)
             budget = raw.pop("max_reasoning_tokens")
             if not (is_int(budget) and 0 <= budget <= self.limits.max_tokens):
@@ -226,14 +227,14 @@ class Validator:
             if not isinstance(body[key], str):
                 raise fail("prompt", "a string", rid)
             return self.encode_text(body[key], True, rid)
-        return self.encode_chat(check_messages(body[key], rid, self.limits.max_messages, 1), rid)
+        return self.encode_chat(check_messages(body[key], rid, self.limits.max_messages, tools=False), rid)
 
     def chat_prompt(self, body: dict, rid: str | None) -> tuple[list[int], str, ChatTurn]:
         """A version-2 chat: -> (its ids, its rendered text, the turn)."""
         if given := [k for k in PROMPT_KEYS if k in body and k != "messages"]:
             raise ProtocolError(INVALID_FIELD, f"give exactly one of prompt, messages, prompt_token_ids "
                                 f"(got messages, {', '.join(given)})", rid)
-        turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, 2), rid)
+        turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, tools=True), rid)
         if turn.calls and self.chat.tool_format is None:
             raise ProtocolError(INVALID_REQUEST, "this model's chat template writes tool calls in a format ridge "
                                 "does not read (docs/protocol.md §3.2.3)", rid)
@@ -293,8 +294,8 @@ class Validator:
         """embed, its fields checked at once and its inputs then tokenized one per step of the
         generator it returns (admission.py runs them in turns with other clients' work)."""
         rid, body = env.id, env.body
-        if env.v < 3:
-            raise ProtocolError(UNKNOWN_TYPE, f"embed is a version 3 message; this one is version {env.v}", rid)
+        if not speaks(env.v, "embed"):
+            raise too_old("embed", env.v, rid)
         if self.embedding_size is None:
             raise ProtocolError(INVALID_REQUEST, "this daemon serves a model that generates text and has no "
                                 "embeddings (serve an embedding model, or one with --pooling last|mean)", rid)
@@ -341,8 +342,8 @@ class Validator:
         """Each document's judging prompt (engine/rerank.py), admitted as an embed's inputs are, in
         steps as embed_steps."""
         rid, body = env.id, env.body
-        if env.v < 4:
-            raise ProtocolError(UNKNOWN_TYPE, f"rerank is a version 4 message; this one is version {env.v}", rid)
+        if not speaks(env.v, "rerank"):
+            raise too_old("rerank", env.v, rid)
         if not self.ranks:
             raise ProtocolError(INVALID_REQUEST, "this model is not a reranker (serve one whose metadata says so, "
                                 "or with --pooling rank)", rid)
@@ -426,11 +427,11 @@ class Validator:
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise fail("add_special_tokens", _BOOL, rid)
-        if "messages" in body and env.v >= 2:
-            turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, 2), rid)
+        if "messages" in body and speaks(env.v, "tools"):
+            turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, tools=True), rid)
             return self.tokenizer.encode_rendered(self.render(turn, rid))
         if "messages" in body:
-            return self.encode_chat(check_messages(body["messages"], rid, self.limits.max_messages, 1), rid)
+            return self.encode_chat(check_messages(body["messages"], rid, self.limits.max_messages, tools=False), rid)
         if "tools" in body or "chat_template_kwargs" in body:
             raise fail("tools" if "tools" in body else "chat_template_kwargs", "given only with messages", rid)
         if not isinstance(body["text"], str):

@@ -1,5 +1,5 @@
 """The pipe a worker thread pokes to wake the socket thread's poll (the engine thread's
-outputs, daemon/engine_loop.py; admission results, daemon/admission.py)."""
+outputs, daemon/frontend/engine_loop.py; admission results, daemon/frontend/admission.py)."""
 from __future__ import annotations
 
 import os

@@ -74,7 +74,8 @@ def _messages(args) -> list[dict]:
 def run_local(args) -> int:
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
-    from ridge.engine.sampling_params import InvalidRequest, SamplingParams
+    from ridge.engine.sampling_params import SamplingParams
+    from ridge.errors import InvalidRequest
 
     engine = LLMEngine(engine_config(args))
     ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.tokenizer.encode_chat(_messages(args))
@@ -99,7 +100,7 @@ def run_local(args) -> int:
 
 
 def run_through_daemon(args) -> int:
-    from .client import RidgeError
+    from ..client import RidgeError
 
     got = connect(args.endpoint)
     if got is None:

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .protocol import ProtocolError, fail
+from ..protocol import SINCE, ProtocolError, fail, speaks
 
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -60,14 +60,14 @@ class ChatTurn:
 
 
 # -- checks ----------------------------------------------------------------------------------
-def check_messages(x, rid: str | None, max_messages: int, version: int) -> list[dict]:
-    """Version 1: {role, content: str}. Version 2 adds OpenAI's tool calls, tool results and
-    reasoning_content (§3.2.3)."""
+def check_messages(x, rid: str | None, max_messages: int, tools: bool) -> list[dict]:
+    """Without tools (protocol version 1): {role, content: str}. With them (SINCE["tools"]):
+    OpenAI's tool calls, tool results and reasoning_content too (§3.2.3)."""
     if not isinstance(x, list) or not x or len(x) > max_messages:
         raise fail("messages", f"a non-empty array of at most {max_messages} maps", rid)
     for i, m in enumerate(x):
         where = f"messages[{i}]"
-        if version < 2:
+        if not tools:
             if not isinstance(m, dict) or set(m) - {"role", "content"}:
                 raise fail(where, "a map with exactly the keys role and content", rid)
         elif not isinstance(m, dict) or set(m) - MESSAGE_KEYS:
@@ -165,11 +165,11 @@ def _choice(raw, names: set[str], rid: str | None) -> tuple[str, str | None]:
 
 
 def version_fields(body: dict, version: int, rid: str | None) -> None:
-    """The version-2 fields are refused, by name, in a version-1 message."""
-    if version < 2:
+    """The tools' fields are refused, by name, in a message of a version before them."""
+    if not speaks(version, "tools"):
         for k in V2_FIELDS:
             if k in body:
-                raise ProtocolError("invalid_field", f"{k} needs protocol version 2", rid)
+                raise ProtocolError("invalid_field", f"{k} needs protocol version {SINCE['tools']}", rid)
 
 
 # -- the messages as the template reads them -------------------------------------------------------

@@ -5,18 +5,20 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import re
 import signal
 import sys
 from pathlib import Path
 
+from ridge.durations import parse_duration
+
+from ..frontend.registry import Entry, Registry, default_models_dir, served_name
+from ..gateway.settings import GatewaySettings, gateway_settings
+from ..protocol import Limits
+from ..transport.endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_pub,
+                                  check_tcp, ipc_path, load_curve, prepare_dir, pub_endpoint_for, system_endpoint,
+                                  user_endpoint)
+from ..transport.notify import Notifier
 from .config import resolve
-from .endpoint import (SYSTEM_GROUP, SYSTEM_MODE, USER_MODE, EndpointError, EndpointLock, check_pub, check_tcp,
-                       ipc_path, load_curve, prepare_dir, pub_endpoint_for, system_endpoint, user_endpoint)
-from .gateway.settings import GatewaySettings, gateway_settings
-from .notify import Notifier
-from .protocol import Limits
-from .registry import Entry, Registry, default_models_dir, parse_duration
 
 log = logging.getLogger("ridge.daemon")
 
@@ -50,19 +52,6 @@ def _version() -> str:
         return version("ridge")
     except Exception:
         return "dev"
-
-
-_QUANT_TAG = re.compile(r"[.\-_](?:I?Q\d\w*|B?F16|F32|FP8)$", re.IGNORECASE)
-
-
-def served_name(model: dict) -> str:
-    """A GGUF's file name is the name people know it by (SmolLM2-135M-Instruct.Q4_1.gguf ->
-    SmolLM2-135M-Instruct); its general.name is often a converter's rendering of it ("Smollm2
-    135M 8k Lc100K Mix1 Ep2"). Other models keep the name the engine read."""
-    path = Path(model.get("path") or "")
-    if path.suffix.lower() == ".gguf":
-        return _QUANT_TAG.sub("", path.stem) or model["name"]
-    return model["name"]
 
 
 def limits(c: dict, max_model_len: int) -> Limits:
@@ -114,7 +103,7 @@ def new_engine(values: dict, loaded=None):
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
 
-    from .models import unpark
+    from ..frontend.memory import unpark
 
     if loaded is not None:
         try:
@@ -135,7 +124,7 @@ def run_serve(args) -> int:
         sys.stdout.write(f"# -> listening on {ep}{' and ' + c['tcp'] if c['tcp'] else ''}, stats on {pub}\n")
         return 0
     setup_logging()
-    from .gateway.connections import raise_fd_limit
+    from ..gateway.connections import raise_fd_limit
     # Socket clients, HTTP connections, model files and the KV tier share the open-file limit, and
     # systemd's soft default (1024) is what a few hundred clients use up: the hard limit is the budget.
     raise_fd_limit()
@@ -149,7 +138,7 @@ def run_serve(args) -> int:
         gateway = check_listeners(c, system, curve)
         ollama = gateway_settings(c, default_http=None, system=system, key="ollama")
         lock = claim_endpoint(endpoint, system)
-        from .gateway.run import listen
+        from ..gateway.run import listen
         for settings, is_ollama in ((gateway, False), (ollama, True)):
             if settings is not None:  # bound now: a port in use fails before the model loads
                 http.append((settings, listen(settings), is_ollama))
@@ -166,9 +155,10 @@ def run_serve(args) -> int:
 
 def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | None = None,
            where: str = "config.toml") -> int:
-    from .engine_loop import EngineLoop
-    from .models import Models, park, plan_sharing
-    from .server import Server, make_validator
+    from ..frontend.engine_loop import EngineLoop
+    from ..frontend.memory import park, plan_sharing
+    from ..frontend.models import Models
+    from ..server import Server, make_validator
 
     notifier = Notifier()
     notifier.status("loading the model")
@@ -177,7 +167,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
     memory, parked, share = plan_sharing(c, registry)
 
     def build(entry: Entry, loaded=None, kv_gib: float | None = None) -> EngineLoop:
-        """One model's engine, built on its own thread (engine_loop.py): the daemon's options, the
+        """One model's engine, built on its own thread (frontend/engine_loop.py): the daemon's options, the
         entry's over them, and its share of the KV budget unless the entry sets its own."""
         values = {**c, **entry.options, "model": entry.path}
         if kv_gib is not None and values["num_kv_blocks"] is None:
@@ -217,7 +207,7 @@ def _serve(c: dict, endpoint: str, system: bool, curve, http=(), table: dict | N
 
 
 def _server_config(c: dict, endpoint: str, system: bool, curve, max_model_len: int):
-    from .server import ServerConfig
+    from ..server import ServerConfig
 
     pub = c["pub_endpoint"] if c["pub_endpoint"] is not None else pub_endpoint_for(endpoint)
     return ServerConfig(endpoint=endpoint, tcp=c["tcp"], pub_endpoint=None if pub == "none" else pub, curve=curve,
@@ -233,7 +223,7 @@ def _run(server, cfg, models, http, c: dict, endpoint: str, notifier) -> int:
     gateways = []
     try:
         server.bind()
-        from .gateway.run import GatewayThread
+        from ..gateway.run import GatewayThread
         for settings, sock, is_ollama in http:
             gateways.append(GatewayThread(settings, endpoint, sock, ollama_api=is_ollama))
             gateways[-1].start()

@@ -24,9 +24,9 @@ from datetime import datetime
 
 from ridge.engine.structured.grammar import JSON_WHITESPACE, named_grammars
 
+from ..protocol import ProtocolError
 from .chat_format import HARMONY_TOKENS as TOKENS
 from .chat_output import Parsed
-from .protocol import ProtocolError
 
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 EFFORTS = ("low", "medium", "high")

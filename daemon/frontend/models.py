@@ -7,7 +7,6 @@ One load at a time: no engine sizes its KV pool while another is being built or 
 each is given its share of the KV budget explicitly (docs/architecture.md, "Many models")."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -15,10 +14,13 @@ from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
-from . import protocol as P
+from ridge.durations import FOREVER, parse_duration, wire_duration
+
+from .. import protocol as P
+from ..protocol import ProtocolError, message
+from .memory import release_memory
 from .model_files import Facts, ModelFiles, stat_key
-from .protocol import ProtocolError, message
-from .registry import FOREVER, Entry, Registry, parse_duration, wire_duration
+from .registry import Entry, Registry
 
 log = logging.getLogger("ridge.daemon.models")
 
@@ -138,9 +140,9 @@ class Models:
         """A generate or embed: its `model` picks the slot (loaded now if it is not), its
         `keep_alive` how long the model stays once it is done."""
         body = env.body
-        if env.v < 3 and (given := [k for k in ("model", "keep_alive") if k in body]):
-            raise ProtocolError(P.INVALID_FIELD, f"{given[0]} is a version 3 field; this message is version {env.v}",
-                                env.id)
+        if not P.speaks(env.v, "models") and (given := [k for k in ("model", "keep_alive") if k in body]):
+            raise ProtocolError(P.INVALID_FIELD, f"{given[0]} is a version {P.SINCE['models']} field; this message "
+                                f"is version {env.v}", env.id)
         name, keep = body.pop("model", None), body.pop("keep_alive", None)
         if name is not None and not isinstance(name, str):
             raise P.fail("model", "a string (a name `models` lists)", env.id)
@@ -223,8 +225,8 @@ class Models:
             slot.waiting.clear()
 
     def _tell(self, w: Waiting, slot: Slot, now: float) -> None:
-        """A loading event (docs/protocol.md §3.10) to a v3 client; older ones only wait."""
-        if w.peer.version < 3 or w.peer.gone:
+        """A loading event (docs/protocol.md §3.10) to a client of version 3 on; older ones only wait."""
+        if not P.speaks(w.peer.version, "models") or w.peer.gone:
             return
         f = message("loading", w.env.id, model=slot.name, stage=slot.state,
                     elapsed=0.0 if slot.load_started is None else now - slot.load_started)
@@ -293,7 +295,7 @@ class Models:
             return
         engine = slot.engine = slot.loop.engine
         slot.load_seconds = time.monotonic() - slot.load_started
-        if engine.loaded is not slot.parked:  # none was parked, or the copy failed (serve.new_engine)
+        if engine.loaded is not slot.parked:  # none was parked, or the copy failed (cli/serve.py new_engine)
             slot.load_from = "cache" if engine.loaded.from_cache else "convert"
         slot.parked = None
         self._measure(slot)
@@ -453,94 +455,3 @@ def _file(path: str | None) -> tuple | None:
 
 def _format(path: str | None) -> str:
     return "missing" if not path else Path(path).suffix.lstrip(".").lower() or "safetensors"
-
-
-def release_memory() -> None:
-    """What an unloaded engine held goes back to the system: its tensors once nothing refers to
-    them, the CUDA allocator's cached blocks, and glibc's free heap (malloc_trim), which the
-    engine's mallopt (cpu_format.keep_freed_memory) would otherwise keep mapped."""
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def plan_sharing(c: dict, registry: Registry) -> tuple[int | None, int, float | None]:
-    """-> (the bytes loaded models may hold together, the host bytes for parked weights, each
-    engine's KV budget in GiB). A daemon that knows one model sizes its pool as it always did
-    (None); one that knows more splits the KV budget (kv_memory_gib, else what one engine would
-    take: cpu_kv_cap_gib on CPU, half the device's free memory less its reserve on CUDA) evenly
-    over max_loaded_models, so that a later load never finds the memory taken."""
-    import psutil
-    import torch
-
-    from ridge.engine.config import EngineConfig
-
-    gib = 1 << 30
-    cuda = (c["device"] or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    free_ram = psutil.virtual_memory().available
-    reserve = int(c["gpu_reserve_gib"] * gib)
-    if c["models_memory_gib"] is not None:
-        memory = int(c["models_memory_gib"] * gib)
-    elif cuda:
-        memory = torch.cuda.mem_get_info()[1] - reserve
-    else:
-        memory = int(0.75 * free_ram)
-    parked = int(c["parked_gib"] * gib) if c["parked_gib"] is not None else free_ram // 4
-    if len(registry.entries()) == 1:
-        return memory, parked, None
-    if c["kv_memory_gib"] is not None:
-        budget = c["kv_memory_gib"]
-    elif cuda:
-        budget = (torch.cuda.mem_get_info()[0] - reserve) / 2 / gib
-    else:
-        budget = EngineConfig.cpu_kv_cap_gib
-    return memory, parked, budget / c["max_loaded_models"]
-
-
-def _move(model, to) -> None:
-    """Every tensor a model holds (parameters, buffers, and tensors kept as plain attributes,
-    such as rope tables and CPU-format copies) through `to`."""
-    import torch
-
-    for m in model.modules():
-        for table in (m._parameters, m._buffers):
-            for k, t in table.items():
-                if t is not None:
-                    moved = to(t.data)
-                    table[k] = torch.nn.Parameter(moved, requires_grad=False) \
-                        if isinstance(t, torch.nn.Parameter) else moved
-        for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor):
-                setattr(m, k, to(v))
-
-
-def park(engine):
-    """On an engine's thread as it ends: its converted weights, kept for the next load of the
-    model. On CPU they are host memory already; a GPU's are copied to pinned host memory."""
-    loaded = engine.loaded
-    if loaded.device.type == "cuda":
-        _move(loaded.model, lambda t: t.to("cpu").pin_memory())
-    return loaded
-
-
-def unpark(loaded, device: str | None):
-    """The weights park() kept, back on the device they ran on: a copy, not a conversion. Raises
-    if a tensor stayed behind (one held where _move does not look)."""
-    if loaded.device.type == "cuda":
-        import torch
-
-        _move(loaded.model, lambda t: t.to(loaded.device, non_blocking=True))
-        torch.cuda.synchronize(loaded.device)
-        left = [t for m in loaded.model.modules()
-                for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
-                if isinstance(t, torch.Tensor) and t.device != loaded.device]
-        if left:
-            raise RuntimeError(f"{len(left)} tensors of the parked model are not on {loaded.device}")
-    return loaded

@@ -1,5 +1,5 @@
 """The daemon's subcommands: `ridge serve`, `ridge chat`, `ridge status`, and
-what `ridge generate` shares with them (daemon/generate.py)."""
+what `ridge generate` shares with them (daemon/cli/generate.py)."""
 from __future__ import annotations
 
 import json
@@ -37,7 +37,7 @@ def add_daemon_parsers(sub) -> None:
     from ridge.options import add_options
 
     from .config import add_serve_args
-    from .gateway.settings import GATEWAY_OPTIONS
+    from ..gateway.settings import GATEWAY_OPTIONS
 
     s = sub.add_parser("serve", help="run the daemon: serve a model over ZeroMQ (docs/protocol.md)",
                        description="Options come from flags, then RIDGE_* variables, then "
@@ -83,7 +83,7 @@ def gateway_endpoint(values: dict, keyed: bool) -> str | None:
     """The daemon `ridge gateway` serves (None: found on each connect, as every client finds it).
     A gateway without a key is pinned at start to the daemon found then, or to the user socket, so
     that it never falls back to the system socket later: in front of that one it needs a key."""
-    from .endpoint import find_daemon, system_endpoint, user_endpoint
+    from ..transport.endpoint import find_daemon, system_endpoint, user_endpoint
 
     given = values["endpoint"] or (system_endpoint() if values["system"] else None)
     if given or keyed:
@@ -93,9 +93,9 @@ def gateway_endpoint(values: dict, keyed: bool) -> str | None:
 
 def run_gateway(args) -> int:
     from .config import resolve
-    from .endpoint import EndpointError, system_endpoint
-    from .gateway.run import run_foreground
-    from .gateway.settings import gateway_settings, refuse_keyless_system
+    from ..transport.endpoint import EndpointError, system_endpoint
+    from ..gateway.run import run_foreground
+    from ..gateway.settings import gateway_settings, refuse_keyless_system
     from .serve import setup_logging
 
     values = resolve(args).values  # the daemon's config file too: the endpoint it serves, the gateway's keys
@@ -113,7 +113,7 @@ def run_gateway(args) -> int:
 
 def connect(endpoint: str | None):
     """-> (Client, hello reply), or None after saying plainly that no daemon runs."""
-    from .client import Client, DaemonUnavailable
+    from ..client import Client, DaemonUnavailable
 
     try:
         client = Client(endpoint, timeout=30.0)
@@ -146,7 +146,7 @@ CHAT_HELP = "Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits;
 
 
 def run_chat(args) -> int:
-    from .client import RidgeError
+    from ..client import RidgeError
 
     got = connect(args.endpoint)
     if got is None:
@@ -196,7 +196,7 @@ def _gib(n) -> str:
 
 
 def run_status(args) -> int:
-    from .client import RidgeError
+    from ..client import RidgeError
 
     got = connect(args.endpoint)
     if got is None:
@@ -218,7 +218,7 @@ def run_status(args) -> int:
 
 def run_models(args) -> int:
     """The daemon's `models` reply; with no daemon running, what its configuration would serve."""
-    from .client import Client, DaemonUnavailable, RidgeError
+    from ..client import Client, DaemonUnavailable, RidgeError
 
     try:
         client = Client(args.endpoint, timeout=30.0)
@@ -243,11 +243,11 @@ def offline_models(args) -> dict:
     import argparse
     import time
 
+    from ridge.durations import parse_duration, wire_duration
     from ridge.quant.source import resolve_model_path
 
+    from ..frontend.registry import Entry, Registry, default_models_dir, served_name
     from .config import resolve
-    from .registry import Entry, Registry, default_models_dir, parse_duration, wire_duration
-    from .serve import served_name
 
     res = resolve(argparse.Namespace(config=args.config))
     c = res.values

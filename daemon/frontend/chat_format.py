@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 
-# gpt-oss's harmony (daemon/harmony.py): its markers, every one a special token
+# gpt-oss's harmony (daemon/frontend/harmony.py): its markers, every one a special token
 HARMONY_TOKENS = {"start": "<|start|>", "channel": "<|channel|>", "message": "<|message|>", "end": "<|end|>",
                   "call": "<|call|>", "return": "<|return|>", "constrain": "<|constrain|>"}
 

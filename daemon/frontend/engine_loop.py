@@ -18,10 +18,10 @@ import threading
 import time
 from collections import deque
 
-from ridge.engine.sampling_params import InvalidRequest
+from ridge.errors import InvalidRequest
 from ridge.errors import internal_error
 
-from .wake import drain, poke, wake_pipe
+from ..transport.wake import drain, poke, wake_pipe
 
 log = logging.getLogger("ridge.daemon.engine")
 
@@ -33,7 +33,7 @@ OUTBOX_STEPS = 64
 
 class HeldOutputs:
     """Outputs the socket thread has not taken, one per sample: token ids, text and logprobs
-    appended, the rest (counts, finish, timings) the latest, as daemon/streams.py merges them for
+    appended, the rest (counts, finish, timings) the latest, as daemon/frontend/streams.py merges them for
     a slow client."""
 
     def __init__(self):
@@ -67,7 +67,7 @@ class EngineLoop(threading.Thread):
     """outbox items: ("out", [RequestOutput]), ("reject", engine_id, message, error code), ("dead", message),
     and once the engine is built ("ready",) or ("failed", message)."""
 
-    def __init__(self, make_engine, stats_interval: float):  # the option's value (daemon/config.py)
+    def __init__(self, make_engine, stats_interval: float):  # the option's value (daemon/cli/config.py)
         super().__init__(name="ridge-engine", daemon=True)
         self._make_engine = make_engine
         self.engine = None
@@ -86,7 +86,7 @@ class EngineLoop(threading.Thread):
         self.snapshot: tuple[int, float, dict] = (0, time.time(), {})  # (seq, unix time, engine.stats())
         self._last_stats = time.monotonic()
         self._stats_failing = False  # logged once per spell of failed reads
-        self.park = None  # engine -> what of it outlives the loop (daemon/models.py: its weights), run on exit
+        self.park = None  # engine -> what of it outlives the loop (frontend/memory.py park: its weights), run on exit
         self.parked = None
 
     def start_engine(self, timeout: float | None = None):

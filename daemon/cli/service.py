@@ -21,8 +21,9 @@ from .config import default_config, resolve
 UNIT = "ridge.service"
 SYSTEM_USER = "ridge"
 GPU_GROUPS = ("video", "render")  # device node groups on most distributions; only those that exist are used
-PACKAGING = Path(__file__).resolve().parent.parent / "packaging"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "service.md"
+REPO = Path(__file__).resolve().parents[2]  # daemon/cli/service.py -> the source checkout
+PACKAGING = REPO / "packaging"
+DOCS = REPO / "docs" / "service.md"
 STOP_MARGIN_S = 15  # TimeoutStopSec = drain_grace + this: the drain, then the final frames and exit
 SYSTEM_API_KEY = Path("etc/ridge/api_key")  # made by `install --system --http` when the config names no key
 
@@ -104,8 +105,8 @@ def _config_values(scope: Scope) -> dict:
 def check_http(scope: Scope, http: str, key: str | None = None) -> str | None:
     """Why the daemon would refuse to serve HTTP on `http` with this scope's config file (and `key`,
     the one this install makes), or None."""
-    from .endpoint import EndpointError
-    from .gateway.settings import gateway_settings
+    from ..transport.endpoint import EndpointError
+    from ..gateway.settings import gateway_settings
 
     vals = _config_values(scope)
     try:
@@ -286,7 +287,7 @@ def uninstall(scope: Scope) -> int:
 
 
 def status(scope: Scope) -> int:
-    from .endpoint import ipc_path, socket_alive, system_endpoint, user_endpoint
+    from ..transport.endpoint import ipc_path, socket_alive, system_endpoint, user_endpoint
 
     unit = scope.unit_path
     if unit.exists():
@@ -319,7 +320,7 @@ def _unit_http(unit_text: str) -> str | None:
 def _http_alive(addr: str) -> bool:
     import socket
 
-    from .gateway.settings import parse_address
+    from ..gateway.settings import parse_address
     host, port = parse_address(addr)
     try:
         socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "::") else host, port), 1.0).close()

@@ -2,61 +2,39 @@
 directory, the `[models.NAME]` tables of config.toml, and the model it started with (the
 embedded SmolLM2 or `--model`), which a request naming no model gets.
 
-Plain data: names, paths, per-model options and durations. Loading them is daemon/models.py's."""
+Plain data, and torch-free: names, paths, durations (ridge/durations.py) and the engine options a
+[models.NAME] table may set, those declared per_model (ridge/engine/config.py). Loading them is
+models.py's."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ridge.durations import parse_duration
 from ridge.engine.config import engine_options
 
 log = logging.getLogger("ridge.daemon.models")
 
-FOREVER = math.inf  # keep_alive -1 (or any negative): never unloaded for idleness
-# The engine options a [models.NAME] table may set: what one engine is built with. The daemon-wide
-# ones (threads, devices, the KV tiers' places) stay the daemon's.
-PER_MODEL = ("max_model_len", "kv_dtype", "block_size", "max_num_seqs", "prefill_chunk", "num_kv_blocks",
-             "kv_memory_gib", "weights", "speculative", "num_speculative_tokens", "pooling", "cpu_weight_format",
-             "no_prefix_caching")
+# The engine options a [models.NAME] table may set (declared per_model on the options themselves,
+# ridge/engine/config.py): what one engine is built with. The daemon-wide ones (threads, devices,
+# the KV tiers' places) stay the daemon's.
+PER_MODEL = {o.name: o for o in engine_options() if o.per_model}
 ENTRY_KEYS = ("path", "keep_alive", *PER_MODEL)
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)")
+_QUANT_TAG = re.compile(r"[.\-_](?:I?Q\d\w*|B?F16|F32|FP8)$", re.IGNORECASE)
 
 
-def parse_duration(value, where: str = "keep_alive") -> float:
-    """A keep_alive: seconds as a number, or a duration as Ollama writes them ("5m", "1h30m",
-    "90s", "-1"); a negative one is FOREVER, 0 unloads the model once its requests are done."""
-    if isinstance(value, bool):
-        raise ValueError(f"{where} must be a duration (seconds, or e.g. \"5m\"), got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        s = value.strip().lower()
-        try:
-            seconds = float(s)
-        except ValueError:
-            sign = -1.0 if s.startswith("-") else 1.0
-            body = s.lstrip("+-")
-            parts = _PART.findall(body)
-            if not body or "".join(n + u for n, u in parts) != body:
-                raise ValueError(f"{where} must be a duration (seconds, or e.g. \"5m\", \"1h30m\"), "
-                                 f"got {value!r}") from None
-            seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
-    else:
-        raise ValueError(f"{where} must be a duration (seconds, or e.g. \"5m\"), got {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"{where} must be finite (a negative one keeps the model loaded), got {value!r}")
-    return FOREVER if seconds < 0 else seconds
-
-
-def wire_duration(seconds: float) -> float:
-    """A keep_alive as the protocol carries it: seconds, -1 for forever."""
-    return -1 if seconds == FOREVER else seconds
+def served_name(model: dict) -> str:
+    """A GGUF's file name is the name people know it by (SmolLM2-135M-Instruct.Q4_1.gguf ->
+    SmolLM2-135M-Instruct); its general.name is often a converter's rendering of it ("Smollm2
+    135M 8k Lc100K Mix1 Ep2"). Other models keep the name the engine read."""
+    path = Path(model.get("path") or "")
+    if path.suffix.lower() == ".gguf":
+        return _QUANT_TAG.sub("", path.stem) or model["name"]
+    return model["name"]
 
 
 def default_models_dir(environ=os.environ) -> Path:
@@ -96,7 +74,6 @@ def _model_name(p: Path) -> str | None:
     if p.is_dir():
         return p.name if (p / "config.json").is_file() else None
     if p.suffix.lower() == ".gguf":
-        from .serve import served_name
         return served_name({"path": str(p), "name": p.stem})
     return None
 
@@ -219,7 +196,6 @@ def config_entries(table, where: str, models_dir: Path) -> dict[str, Entry]:
     absolute), keep_alive and the per-model engine options (PER_MODEL)."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: models must be a table of [models.NAME] tables")
-    options = {o.name: o for o in engine_options()}
     out = {}
     for name, spec in table.items():
         at = f"{where}: [models.{name}]"
@@ -230,7 +206,7 @@ def config_entries(table, where: str, models_dir: Path) -> dict[str, Entry]:
         if not isinstance(spec.get("path"), str) or not spec["path"]:
             raise ValueError(f"{at}: path (a GGUF file or an HF directory) is required")
         path = Path(os.path.expanduser(spec["path"]))
-        opts = {k: options[k].convert(v, at) for k, v in spec.items() if k in PER_MODEL}
+        opts = {k: PER_MODEL[k].convert(v, at) for k, v in spec.items() if k in PER_MODEL}
         keep = parse_duration(spec["keep_alive"], f"{at} keep_alive") if "keep_alive" in spec else None
         out[name] = Entry(name, str(path if path.is_absolute() else models_dir / path), opts, keep, "config")
     return out

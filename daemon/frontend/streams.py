@@ -5,8 +5,8 @@ Outputs that arrive while the client's queue is full stay here, merged per
 sample, so a slow reader costs one pending delta per sample, not a backlog."""
 from __future__ import annotations
 
-from .client import merge_pieces
-from .protocol import VERSION, message, pack
+from ..client import merge_pieces
+from ..protocol import VERSION, message, pack
 
 
 class Sample:

@@ -12,8 +12,8 @@ from pathlib import Path
 from ridge.engine.config import add_engine_args, engine_options
 from ridge.options import Option, add_options
 
-from .gateway.settings import GATEWAY_OPTIONS
-from .sharing import SHARING
+from ..gateway.settings import GATEWAY_OPTIONS
+from ..transport.sharing import SHARING
 
 try:
     import tomllib
@@ -95,7 +95,7 @@ class Resolved:
     values: dict
     sources: dict  # name -> "flag" | "env RIDGE_X" | "file PATH" | "default"
     path: Path
-    models: dict = field(default_factory=dict)  # the file's [models.NAME] tables (daemon/registry.py)
+    models: dict = field(default_factory=dict)  # the file's [models.NAME] tables (daemon/frontend/registry.py)
 
     def namespace(self) -> argparse.Namespace:
         return argparse.Namespace(**self.values)
@@ -119,7 +119,7 @@ def resolve(args: argparse.Namespace, environ=os.environ) -> Resolved:
             file_values = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: {e}") from None
-    models = file_values.pop("models", {})  # named models, not options: daemon/registry.py reads them
+    models = file_values.pop("models", {})  # named models, not options: daemon/frontend/registry.py reads them
     options = all_options()
     unknown = set(file_values) - {o.name for o in options}
     if unknown:
