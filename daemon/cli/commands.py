@@ -1,4 +1,5 @@
-"""The daemon's subcommands: `ridge serve`, `ridge chat`, `ridge status`, and
+"""The daemon's subcommands: `ridge serve`, `ridge chat`, `ridge status`, `ridge models`,
+`ridge pull` (daemon/pull.py), and
 what `ridge generate` shares with them (daemon/cli/generate.py)."""
 from __future__ import annotations
 
@@ -72,6 +73,20 @@ def add_daemon_parsers(sub) -> None:
                                                   "$XDG_CONFIG_HOME/ridge/config.toml)")
     add_client_args(m)
     m.set_defaults(func=run_models)
+
+    pl = sub.add_parser("pull", help="download a model from the Hugging Face Hub into the models directory",
+                        description="REPO:TAG picks a GGUF repository's file(s) of that quantization "
+                                    "(unsloth/Qwen3-8B-GGUF:Q8_0); REPO alone, a safetensors repository (or a GGUF one "
+                                    "with a single quantization). Files are checked against the Hub's sha256 before "
+                                    "they are moved in; a running daemon serves the model at once. HF_TOKEN and "
+                                    "HF_ENDPOINT are honoured.")
+    pl.add_argument("name", metavar="REPO[:TAG]", help="a Hub repository, optionally with hf.co/ before it")
+    pl.add_argument("--revision", default=None, help="a branch, tag or commit of the repository (default: main)")
+    pl.add_argument("--models-dir", default=None, help="where to put it (default: the daemon's models_dir: "
+                                                       "RIDGE_MODELS_DIR, config.toml, then $XDG_DATA_HOME/ridge/models)")
+    pl.add_argument("--config", default=None, help="config file whose models_dir to use (default: "
+                                                   "$XDG_CONFIG_HOME/ridge/config.toml)")
+    pl.set_defaults(func=run_pull)
 
 
 def _serve(args) -> int:
@@ -235,6 +250,30 @@ def run_models(args) -> int:
         print(json.dumps(reply, indent=2))
         return 0
     print(format_models(reply))
+    return 0
+
+
+def run_pull(args) -> int:
+    """`ridge pull`: into the models directory `ridge serve` would scan with the same configuration
+    (daemon/pull.py); the registry reads that directory on each listing, so nothing tells the daemon."""
+    import argparse
+
+    from ..frontend.registry import default_models_dir, served_name
+    from ..pull import PullError, plan, pull
+    from .config import resolve
+
+    c = resolve(argparse.Namespace(config=args.config, models_dir=args.models_dir)).values
+    models_dir = Path(c["models_dir"]) if c["models_dir"] else default_models_dir()
+    try:
+        p = plan(args.name, args.revision)
+        print(f"pulling {p.repo} at {p.commit[:12]}: {len(p.files)} file(s), {_gib(p.total)} into {models_dir}",
+              file=sys.stderr)
+        path = pull(p, models_dir)
+    except PullError as e:
+        print(f"ridge: {e}", file=sys.stderr)
+        return 1
+    name = served_name({"path": str(path), "name": path.name})
+    print(f"{path}\nserved as {name!r}: `ridge models` lists it, a request naming it loads it")
     return 0
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from ridge.durations import parse_duration
 from ridge.engine.config import engine_options
 
+from ..pull import default_models_dir  # noqa: F401  where `ridge pull` puts models too: declared there, torch-free
+
 log = logging.getLogger("ridge.daemon.models")
 
 # The engine options a [models.NAME] table may set (declared per_model on the options themselves,
@@ -35,11 +37,6 @@ def served_name(model: dict) -> str:
     if path.suffix.lower() == ".gguf":
         return _QUANT_TAG.sub("", path.stem) or model["name"]
     return model["name"]
-
-
-def default_models_dir(environ=os.environ) -> Path:
-    base = environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "ridge" / "models"
 
 
 @dataclass

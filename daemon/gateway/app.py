@@ -266,4 +266,5 @@ def build_app(settings: GatewaySettings, link: DaemonLink | None = None, gateway
     app.state.link, app.state.metrics, app.state.started = link, metrics_, int(time.time())
     app.state.responses = responses_api.ResponseStore(settings.responses_ttl)
     app.state.openapi, app.state.keyed, app.state.ollama = None, settings.api_key is not None, ollama_api
+    app.state.settings = settings  # /api/pull reads allow_pull and models_dir (ollama_routes.py)
     return app

@@ -1,18 +1,20 @@
 """Ollama's API (its docs/api.md) on the `--ollama` listener: /api/chat and
 /api/generate, whole or streamed as NDJSON (one JSON object a line, the last
 with `done: true` and the counts), /api/embed, /api/tags, /api/ps, /api/show,
-/api/version. The request bodies become the daemon's messages in ollama_api.py;
+/api/version, and /api/pull (from the Hugging Face Hub, daemon/pull.py). The request bodies become the daemon's messages in ollama_api.py;
 the daemon calls are turn.py's (a refusal is an HTTP error, not a broken
 stream; a client that goes away is aborted). Errors are Ollama's shape,
 {"error": message} (app.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 from datetime import datetime, timezone
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..client import RidgeError, merge_pieces
@@ -20,7 +22,7 @@ from . import turn
 from .generation import SSEResponse, until_disconnect
 from .ollama_api import (capabilities, card, chat_request, details, digest, generate_request, listing, model_fields,
                          model_info, parameters)
-from .ollama_schemas import ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbedRequest, ShowRequest
+from .ollama_schemas import ChatRequest, EmbedRequest, GenerateRequest, LegacyEmbedRequest, PullRequest, ShowRequest
 from .openai_api import ApiError, bad
 
 API_VERSION = "0.12.6"  # the Ollama release whose API these routes speak: clients gate features on it
@@ -244,6 +246,86 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": API_VERSION})
 
 
+# -- /api/pull -------------------------------------------------------------------------------------------
+PULL_EVERY_S = 0.25  # at most this often a progress line per file, as Ollama's
+
+
+class _Gone(Exception):
+    """The client of a pull went away: the download stops at its next chunk."""
+
+
+def _pulling(settings, name: str, put, gone: threading.Event) -> None:
+    """The pull, in a worker thread (the event loop keeps serving): Ollama's status lines to `put`."""
+    from pathlib import Path
+
+    from ..pull import PullError, default_models_dir, plan, pull
+
+    last = [0.0]
+
+    def report(event: str, f, done: int) -> None:
+        if gone.is_set():
+            raise _Gone()
+        now = time.monotonic()
+        if event == "bytes" and now - last[0] < PULL_EVERY_S and done < f.size:
+            return
+        last[0] = now
+        key = f.sha256 or f.blob_id or ""
+        if event == "verify":
+            put({"status": "verifying sha256 digest"})
+        elif event != "done":
+            put({"status": f"pulling {key[:12]}", "digest": f"sha256:{key}", "total": f.size, "completed": done})
+
+    try:
+        put({"status": "pulling manifest"})
+        p = plan(name)
+        pull(p, Path(settings.models_dir) if settings.models_dir else default_models_dir(), report)
+        put({"status": "writing manifest"})
+        put({"status": "success"})
+    except PullError as e:
+        put({"error": str(e)})
+    except _Gone:
+        pass
+    except Exception as e:  # the worker's end must reach the client whatever it is
+        put({"error": f"pull failed: {e}"})
+    finally:
+        put(None)
+
+
+async def pull_model(request: Request) -> Response:
+    """Ollama's /api/pull: the model from the Hugging Face Hub into the daemon's models directory,
+    where its registry finds it at the next listing. Only where the listener's `allow_pull` is on:
+    every caller who may use the listener may then fill the daemon's disk."""
+    settings = request.app.state.settings
+    if not settings.allow_pull:  # before the body is read: a refusal needs neither it nor the daemon
+        raise ApiError(403, "pulling models is off on this listener: set allow_pull = true in config.toml (or "
+                       "RIDGE_ALLOW_PULL=1, or --allow-pull), or run `ridge pull` as the daemon's user",
+                       "permission_error", code="pull_not_allowed")
+    _, _, _, req = await turn.checked(request, PullRequest)
+    name = req.model or req.name
+    if not name:
+        raise bad("model: the Hub repository to pull, e.g. hf.co/unsloth/Qwen3-8B-GGUF:Q8_0", "model")
+    loop, lines = asyncio.get_running_loop(), asyncio.Queue()
+    gone = threading.Event()
+    threading.Thread(target=_pulling, args=(settings, name, lambda ev: loop.call_soon_threadsafe(lines.put_nowait, ev),
+                                            gone), name="ridge-pull", daemon=True).start()
+    if req.stream is False:
+        last = None
+        while (ev := await lines.get()) is not None:
+            last = ev
+        if "error" in last:
+            raise ApiError(400, last["error"], code="pull_failed")
+        return JSONResponse(last)
+
+    async def stream():
+        try:
+            while (ev := await lines.get()) is not None:
+                yield _line(ev)
+        finally:
+            gone.set()  # a client gone before the end stops the download (its files so far stay staged)
+
+    return StreamingResponse(stream(), media_type=NDJSON)
+
+
 async def root(request: Request) -> Response:
     return Response("Ollama is running", media_type="text/plain")  # what clients probe for
 
@@ -251,4 +333,5 @@ async def root(request: Request) -> Response:
 ROUTES = [Route("/", root, methods=["GET", "HEAD"]), Route("/api/version", version),
           Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
           Route("/api/embed", embed, methods=["POST"]), Route("/api/embeddings", embeddings, methods=["POST"]),
-          Route("/api/tags", tags), Route("/api/ps", ps), Route("/api/show", show, methods=["POST"])]
+          Route("/api/tags", tags), Route("/api/ps", ps), Route("/api/show", show, methods=["POST"]),
+          Route("/api/pull", pull_model, methods=["POST"])]

@@ -98,9 +98,24 @@ class ShowRequest(Body):
     name: Optional[Str] = Field(None, description="the older name of `model`")
 
 
+class PullRequest(Body):
+    model: Optional[Str] = Field(None, description="hf.co/OWNER/REPO:TAG or OWNER/REPO[:TAG] (daemon/pull.py)")
+    name: Optional[Str] = Field(None, description="the older name of `model`")
+    insecure: Optional[Bool] = Field(None, description="accepted and ignored: the Hub is reached over HTTPS")
+    stream: Optional[Bool] = None
+
+
 # -- the answers' shapes, for /openapi.json (openapi.py) --------------------------------------------------
 class OllamaError(Answer):
     error: str
+
+
+class PullStatus(Answer):
+    """One line of /api/pull's stream (its last: "success"), or with stream false the last alone."""
+    status: str
+    digest: Optional[str] = None
+    total: Optional[int] = None
+    completed: Optional[int] = None
 
 
 class Turn(Answer):

@@ -78,6 +78,8 @@ OLLAMA_OPERATIONS = [  # the --ollama listener's, beside OPERATIONS; errors in O
     Operation("/api/tags", "get", "The models served", O.ModelListing, error=O.OllamaError),
     Operation("/api/ps", "get", "The models loaded", O.ModelListing, error=O.OllamaError),
     Operation("/api/show", "post", "One model's details", O.ShowAnswer, O.ShowRequest, error=O.OllamaError),
+    Operation("/api/pull", "post", "Download a model from the Hugging Face Hub into models_dir (allow_pull)",
+              O.PullStatus, O.PullRequest, streams=True, stream_media=NDJSON, error=O.OllamaError),
 ]
 
 

@@ -25,6 +25,8 @@ HEADER_TIMEOUT = Option("http_header_timeout", float, 10.0, "seconds an HTTP con
                         "headers, from its connect or the first byte of its next request; then it is closed")
 BODY_TIMEOUT = Option("http_body_timeout", float, 30.0, "seconds an HTTP request has to send its body once its "
                       "headers are in; then it is closed")
+ALLOW_PULL = Option("allow_pull", bool, False, "let the Ollama listener's clients download models from the Hugging "
+                    "Face Hub into models_dir (/api/pull); off: 403")
 GATEWAY_OPTIONS = [
     Option("http", str, None, f"serve the OpenAI-compatible HTTP API on HOST:PORT (`ridge gateway`: default "
            f"{DEFAULT_HTTP}); a non-loopback HOST needs an API key", example=DEFAULT_HTTP),
@@ -40,6 +42,7 @@ GATEWAY_OPTIONS = [
            "addresses and the address it listens on (*.example.com: any name under it; *: any); "
            "other Hosts get 421", example=("ridge.lan",)),
     RESPONSES_TTL, MAX_CONNECTIONS, HEADER_TIMEOUT, BODY_TIMEOUT,
+    ALLOW_PULL,
     Option("ollama", str, None, "serve Ollama's API (/api/chat, /api/generate, /api/embed, /api/tags, ...; and "
            "the OpenAI routes, as Ollama does) on HOST:PORT, its own listener with the same rules as --http",
            example=OLLAMA_HTTP),
@@ -60,6 +63,8 @@ class GatewaySettings:
     max_connections: int = MAX_CONNECTIONS.default
     header_timeout: float = HEADER_TIMEOUT.default
     body_timeout: float = BODY_TIMEOUT.default
+    allow_pull: bool = ALLOW_PULL.default  # /api/pull on the Ollama listener (daemon/pull.py)
+    models_dir: str | None = None  # where it puts them: the daemon's models_dir (None: its default)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -144,5 +149,7 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP, syst
                             "http_header_timeout and http_body_timeout > 0")
     return GatewaySettings(host, port, api_key, _origins(values), _listed(values, "allowed_hosts"),
                            RESPONSES_TTL.default if ttl is None else ttl, keys[1:], given["http_max_connections"],
-                           given["http_header_timeout"], given["http_body_timeout"])
+                           given["http_header_timeout"], given["http_body_timeout"],
+                           bool(ALLOW_PULL.convert(values.get("allow_pull"), "allow_pull")),
+                           values.get("models_dir"))
 
