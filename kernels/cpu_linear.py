@@ -1,21 +1,22 @@
-"""The CPU weight formats of an FP8 linear layer, and the product in the one chosen per step size.
+"""The CPU products of a linear layer, and the one that runs at each step size.
 
-On CPU torch's fp8 -> fp32 cast is far too slow to run every step, so a layer's FP8 weight is
-upcast once at load (fp8 * scale is exact in fp32). A step of few tokens is bandwidth-bound,
-though, so other formats of the same numbers may run faster at some sizes; which one runs at
-each size is measured at start-up (kernels/cpu_linear_plan.py), per matrix shape:
+An FP8 weight stays e4m3 on a CPU (resident_e4m3): one byte a weight plus its scales, in the
+layout pack_fp8 makes ([N/16, K/2, 16, 2], 16 output columns by pairs of k), read by ridge's
+two e4m3 products (kernels/csrc/fp8_linear.c), each exact against the torch upcast it replaces
+up to summation order:
+- the streaming kernel (native.fp8_linear), which converts the bytes as it reads them: what a
+  step of few rows, bound by the bytes it reads, wants;
+- the blocked product (native.fp8_linear_tiles), which widens a tile of rows to fp32 once into
+  a per-thread buffer that stays in cache and multiplies it with torch's own BLAS sgemm: a large
+  step runs at fp32 GEMM speed while only the e4m3 bytes stay resident.
+Which one runs at each size is measured at start-up per matrix shape (kernels/cpu_linear_plan.py).
+No fp32 or bf16 copy of an e4m3 weight is made.
 
-- fp32 through MKL, the upcast weight itself;
-- a bf16 copy (each weight times its scale rounded to bf16: 8 significant bits around the
-  e4m3 value's 4, a relative error of at most 2^-9, docs/benchmarks.md), through ridge's own
-  bf16 product where the CPU has AVX-512 BF16 (fp32 result: oneDNN rounds its result to bf16),
-  else laid out once in oneDNN's blocked format: a plain bf16 F.linear re-lays the weight out
-  on every call, a cost that grows with the step's token count;
-- for one-row steps where ridge's bf16 product does not run, a plain bf16 copy through ATen's
-  own GEMV (gemv_bf16), which streams the weight at close to memory bandwidth where oneDNN's
-  one-row kernel does not;
-- ridge's e4m3 product (kernels/csrc/fp8_linear.c), which streams the FP8 weight itself, one
-  byte a weight, in the layout pack_fp8 makes.
+A weight never quantized (--weights fp32 / bf16, a recipe's bf16 exceptions), or an e4m3 one
+where neither product runs (no C compiler: upcast once at load, fp8 * scale being exact in
+fp32), keeps the formats of old: fp32 through MKL, or a bf16 copy (ridge's own bf16 product where
+the CPU has AVX-512 BF16, else oneDNN's blocked layout) and ATen's bf16 GEMV for one row, where
+measured faster (docs/benchmarks.md).
 
 A layer's CpuLinear holds its weight and the copies its chosen formats read, as one table:
 step-size bounds and, for each, the one product that runs there."""
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .fp8_scales import expand_scale
+from .fp8_scales import column_groups, dequantize
 
 FP8 = torch.float8_e4m3fn
 
@@ -63,17 +64,50 @@ def gemv_offered() -> bool:
     return HAS_GEMV and not native_bf16()
 
 
-def pack_fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """An e4m3 [out, in] weight (w, or w / scale rounded back to e4m3 where w is its upcast
-    copy: exact, as fp8 * scale was) as native.fp8_linear's [out/16, in/2, 16, 2] bytes;
-    None for a shape the kernel does not take (out % 16, in % 2). scale: [out], or
-    [groups, out] as native.fp8_linear takes it."""
+def resident_e4m3(device: torch.device, shape: tuple[int, int]) -> bool:
+    """Whether an e4m3 weight of this [out, in] shape stays e4m3 on the device for ridge's CPU
+    products: a CPU where they are built (native.fp8_linear_isa) and an even K (the layout's k
+    pairs). Elsewhere on CPU it is upcast once at load (CpuLinear.upcast)."""
+    return device.type == "cpu" and shape[1] % 2 == 0 and native.fp8_linear_isa() > 0
+
+
+def pack_fp8(w: torch.Tensor) -> torch.Tensor:
+    """An e4m3 [out, in] weight (in even) as the e4m3 products' [ceil(out/16), in/2, 16, 2] bytes;
+    rows past out (to a whole block of 16) are zeros, their outputs cut off."""
     n, k = w.shape
-    if n % 16 or k % 2:
-        return None
-    if w.dtype != FP8:
-        w = (w.float() / expand_scale(scale.t() if scale.dim() == 2 else scale, (n, k))).to(FP8)
-    return w.view(torch.uint8).view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    assert w.dtype == FP8 and k % 2 == 0, (w.dtype, w.shape)
+    w = w.view(torch.uint8)
+    if n % 16:
+        w = torch.cat((w, w.new_zeros(16 - n % 16, k)))
+    return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def kernel_scales(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A weight's stored scales (kernels/fp8_scales.py layouts) as the e4m3 products read them,
+    times 256 (exact): one fp32 a row ([N padded to 16]) per channel; else per row and group
+    along K, by block of 16 rows ([N/16, groups, 16]), in the stored dtype (bf16 for groups:
+    2 bytes per G weights, where fp32 would be 4)."""
+    groups, _ = column_groups(scale, shape)
+    n = shape[0]
+    pad = -n % 16
+    s = groups.to(scale.dtype if scale.dim() == 2 else torch.float32) * 256
+    if pad:
+        s = torch.cat((s, s.new_zeros(s.shape[0], pad)), 1)
+    return s[0].contiguous() if s.shape[0] == 1 else native.scale_blocks(s)
+
+
+def unpack_fp8(packed: torch.Tensor, scale256: torch.Tensor, n: int) -> torch.Tensor:
+    """The torch reference of the e4m3 products' weight: pack_fp8's bytes times kernel_scales'
+    scales -> [n, K] fp32, e4m3 * scale rounded once (the oracle, and the product where the C
+    kernels are off)."""
+    nb, kp = packed.shape[:2]
+    w = packed.permute(0, 2, 1, 3).reshape(nb * 16, 2 * kp)[:n].view(FP8).float()
+    s = scale256.float() / 256
+    if s.dim() == 1:
+        return w * s[:n, None]
+    g = s.shape[1]
+    gk = 1 << (-(-2 * kp // g) - 1).bit_length()
+    return w * s.permute(0, 2, 1).reshape(nb * 16, g)[:n].repeat_interleave(gk, 1)[:, : 2 * kp]
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -104,18 +138,21 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ShapeFormat:
-    """The formats one weight shape runs in: packed bf16 by step size (plan: [(size bound, use
-    bf16)] ascending; a step of n rows takes the first bound >= n, the last one's past the end),
-    else fp32; one-row steps through gemv_bf16 where that beat both; and ridge's e4m3 product at
-    the sizes fp8 marks (over all of them)."""
+    """The formats one weight shape runs in. An e4m3 weight: ridge's streaming kernel at the sizes
+    fp8 marks (size bounds ascending, as plan's), the blocked product at the others (fp8 None:
+    at every size). A weight in the compute dtype: packed bf16 by step size (plan: [(size bound,
+    use bf16)] ascending; a step of n rows takes the first bound >= n, the last one's past the
+    end), else fp32; one-row steps through gemv_bf16 where that beat both."""
     plan: list[tuple[int, bool]]
     gemv: bool = False
     fp8: list[tuple[int, bool]] | None = None
 
     @classmethod
     def bf16_up_to(cls, rows: int) -> "ShapeFormat":
-        """bf16 for steps of at most `rows` rows, fp32 above (0: fp32 throughout)."""
-        return cls([(rows, True), (rows + 1, False)] if rows > 0 else [])
+        """bf16 for steps of at most `rows` rows, fp32 above (0: fp32 throughout); for an e4m3
+        weight, the streaming kernel up to `rows`, the blocked product above."""
+        plan = [(rows, True), (rows + 1, False)] if rows > 0 else []
+        return cls(plan, fp8=plan or None)
 
 
 def _runs(plan: list[tuple[int, bool]], rows: int) -> bool:
@@ -125,10 +162,8 @@ def _runs(plan: list[tuple[int, bool]], rows: int) -> bool:
     return plan[i][1]
 
 
-def _kind(fmt: ShapeFormat, fp8: list[tuple[int, bool]], rows: int) -> str:
-    """The e4m3 kernel where it runs; else the GEMV for one row; else bf16 or fp32 by the plan."""
-    if fp8 and _runs(fp8, rows):
-        return "fp8"
+def _kind(fmt: ShapeFormat, rows: int) -> str:
+    """A weight in the compute dtype: the GEMV for one row where chosen; else bf16 or fp32 by the plan."""
     return "gemv" if fmt.gemv and rows == 1 else "bf16" if _runs(fmt.plan, rows) else "fp32"
 
 
@@ -142,64 +177,126 @@ def _gemv_run(w: torch.Tensor):
     return lambda x: gemv_bf16(x.to(torch.bfloat16), w).to(x.dtype)
 
 
-def _fp8_run(packed: torch.Tensor, scale256: torch.Tensor, isa: int, otherwise):
-    def run(x: torch.Tensor):
-        if x.dtype != torch.float32:  # the kernel takes fp32 activations only
-            return otherwise(x) if otherwise is not None else None
-        return native.fp8_linear(x, packed, scale256, isa)
-    return run
+def tiles_offered() -> bool:
+    """Whether the blocked product runs here: ridge's kernels built and torch's BLAS exporting sgemm."""
+    return native.fp8_linear_isa() > 0 and native.sgemm() is not None
 
 
 @dataclass(eq=False)
 class CpuLinear:
-    """One layer's CPU weight (weight: in the compute dtype, FP8 values times their scales or a
-    weight never quantized; scale: the FP8 scales as native.fp8_linear takes them, [N] or
-    [groups, N], None for the latter) and its formats.
+    """One layer's CPU weight and its products. e4m3 (packed set): pack_fp8's bytes, their scales
+    as kernel_scales makes them, shape the weight's [N, K]; weight None. Else weight, in the
+    compute dtype (never quantized, or e4m3 upcast where the e4m3 products do not run).
     runs[i] is the product of the steps whose rows fall in bounds[i] (the first bound >= rows,
     the last one's past the end): x -> x @ W.T without the bias, or None (also the product's
-    answer to an input it does not take) for F.linear on the weight itself."""
-    weight: torch.Tensor
+    answer to an input it does not take) for the layer's default product (__call__)."""
+    weight: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
     scale: torch.Tensor | None = None
-    fp8_bytes: torch.Tensor | None = None  # pack_fp8 of the loaded bytes, until the formats are chosen
+    shape: tuple[int, int] = (0, 0)
     bounds: list[int] = field(default_factory=list)
     runs: list = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # "fp8" | "gemv" | "bf16" | "fp32" per bound
-    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read
+    kinds: list[str] = field(default_factory=list)  # "fp8" | "tiles" | "gemv" | "bf16" | "fp32" per bound
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
+
+    def __post_init__(self):
+        if self.weight is not None:
+            self.shape = tuple(self.weight.shape)
+
+    @classmethod
+    def from_fp8(cls, w: torch.Tensor, scale: torch.Tensor) -> "CpuLinear":
+        """An e4m3 weight and its stored scales, as the e4m3 products hold them (resident_e4m3)."""
+        return cls(packed=pack_fp8(w), scale=kernel_scales(scale, tuple(w.shape)), shape=tuple(w.shape))
+
+    @classmethod
+    def upcast(cls, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "CpuLinear":
+        """An e4m3 weight where its products do not run: upcast once (exact in fp32)."""
+        return cls(dequantize(w, scale, dtype))
+
+    @property
+    def is_e4m3(self) -> bool:
+        return self.packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T in the product chosen for x's row count, else the default: the blocked product
+        for an e4m3 weight (the torch reference where ridge's kernels are off), F.linear otherwise."""
+        run = self.runs[min(bisect.bisect_left(self.bounds, x.shape[0]), len(self.runs) - 1)] if self.runs else None
+        y = run(x) if run is not None else None
+        if y is not None:
+            return y
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        if native.library() is None or not tiles_offered():
+            return self.reference(x)
+        return self._tiles(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch oracle of an e4m3 weight's products."""
+        return F.linear(x.float(), unpack_fp8(self.packed, self.scale, self.shape[0])).to(x.dtype)
+
+    def _cut(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _stream(self, x: torch.Tensor, isa: int) -> torch.Tensor | None:
+        if native.library() is None:
+            return None
+        return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa), x)
+
+    def _tiles(self, x: torch.Tensor) -> torch.Tensor | None:
+        if native.library() is None:
+            return None
+        return self._cut(native.fp8_linear_tiles(x.float(), self.packed, self.scale), x)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of an e4m3 weight times their scales, [*ids.shape, K] fp32: an embedding
+        lookup that widens only the gathered rows."""
+        if native.library() is None:
+            nb = ids.reshape(-1)
+            w = self.packed[nb // 16, :, nb % 16, :].reshape(nb.numel(), -1).view(FP8).float()
+            s = self.scale.float() / 256
+            s = s[nb][:, None] if s.dim() == 1 else s[nb // 16, :, nb % 16].repeat_interleave(
+                -(-w.shape[1] // s.shape[1]), 1)[:, : w.shape[1]]
+            out = w * s
+        else:
+            out = native.fp8_rows(self.packed, self.scale, ids)
+        return out.reshape(*ids.shape, self.shape[1])
 
     def use(self, fmt: ShapeFormat, isa: int = 0, made: dict[str, torch.Tensor] | None = None) -> None:
-        """Run the formats fmt marks (isa: the e4m3 kernel's instruction set, 0 for none). made:
-        "packed" | "plain" | "fp8" -> the copy the measurement already made of this weight."""
+        """Run the formats fmt marks (isa: the streaming kernel's instruction set, 0 for none).
+        made: "packed" | "plain" -> the bf16 copy the measurement already made of a weight in
+        the compute dtype."""
+        if self.packed is not None:
+            return self._use_e4m3(fmt, isa)
         made = made or {}
-        packed8 = made.get("fp8", self.fp8_bytes)
-        wants8 = bool(isa) and any(u for _, u in fmt.fp8 or [])
-        if packed8 is None and wants8 and self.scale is not None:
-            packed8 = pack_fp8(self.weight, self.scale)
-        fp8 = fmt.fp8 if wants8 and packed8 is not None else []
-        bounds = sorted({b for b, _ in fmt.plan} | {b for b, _ in fp8} | ({1} if fmt.gemv else set()))
-        kinds = [_kind(fmt, fp8, b) for b in bounds]
-        others = [_kind(fmt, [], b) for b in bounds]  # what runs where the e4m3 kernel refuses an input
+        bounds = sorted({b for b, _ in fmt.plan} | ({1} if fmt.gemv else set()))
+        kinds = [_kind(fmt, b) for b in bounds]
         copies: dict[str, torch.Tensor] = {}
-        if "bf16" in others:
+        if "bf16" in kinds:
             w = made.get("packed")
             copies["bf16"] = w if w is not None else pack_bf16(self.weight.to(torch.bfloat16))
-        if "gemv" in others:
+        if "gemv" in kinds:
             w = made.get("plain")
             copies["gemv"] = w if w is not None else self.weight.to(torch.bfloat16)
         products = {"fp32": None, **{k: (_bf16_run if k == "bf16" else _gemv_run)(w) for k, w in copies.items()}}
-        if "fp8" in kinds:
-            copies["fp8"] = packed8
-            scale256 = native.scale_blocks(self.scale * 256)
-        runs = [_fp8_run(packed8, scale256, isa, products[other]) if kind == "fp8" else products[other]
-                for kind, other in zip(kinds, others)]
+        runs = [products[k] for k in kinds]
         if all(k == "fp32" for k in kinds):
             bounds, runs, kinds = [], [], []
         self.bounds, self.runs, self.kinds, self.copies = bounds, runs, kinds, copies
-        self.fp8_bytes = None
+
+    def _use_e4m3(self, fmt: ShapeFormat, isa: int) -> None:
+        plan = (fmt.fp8 or []) if isa else []
+        if not tiles_offered():  # the streaming kernel takes every size where the blocked product cannot run
+            plan = [(1, True)] if isa else []
+        plan = plan or [(1, False)]
+        kinds = ["fp8" if use else "tiles" for _, use in plan]
+        runs = [(lambda x, isa=isa: self._stream(x, isa)) if k == "fp8" else self._tiles for k in kinds]
+        self.bounds, self.runs, self.kinds, self.copies = [b for b, _ in plan], runs, kinds, {}
 
     def kind(self, rows: int) -> str:
         """The format a step of `rows` rows runs in."""
         if not self.runs:
-            return "fp32"
+            return "tiles" if self.packed is not None else "fp32"
         return self.kinds[min(bisect.bisect_left(self.bounds, rows), len(self.kinds) - 1)]
 
     def max_rows(self, kind: str) -> int:
@@ -209,10 +306,9 @@ class CpuLinear:
 
 def fp8_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cpu: CpuLinear | None) -> torch.Tensor:
-    """x @ weight.T + bias for a weight upcast at load (or never quantized), in the format its
-    layer's CpuLinear runs at this step's size; F.linear where it has none."""
-    run = cpu.runs[min(bisect.bisect_left(cpu.bounds, x.shape[0]), len(cpu.runs) - 1)] if cpu and cpu.runs else None
-    y = run(x) if run is not None else None
-    if y is not None:
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    """x @ weight.T + bias on CPU: through the layer's CpuLinear (its product for this step's
+    size), F.linear on weight where it has none."""
+    if cpu is None:
+        return F.linear(x, weight, bias)
+    y = cpu(x)
+    return y if bias is None else y + bias

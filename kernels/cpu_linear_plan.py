@@ -1,22 +1,23 @@
-"""The CPU weight format per matrix shape and step size, chosen by measurement at start-up.
+"""The CPU product per matrix shape and step size, chosen by measurement at start-up.
 
-bf16 halves the bytes a bandwidth-bound small step reads, but on AVX2 CPUs bf16
-GEMMs run far slower than fp32 at larger batch, while on CPUs with AMX bf16
-wins at every size (machine-facts). Neither can be assumed, and the crossover
-differs per matrix shape, so every shape class of the model is timed in both
-formats at every step size the scheduler makes (powers of two up to the step
-budget, and the budget), and each size takes the faster format with a margin.
-A step streams every layer's weights through the cache, so a shape is timed
-cold: over as many of the model's own weights of that shape as it takes to
-overflow the last-level cache (timing one weight again and again kept small
-ones cache-resident and chose fp32 where bf16 is faster in a real step).
-One-row steps may also take a third path, ATen's own bf16 GEMV on a plain copy
-(cpu_linear.gemv_bf16), timed the same way. Where ridge's C kernels are built,
-a fourth runs at every size: the e4m3 product on the FP8 weight itself
-(native.fp8_linear), which reads a quarter of fp32's bytes; it takes each
-size where it is the fastest of all. The timings are cached per CPU
-model, instruction set, torch version and thread count, so only the first start
-on a machine pays for them. The layers then run what was chosen (cpu_linear.CpuLinear)."""
+An FP8 weight stays e4m3 on a CPU and has two products (kernels/cpu_linear.py): ridge's
+streaming kernel, which converts the bytes as it reads them, and the blocked product, which
+widens a tile of rows to fp32 once and runs torch's BLAS GEMM on it. The first wins where a
+step is bound by the bytes it reads (few rows), the second where it is bound by arithmetic;
+the crossover differs per shape and per CPU (AVX2 against AVX-512, machine-facts), so every
+shape class is timed in both at every step size the scheduler makes (powers of two up to the
+step budget, and the budget), and each size takes the faster.
+
+A weight never quantized (--weights fp32 / bf16, a recipe's bf16 exceptions) keeps the formats
+of old: fp32 against a bf16 copy, each size taking the faster with a margin (on AVX2 CPUs bf16
+GEMMs run far slower than fp32 at larger batch, with AMX bf16 wins everywhere), and one-row
+steps ATen's own bf16 GEMV on a plain copy where that beats both.
+
+A step streams every layer's weights through the cache, so a shape is timed cold: over as
+many of the model's own weights of that shape as it takes to overflow the last-level cache
+(timing one weight again and again kept small ones cache-resident and chose wrong). The
+timings are cached per CPU model, instruction set, torch version and thread count, so only the
+first start on a machine pays for them. The layers then run what was chosen (cpu_linear.CpuLinear)."""
 from __future__ import annotations
 
 import json
@@ -30,15 +31,20 @@ import torch.nn.functional as F
 
 from . import native
 from .cpu_linear import (CpuLinear, ShapeFormat, bf16_linear, gemv_bf16, gemv_offered, native_bf16, pack_bf16,
-                         pack_fp8)
+                         tiles_offered)
 
 log = logging.getLogger("ridge.kernels")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
-MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
+# bf16 must take at most this fraction of fp32's time, the blocked e4m3 product of the streaming
+# one's: the blocked product widens the whole weight on every call, so a timing taken beside other
+# work that puts it level at few rows is noise (it chose tiles at one row on a loaded 2-core VM)
+MARGIN = 0.9
 # A format still running once it has taken this many times the leader's time has lost: past the
 # "close" band (1.5 * MARGIN) that would call for a second round, so its partial time decides.
 LOSER_STOP = 1.5
-CACHE_VERSION = 4  # 2: timed cold, over several weights; 3: the one-row GEMV timed too; 4: fp8 too
+# 2: timed cold, over several weights; 3: the one-row GEMV timed too; 4: fp8 too; 5: e4m3 weights
+# timed in their two products only (streaming, blocked)
+CACHE_VERSION = 5
 
 
 def llc_bytes() -> int:
@@ -167,28 +173,32 @@ def measure_gemv(plain: list[torch.Tensor]) -> float:
     return best
 
 
-def measure_fp8(weights: list[torch.Tensor], scales: list[torch.Tensor], sizes: list[int], isa: int,
-                 best: dict[int, float]) -> dict[int, float]:
-    """{size: seconds} for one product through native.fp8_linear, over the weights' pack_fp8
-    bytes (scales: theirs, times 256), as measure_shape; a size stops once it has taken twice
-    the best other format's time there (best). The kernel's lead shrinks as a step grows (it
-    saves bytes, and larger steps are bound by arithmetic), so once it loses a size the larger
-    ones are not timed (inf): that kept the measurement under 2 s on an AVX2 machine."""
+def measure_e4m3(layers: list[CpuLinear], sizes: list[int], isa: int) -> dict[int, tuple[float, float]]:
+    """{size: (streaming seconds, blocked seconds)} for one product of e4m3 weights (layers: of
+    one shape, cold as in measure_shape) at each step size; inf for a product that does not run
+    here. The one faster at the previous size runs first, the other stops once it has taken
+    LOSER_STOP times as long; a second round (best of two) where the first left it close."""
+    n_out, k = layers[0].shape
+    cold = cold_set(layers, bytes_per_weight=1, numel=n_out * k)
+    runs = ((lambda x, m: m._stream(x, isa)) if isa else None, (lambda x, m: m._tiles(x)) if tiles_offered() else None)
     times = {}
-    run = lambda x, ws: native.fp8_linear(x, ws[0], ws[1], isa)  # noqa: E731
-    pairs = list(zip(weights, scales))
-    lost = False
+    first = 0 if runs[0] is not None else 1
     for n in sizes:
-        if lost:
-            times[n] = float("inf")
-            continue
-        x = torch.randn(n, weights[0].shape[1] * 2)
-        run(x, pairs[0])
-        t = _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs))
-        if 0.6 < t / best[n] < 1.5:  # close: best of two
-            t = min(t, _pass(run, pairs, x, stop_after=2 * best[n] * len(pairs)))
-        times[n] = t
-        lost = t >= best[n]
+        x = torch.randn(n, k)
+        best = [float("inf"), float("inf")]
+        for r in runs:
+            if r is not None:
+                r(x, cold[0])  # its buffers and the GEMM's first call, untimed
+        for round_ in range(2):
+            if round_ and not 0.67 < best[1] / best[0] < 1.5:
+                break
+            lead = _pass(runs[first], cold, x)
+            best[first] = min(best[first], lead)
+            if runs[1 - first] is not None:
+                best[1 - first] = min(best[1 - first],
+                                      _pass(runs[1 - first], cold, x, stop_after=LOSER_STOP * lead * len(cold)))
+        times[n] = (best[0], best[1])
+        first = 0 if best[0] <= best[1] else 1
     return times
 
 
@@ -198,33 +208,38 @@ def plan_from_times(times: dict[int, tuple[float, float]]) -> list[tuple[int, bo
 
 
 def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_tokens: int, max_head_rows: int,
-                  made: dict[tuple[int, str], torch.Tensor] | None = None) -> dict[tuple[int, int], ShapeFormat]:
-    """The formats of each weight shape among the layers, from timings cached on disk where this
-    machine has them. The head (head_shape) sees only the rows that sample (at most
-    max_head_rows), the other products every token. made (out): (id(weight), "packed" | "plain"
-    | "fp8") -> the copy made to time it, for the layer to keep."""
-    shapes: dict[tuple[int, int], list[CpuLinear]] = {}
+                  made: dict[tuple[int, str], torch.Tensor] | None = None) -> dict[tuple, ShapeFormat]:
+    """The formats of each weight class among the layers ((shape, e4m3 scale layout or None) ->
+    ShapeFormat), from timings cached on disk where this machine has them. The head (head_shape)
+    sees only the rows that sample (at most max_head_rows), the other products every token. made
+    (out): (id(weight), "packed" | "plain") -> a bf16 copy made to time a weight in the compute
+    dtype, for the layer to keep."""
+    classes: dict[tuple, list[CpuLinear]] = {}
     for layer in layers:
-        shapes.setdefault(tuple(layer.weight.shape), []).append(layer)
+        classes.setdefault(shape_class(layer), []).append(layer)
     isa = native.fp8_linear_isa()
     cache, key, dirty = _load_cache(), _cpu_key(), False
     mine = cache.setdefault(key, {})
     wall0, cpu0 = time.perf_counter(), time.process_time()
     plans = {}
-    for shape, group in shapes.items():
-        ws = [m.weight for m in group]
+    for cls, group in classes.items():
+        shape, e4m3 = cls
         sizes = step_sizes(min(max_head_rows, max_tokens) if shape == tuple(head_shape) else max_tokens)
         name = f"{shape[0]}x{shape[1]}"
         entry = mine.get(name, {})
+        if e4m3 is not None:
+            known = {int(n): tuple(t) for n, t in entry.get(e4m3, {}).items()}
+            todo = [n for n in sizes if n not in known]
+            if todo:
+                known.update(measure_e4m3(group, todo, isa))
+                mine[name] = {**entry, e4m3: {str(n): list(t) for n, t in sorted(known.items())}}
+                dirty = True
+            plans[cls] = ShapeFormat([], fp8=[(n, not known[n][1] <= MARGIN * known[n][0]) for n in sizes])
+            continue
+        ws = [m.weight for m in group]
         known = {int(n): tuple(t) for n, t in entry.items() if n.isdigit()}
         gemv_s = entry.get("gemv")
-        fp8_ok = isa > 0 and all(m.scale is not None for m in group) and shape[0] % 16 == 0 and shape[1] % 2 == 0
-        # The e4m3 kernel's time depends on the scales' layout (a multiply-add per group as it
-        # closes): per-channel timings are "fp8", those of G groups along K "fp8 G groups".
-        fp8_name = _fp8_entry(group[0].scale) if fp8_ok else "fp8"
-        fp8_known = {int(n): t for n, t in entry.get(fp8_name, {}).items()}
         todo = [n for n in sizes if n not in known]
-        fp8_todo = [n for n in sizes if n not in fp8_known] if fp8_ok else []
         if todo or gemv_s is None:
             cold = cold_set(ws)
             plain = [w.to(torch.bfloat16) for w in cold]
@@ -234,23 +249,26 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
                 made.update(((id(w), "plain"), pl) for w, pl in zip(cold, plain))
             known.update(measure_shape(cold, todo, packed) if todo else {})
             gemv_s = measure_gemv(plain) if gemv_offered() else float("inf")  # not a format here: untimed
+            mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s}
             dirty = True
-        if fp8_todo:
-            cold = cold_set(group, bytes_per_weight=1, numel=ws[0].numel())
-            packs = [m.fp8_bytes if m.fp8_bytes is not None else pack_fp8(m.weight, m.scale) for m in cold]
-            if made is not None:
-                made.update(((id(m.weight), "fp8"), pk) for m, pk in zip(cold, packs))
-            best = {n: min(known[n] + ((gemv_s,) if n == 1 and gemv_offered() else ())) for n in fp8_todo}
-            fp8_known.update(measure_fp8(packs, [native.scale_blocks(m.scale * 256) for m in cold], fp8_todo, isa, best))
-            dirty = True
-        mine[name] = {**entry, **{str(n): list(t) for n, t in sorted(known.items())}, "gemv": gemv_s,
-                      **({fp8_name: {str(n): t for n, t in sorted(fp8_known.items())}} if fp8_known else {})}
-        plans[shape] = _format(sizes, known, gemv_s, fp8_known if fp8_ok else {})
+        plans[cls] = _format(sizes, known, gemv_s)
     if dirty and _had_the_cores(time.perf_counter() - wall0, time.process_time() - cpu0):
         _save_cache(cache)
     elif dirty:
         log.info("CPU format timings taken beside another process's work: used for this start, not cached")
     return plans
+
+
+def shape_class(layer: CpuLinear) -> tuple:
+    """(shape, the e4m3 timings' name, None for a weight in the compute dtype): a product's time
+    depends on the shape and, for e4m3, on the scales' layout (a multiply-add per group as it
+    closes, fp32 or bf16 scales) and the kernels' source (a timing of another build of them says
+    nothing of this one)."""
+    if not layer.is_e4m3:
+        return tuple(layer.shape), None
+    s = layer.scale
+    layout = "" if s.dim() == 1 else f" {s.shape[1]} groups {str(s.dtype).removeprefix('torch.')}"
+    return tuple(layer.shape), f"e4m3{layout} {native.source_digest()}"
 
 
 def _had_the_cores(wall: float, cpu: float) -> bool:
@@ -260,22 +278,11 @@ def _had_the_cores(wall: float, cpu: float) -> bool:
     return wall <= 0 or cpu >= 0.8 * wall * torch.get_num_threads()
 
 
-def _fp8_entry(scale: torch.Tensor) -> str:
-    """scale: a CpuLinear's, [N] or [groups, N]. The kernel's source is part of the name: a
-    timing of another build of it says nothing of this one."""
-    layout = "" if scale.dim() == 1 or scale.shape[0] == 1 else f" {scale.shape[0]} groups"
-    return f"fp8{layout} {native.source_digest()}"
-
-
-def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float,
-            fp8: dict[int, float]) -> ShapeFormat:
-    """Each size takes the fastest format: fp8 where it beats every other at that size (no copy
-    to pay for beyond its own byte a weight); else bf16 against fp32 with a margin, and one row
+def _format(sizes: list[int], known: dict[int, tuple[float, float]], gemv_s: float) -> ShapeFormat:
+    """A weight in the compute dtype: bf16 against fp32 with a margin at each size, and one row
     through the GEMV where that beats both."""
     gemv = gemv_offered() and gemv_s <= MARGIN * min(known[1])
-    use8 = {n: n in fp8 and fp8[n] < min(known[n] + ((gemv_s,) if n == 1 and gemv else ())) for n in sizes}
-    plan = [(n, use and not use8[n]) for n, use in plan_from_times({n: known[n] for n in sizes})]
-    return ShapeFormat(plan, gemv and not use8[1], [(n, use8[n]) for n in sizes] if any(use8.values()) else None)
+    return ShapeFormat(plan_from_times({n: known[n] for n in sizes}), gemv)
 
 
 def describe(plan: list[tuple[int, bool]]) -> str:
@@ -289,52 +296,53 @@ def describe(plan: list[tuple[int, bool]]) -> str:
     return ", ".join(runs)
 
 
-def describe_format(f: ShapeFormat) -> str:
-    fp8 = [n for n, use in f.fp8 or [] if use]
-    lead = f"fp8 at {','.join(map(str, fp8))} rows, " if fp8 else ""
-    return lead + ("gemv 1 row, " if f.gemv else "") + describe(f.plan)
+def describe_format(f: ShapeFormat, e4m3: bool = False) -> str:
+    if e4m3:
+        stream = [n for n, use in f.fp8 or [] if use]
+        return f"streaming e4m3 at {','.join(map(str, stream))} rows, else tiles" if stream else "tiles"
+    return ("gemv 1 row, " if f.gemv else "") + describe(f.plan)
 
 
 def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str = "auto",
            max_tokens: int = 64, max_head_rows: int = 64) -> int:
-    """Give each CPU layer the formats that run fastest at each step size; -> the largest step
-    size that runs bf16 anywhere (0 = none). mode: auto (measured), fp32, or bf16:N (bf16 up to
-    N rows). The e4m3 bytes each layer packed at load are kept only where the e4m3 kernel runs."""
-    try:
-        return _choose(layers, tuple(head_shape), weight_bytes, mode, max_tokens, max_head_rows)
-    finally:
-        for layer in layers:
-            layer.fp8_bytes = None
-
-
-def _choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str,
-            max_tokens: int, max_head_rows: int) -> int:
-    if mode == "fp32" or not layers or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
+    """Give each CPU layer the products that run fastest at each step size; -> the largest step
+    size that runs a bf16 copy anywhere (0 = none). mode: auto (measured); fp32 (e4m3 weights
+    through the blocked product, fp32 GEMM on their own values; others fp32); or bf16:N (e4m3
+    weights through the streaming kernel up to N rows, the blocked product above; others a bf16
+    copy up to N rows)."""
+    head_shape = tuple(head_shape)
+    isa = native.fp8_linear_isa()
+    if not layers:
         return 0
-    if mode == "auto" and not any(m.scale is not None for m in layers):
-        # An unquantized model (--weights fp32 or bf16) asked for its own weights: a bf16 copy would round
-        # them. FP8 weights fit bf16 exactly; the head's rounding is measured (docs/benchmarks.md).
+    if mode == "fp32" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
+        for m in layers:
+            m.use(ShapeFormat([]), isa)
         return 0
     if mode != "auto":
         limit = int(mode.split(":")[1])
         for m in layers:
-            m.use(ShapeFormat.bf16_up_to(limit))
-        log.info("CPU weights: bf16 for steps of <= %d tokens, fp32 above (set)", limit)
-        return limit
+            m.use(ShapeFormat.bf16_up_to(limit), isa)
+        log.info("CPU weights: the streaming e4m3 kernel / bf16 copies for steps of <= %d tokens, tiles / fp32 "
+                 "above (set)", limit)
+        return limit if any(not m.is_e4m3 for m in layers) else 0
+    if not any(m.is_e4m3 for m in layers):
+        # An unquantized model (--weights fp32 or bf16) asked for its own weights: a bf16 copy would round them.
+        return 0
     t0 = time.perf_counter()
     made: dict[tuple[int, str], torch.Tensor] = {}
+    # The never-quantized weights beside e4m3 ones (a recipe's bf16 exceptions) were bf16: a copy holds them exactly.
     formats = measure_plans(layers, head_shape, max_tokens, max_head_rows, made)
-    isa = native.fp8_linear_isa()
     for m in layers:
-        mine = {kind: made[(id(m.weight), kind)] for kind in ("packed", "plain", "fp8") if (id(m.weight), kind) in made}
-        m.use(formats[tuple(m.weight.shape)], isa, mine)
+        w = m.weight
+        m.use(formats[shape_class(m)], isa, {k: made[(id(w), k)] for k in ("packed", "plain") if (id(w), k) in made})
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
-             "; ".join(f"{o}x{i}: {describe_format(f)}" for (o, i), f in formats.items()))
-    return max((n for f in formats.values() for n, use in f.plan if use), default=0)
+             "; ".join(f"{o}x{i}{'' if e is None else ' e4m3'}: {describe_format(f, e is not None)}"
+                       for ((o, i), e), f in formats.items()))
+    return max((n for (_, e), f in formats.items() if e is None for n, use in f.plan if use), default=0)
 
 
 def fp8_max_tokens(layers: list[CpuLinear]) -> int:
-    """The largest step size any layer runs through the e4m3 kernel (0 = none)."""
+    """The largest step size any layer runs through the streaming e4m3 kernel (0 = none)."""
     return max((m.max_rows("fp8") for m in layers), default=0)
 
 
@@ -344,9 +352,11 @@ def fp8_max_tokens(layers: list[CpuLinear]) -> int:
 # an AVX2 EPYC with torch 2.13 (docs/benchmarks.md): MKL's fp32 GEMM rounds a row one way at 1 row
 # (its GEMV), another at 2-3, others at 5-7 and 9-11, and alike at 4, 8 and 12 or more; the e4m3
 # kernel's AVX2 path accumulates every row alike at any count; its AVX-512 path takes a
-# two-accumulator loop for one row only. So each matrix runs one format at every step size:
-# the e4m3 kernel where its shape fits (at least 2 rows on AVX-512), else MKL fp32 on a row count
-# it rounds alike (fp32_rows: 4, 8, or 12 on; 4x a GEMV's arithmetic at one row, which a one-row
+# two-accumulator loop for one row only. So each matrix runs one product at every step size:
+# an e4m3 weight the streaming kernel where that is invariant here, else the blocked product
+# (whose tiles are fixed by the shape, not by the rows or threads; its GEMM is MKL's, so it is
+# padded as MKL's fp32 is); a weight in the compute dtype MKL fp32. MKL runs on a row count it
+# rounds alike (fp32_rows: 4, 8, or 12 on; 4x a GEMV's arithmetic at one row, which a one-row
 # step's bandwidth hides), padded to 16 rows where that fails. Each is checked on the machine.
 INVARIANT_ROWS = 16
 
@@ -407,58 +417,57 @@ def is_invariant(run, in_features: int, max_tokens: int) -> bool:
 
 
 def _use_fp8(layer: CpuLinear, isa: int) -> None:
-    """The e4m3 product at every step size, over the bytes the layer already packed where it has them."""
-    packed = layer.copies.get("fp8")
-    layer.use(ShapeFormat([(1, False)], fp8=[(1, True)]), isa, {"fp8": packed} if packed is not None else None)
+    """The streaming e4m3 kernel at every step size."""
+    layer.use(ShapeFormat([], fp8=[(1, True)]), isa)
 
 
 def _fp32_run(layer: CpuLinear, rows=fp32_rows):
-    return _pad_rows(lambda x: F.linear(x, layer.weight), rows)
+    """MKL's GEMM at every size, padded to `rows`: on the e4m3 weight's tiles, or the weight itself."""
+    return _pad_rows(layer._tiles if layer.is_e4m3 else (lambda x: F.linear(x, layer.weight)), rows)
+
+
+def _set_fp32(layer: CpuLinear, run) -> None:
+    layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["tiles" if layer.is_e4m3 else "fp32"], {}
 
 
 def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
-    """Give the layer one batch-invariant product for every step size; -> its kind ("fp8" or "fp32")."""
-    fits8 = isa > 0 and layer.scale is not None and layer.weight.shape[0] % 16 == 0 and layer.weight.shape[1] % 2 == 0
-    if fits8:
+    """Give the layer one batch-invariant product for every step size; -> its kind ("fp8", or
+    "fp32" / "fp32/16": MKL's GEMM padded as fp32_rows or to 16 rows)."""
+    k = layer.shape[1]
+    if layer.is_e4m3 and isa > 0:
         _use_fp8(layer, isa)
-        if layer.kinds == ["fp8"]:
-            if is_invariant(layer.runs[0], layer.weight.shape[1], max_tokens):
-                return "fp8"
-            log.warning("the e4m3 product of %s is not batch-invariant on this CPU: fp32 instead",
-                        tuple(layer.weight.shape))
+        if is_invariant(layer.runs[0], k, max_tokens):
+            return "fp8"
+        log.warning("the streaming e4m3 product of %s is not batch-invariant on this CPU: the blocked one instead",
+                    layer.shape)
     for rows, kind in ((fp32_rows, "fp32"), (INVARIANT_ROWS, "fp32/16")):
         run = _fp32_run(layer, rows)
-        if is_invariant(run, layer.weight.shape[1], max_tokens):
-            layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["fp32"], {}
+        if is_invariant(run, k, max_tokens):
+            _set_fp32(layer, run)
             return kind
-    raise RuntimeError(f"deterministic mode: no batch-invariant product for a {tuple(layer.weight.shape)} weight "
+    raise RuntimeError(f"deterministic mode: no batch-invariant product for a {layer.shape} weight "
                        "on this CPU (MKL's fp32 GEMM changed a row's bits with the row count, even padded to 16 rows)")
 
 
 def choose_invariant(layers: list[CpuLinear], head_shape: tuple[int, int], max_tokens: int,
                      max_head_rows: int) -> dict[str, int]:
-    """use_invariant for every layer, checking one layer per weight shape (a format's arithmetic
-    depends on the shape, not the values) up to the rows it sees (the head: max_head_rows);
-    -> {kind: layers}. The e4m3 bytes packed at load are dropped where a layer does not run them."""
+    """use_invariant for every layer, checking one layer per weight class (a product's arithmetic
+    depends on the shape and scale layout, not the values) up to the rows it sees (the head:
+    max_head_rows); -> {kind: layers}."""
     isa = native.fp8_linear_isa()
     t0 = time.perf_counter()
     checked: dict[tuple, str] = {}
     counts: dict[str, int] = {}
-    try:
-        for layer in layers:
-            shape = (tuple(layer.weight.shape), layer.scale is not None)
-            if shape not in checked:
-                rows = min(max_head_rows, max_tokens) if shape[0] == tuple(head_shape) else max_tokens
-                checked[shape] = use_invariant(layer, isa, rows)
-            elif checked[shape] == "fp8":
-                _use_fp8(layer, isa)
-            else:
-                rows = INVARIANT_ROWS if checked[shape] == "fp32/16" else fp32_rows
-                layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [_fp32_run(layer, rows)], ["fp32"], {}
-            counts[checked[shape]] = counts.get(checked[shape], 0) + 1
-    finally:
-        for layer in layers:
-            layer.fp8_bytes = None
+    for layer in layers:
+        cls = shape_class(layer)
+        if cls not in checked:
+            rows = min(max_head_rows, max_tokens) if cls[0] == tuple(head_shape) else max_tokens
+            checked[cls] = use_invariant(layer, isa, rows)
+        elif checked[cls] == "fp8":
+            _use_fp8(layer, isa)
+        else:
+            _set_fp32(layer, _fp32_run(layer, INVARIANT_ROWS if checked[cls] == "fp32/16" else fp32_rows))
+        counts[checked[cls]] = counts.get(checked[cls], 0) + 1
     log.info("CPU weights, batch-invariant (checked in %.1f s): %s", time.perf_counter() - t0,
              ", ".join(f"{k} for {n} layers" for k, n in sorted(counts.items())))
     return counts

@@ -12,7 +12,7 @@ the fp16 scale costs 2 bytes per 64-value head, which keeps FP8 at 1.94x BF16's
 tokens per byte.
 
 A model's FP8 cache holds K and V rotated by a Hadamard matrix H (head_dim a power of two):
-the attention layer (ridge/models/llama.py) writes K H and V H, attends with q H / D and turns
+the attention layer (ridge/models/layers/decoder.py) writes K H and V H, attends with q H / D and turns
 the output back by H / D, exact in the algebra (H H = D I: (q H / D) . (k H) = q . k and
 sum p (v H) H / D = sum p v). The kernels here store and read whatever they are given. On
 SmolLM2 it cut FP8 KV's KL from fp32 on code by a quarter and left prose's (docs/benchmarks.md).

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from . import native
 from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_ref
-from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
+from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu, unpack_fp8
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "swigluoai")
 
@@ -84,8 +84,12 @@ def check_args(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, to
     assert act in ACTIVATIONS, act
 
 
-def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e's [out, in] weight in dtype (FP8 times its channel scales: exact in fp32)."""
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype,
+                   cpu: "CpuExperts | None" = None, which: int = 0) -> torch.Tensor:
+    """Expert e's [out, in] weight in dtype (FP8 times its channel scales: exact in fp32), from
+    the CPU layer's e4m3 bytes where it holds them (cpu)."""
+    if cpu is not None and (got := cpu.expert_weight(which, e)) is not None:
+        return got.to(dtype)
     if scale is None:
         return w[e].to(dtype)
     return (w[e].float() * scale[e][:, None]).to(dtype)
@@ -101,10 +105,10 @@ def fused_moe_ref(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
         token, slot = torch.where(topk_ids == e)
         if token.numel() == 0:
             continue
-        h = F.linear(x[token].float(), _expert_weight(w_gate_up, w_gate_up_scale, e, torch.float32),
+        h = F.linear(x[token].float(), _expert_weight(w_gate_up, w_gate_up_scale, e, torch.float32, cpu, 0),
                      None if b_gate_up is None else b_gate_up[e].float())
         h = act_and_mul(h, act, swiglu_alpha, swiglu_limit)
-        y = F.linear(h, _expert_weight(w_down, w_down_scale, e, torch.float32),
+        y = F.linear(h, _expert_weight(w_down, w_down_scale, e, torch.float32, cpu, 1),
                      None if b_down is None else b_down[e].float())
         out.index_add_(0, token, y * topk_weights[token, slot, None])
     return out.to(x.dtype)
@@ -135,8 +139,20 @@ class CpuExperts:
         return cls([], [], make_packed(w_gate_up, s_gate_up, w_down, s_down))
 
     def copies(self) -> list[torch.Tensor]:
-        """What the products read beyond the layer's buffers."""
-        return [t for m in self.layers() for t in m.copies.values()] + list(self.packed or ())
+        """What the products read beyond the layer's buffers: the e4m3 bytes and their scales,
+        and any copy a never-quantized expert's format made."""
+        e4m3 = [t for m in self.layers() if m.is_e4m3 for t in (m.packed, m.scale)]
+        return [t for m in self.layers() for t in m.copies.values()] + e4m3 + list(self.packed or ())
+
+    def expert_weight(self, which: int, e: int) -> torch.Tensor | None:
+        """Expert e's gate_up (which 0) or down (1) weight in fp32 from its e4m3 bytes, for the
+        torch paths (the reference, and the grouped path where ridge's kernels are off): the
+        layer's stacked buffers are stand-ins then. None where the layer holds its own weights."""
+        if self.packed is not None:
+            w, s = self.packed[2 * which], self.packed[2 * which + 1]
+            return unpack_fp8(w[e], s[e], s.shape[1])
+        layer = (self.gate_up, self.down)[which][e]
+        return unpack_fp8(layer.packed, layer.scale, layer.shape[0]) if layer.is_e4m3 else None
 
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
@@ -210,13 +226,19 @@ def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
     activation's CPU implementation (ops chooses it; None: act_and_mul). One token (a batch-1
     decode step) skips the sort, gather and scatter: its k experts run on its row in order.
     A CpuExperts in the packed form (no per-expert layers: native.off() after a packed load)
-    counts as None."""
+    gives its experts' weights from the packed bytes (the stacked buffers are stand-ins then)."""
+    packed = cpu if cpu is not None and not cpu.gate_up and cpu.packed is not None else None
     if cpu is not None and not cpu.gate_up:
         cpu = None
+
+    def weight(which: int, w, scale, e: int) -> torch.Tensor:
+        return _expert_weight(w, scale, e, torch.float32, packed, which)
+
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = _product(rows, w_gate_up, w_gate_up_scale, b_gate_up, e, None if cpu is None else cpu.gate_up[e])
+        h = _product(rows, lambda: weight(0, w_gate_up, w_gate_up_scale, e), b_gate_up, e,
+                     None if cpu is None else cpu.gate_up[e])
         h = act_fn(h) if act_fn is not None else act_and_mul(h, act, swiglu_alpha, swiglu_limit)
-        return _product(h, w_down, w_down_scale, b_down, e, None if cpu is None else cpu.down[e])
+        return _product(h, lambda: weight(1, w_down, w_down_scale, e), b_down, e, None if cpu is None else cpu.down[e])
 
     xf = x if x.dtype == torch.float32 else x.float()
     T, k = topk_ids.shape
@@ -243,8 +265,9 @@ def fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids,
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def _product(x, w, scale, bias, e: int, cpu: CpuLinear | None) -> torch.Tensor:
+def _product(x, weight, bias, e: int, cpu: CpuLinear | None) -> torch.Tensor:
+    """x through expert e's product: its CpuLinear's, else F.linear on weight() (fp32)."""
     b = None if bias is None else bias[e].float()
     if cpu is not None:
         return fp8_linear_cpu(x, cpu.weight, b, cpu)
-    return F.linear(x, _expert_weight(w, scale, e, torch.float32), b)
+    return F.linear(x, weight(), b)

@@ -110,10 +110,14 @@ def _build(cc: str, out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
-    lib.fp8_linear.argtypes = [p, i64, i64, p, p, i64, p, i32, i32]
-    lib.fp8_linear.restype = i32
-    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, i32]
+    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32]
     lib.fp8_linear_grouped.restype = i32
+    lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32]
+    lib.fp8_linear_tiles.restype = i32
+    lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64]
+    lib.fp8_widen.restype = i32
+    lib.fp8_rows.argtypes = [p, i64, p, i32, i64, p, i64, p, i32]
+    lib.fp8_rows.restype = None
     lib.bf16_linear.argtypes, lib.bf16_linear.restype = [p, i64, i64, p, i64, p, i32], i32
     lib.fp8_moe.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, p, p, i32, f32, f32, p, i32, i32]
     lib.fp8_moe.restype = i32
@@ -190,38 +194,123 @@ def fp8_linear_isa() -> int:
 
 
 def scale_blocks(scale256: torch.Tensor) -> torch.Tensor:
-    """Scales as native.fp8_linear reads them fastest: [ceil(K/G), N] per column and group ->
+    """Scales as the e4m3 products read them fastest: [ceil(K/G), N] per column and group ->
     [N/16, ceil(K/G), 16], each 16-column block's scales together, as its weights are (one
-    per column, [N], is that layout already). Made once per weight, where its formats are
-    chosen."""
+    per column, [N], is that layout already). fp32, or bf16 (groups: the stored scales' own
+    dtype, times 256 exactly). Made once per weight, at load."""
     if scale256.dim() == 1:
         return scale256.contiguous()
     g, n = scale256.shape
     return scale256.reshape(g, n // 16, 16).transpose(0, 1).contiguous()
 
 
-def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
-    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32. packed: cpu_linear.pack_fp8's
-    [N/16, K/2, 16, 2] bytes; scale256: the scales times 256 (fp32), [N] one per column, or per
-    column and group of G along K as scale_blocks makes them, [N/16, ceil(K/G), 16] (or as
-    kernels/fp8_scales.column_groups gives them, [ceil(K/G), N], rearranged here on every call:
-    for tests)."""
+def _scales(packed: torch.Tensor, scale256: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """-> (the scales in the kernels' layout, their group size along K, 1 where they are bf16),
+    checked against the packed weight. scale256: [N] fp32, or [N/16, ceil(K/G), 16] as
+    scale_blocks makes them (or [ceil(K/G), N] as kernels/fp8_scales.column_groups gives them,
+    rearranged here on every call: for tests)."""
     nb, kp, sixteen, two = packed.shape
-    m, k = x.shape
-    assert (sixteen, two) == (16, 2) and k == 2 * kp and packed.dtype == torch.uint8, (x.shape, packed.shape)
+    k = 2 * kp
+    assert (sixteen, two) == (16, 2) and packed.dtype == torch.uint8 and packed.is_contiguous(), packed.shape
     if scale256.dim() == 2:
         scale256 = scale_blocks(scale256)
     groups = 1 if scale256.dim() == 1 else scale256.shape[1]
     gk = k if groups == 1 else 1 << (-(-k // groups) - 1).bit_length()
-    assert x.dtype == torch.float32 and scale256.dtype == torch.float32 and scale256.numel() == nb * 16 * groups
+    assert scale256.dtype in (torch.float32, torch.bfloat16) and scale256.numel() == nb * 16 * groups
     assert scale256.dim() == 1 or scale256.shape == (nb, groups, 16), scale256.shape
     assert scale256.is_contiguous() and -(-k // gk) == groups and gk % 2 == 0, (scale256.shape, k)
-    x = x.contiguous()
+    return scale256, gk, int(scale256.dtype == torch.bfloat16)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, call) -> torch.Tensor:
+    """The e4m3 products' common checks and output; call(x, packed, scale256, gk, sbf, y) runs the
+    kernel (x contiguous, y [M, N] fp32) and returns its status."""
+    nb, kp = packed.shape[:2]
+    m, k = x.shape
+    assert k == 2 * kp and x.dtype == torch.float32, (x.shape, packed.shape)
+    scale256, gk, sbf = _scales(packed, scale256)
     y = torch.empty((m, nb * 16), dtype=torch.float32)
-    rc = library().fp8_linear_grouped(x.data_ptr(), m, k, packed.data_ptr(), scale256.data_ptr(), nb * 16, gk,
-                                      y.data_ptr(), isa, torch.get_num_threads())
-    assert rc == 0, f"fp8_linear: isa {isa} not built"
+    if m:  # the kernels write whole tiles of rows
+        assert call(x.contiguous(), scale256, gk, sbf, y) == 0, f"{call.__name__}: not built here"
     return y
+
+
+def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
+    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32, streaming the bytes (the product of
+    few rows). packed: cpu_linear.pack_fp8's [N/16, K/2, 16, 2] bytes; scale256: the scales times
+    256, as _scales takes them."""
+    def fp8_linear_grouped(x, s, gk, sbf, y):
+        return library().fp8_linear_grouped(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), s.data_ptr(),
+                                            sbf, y.shape[1], gk, y.data_ptr(), isa, torch.get_num_threads())
+    return _product(x, packed, scale256, fp8_linear_grouped)
+
+
+def sgemm() -> int | None:
+    """The address of the Fortran sgemm that torch's own BLAS (MKL) exports, for the blocked
+    product's tiles (one single-threaded call per tile, from each thread); None where this torch
+    build exports none (the blocked product is then not offered)."""
+    if "sgemm" not in _state:
+        addr = None
+        for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+            path = Path(torch.__file__).parent / "lib" / name
+            if path.exists():
+                try:
+                    addr = ctypes.cast(getattr(ctypes.CDLL(str(path)), "sgemm_"), ctypes.c_void_p).value
+                except (OSError, AttributeError):
+                    addr = None
+                break
+        _state["sgemm"] = addr
+    return _state["sgemm"]
+
+
+def tile_blocks(k: int) -> int:
+    """16-column blocks per tile of the blocked product: the widened tile (blocks * 16 * K fp32)
+    within TILE_BYTES, to stay in a core's L2 beside the GEMM's own packed panels, but 2 to 8
+    blocks whatever K (a GEMM of 16 columns ran slower at every K; 2-8 timed alike on AVX2 at
+    K = 2048 and 8192, issue 39)."""
+    return min(8, max(2, TILE_BYTES // (16 * k * 4)))
+
+
+TILE_BYTES = 512 << 10
+
+
+def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor,
+                     blocks: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
+    `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
+    by torch's BLAS sgemm, one tile per thread at a time. Arguments as fp8_linear's."""
+    def fp8_linear_tiles(x, s, gk, sbf, y):
+        k = x.shape[1]
+        return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,
+                                          y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k), sgemm(),
+                                          torch.get_num_threads())
+    return _product(x, packed, scale256, fp8_linear_tiles)
+
+
+def fp8_widen(packed: torch.Tensor, scale256: torch.Tensor, b0: int = 0, b1: int | None = None) -> torch.Tensor:
+    """Blocks [b0, b1) of a packed weight widened to fp32 [(b1 - b0) * 16, K], e4m3 * scale (the
+    blocked product's widening, for tests against the torch upcast)."""
+    nb, kp = packed.shape[:2]
+    b1 = nb if b1 is None else b1
+    scale256, gk, sbf = _scales(packed, scale256)
+    out = torch.empty((2 * kp, (b1 - b0) * 16), dtype=torch.float32)
+    rc = library().fp8_widen(packed.data_ptr(), 2 * kp, scale256.data_ptr(), sbf, gk, b0, b1, out.data_ptr(),
+                             out.shape[1])
+    assert rc == 0, "fp8_widen: no AVX2 here"
+    return out.t()
+
+
+def fp8_rows(packed: torch.Tensor, scale256: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of a packed weight times their scales -> [len(ids), K] fp32 (an embedding lookup:
+    only the gathered rows are read). Arguments as fp8_linear's; ids any integer tensor."""
+    nb, kp = packed.shape[:2]
+    scale256, gk, sbf = _scales(packed, scale256)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < nb * 16), "token id out of range"
+    out = torch.empty((ids.numel(), 2 * kp), dtype=torch.float32)
+    library().fp8_rows(packed.data_ptr(), 2 * kp, scale256.data_ptr(), sbf, gk, ids.data_ptr(), ids.numel(),
+                       out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ which go to ridge's C kernel where the call fits it (each module's native_fits;
 attention_native.fits), else to a rewrite of the reference with fewer passes and
 allocations where there is one (chosen by measurement: docs/benchmarks.md), else
 to the reference. backend(op, *args) says which runs a call. The modules only offer
-their implementations; none chooses between them. A linear layer whose weight was
-upcast at load (keeps_fp8) runs in the CPU format chosen for its shape and the
-step's size (cpu_linear.py, chosen at start-up by cpu_linear_plan.py). Every
+their implementations; none chooses between them. A linear layer on CPU (its e4m3
+bytes, resident_e4m3, or a weight never quantized) runs the product chosen for its
+shape and the step's size (cpu_linear.py, chosen at start-up by cpu_linear_plan.py). Every
 backend of an op has the op's signature, the step's AttentionMetadata included
 where it has one: a backend keeps its per-step state there, in its own entry
 (AttentionMetadata.state_for).
@@ -27,6 +27,7 @@ from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_na
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
 from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu
+from .cpu_linear import resident_e4m3 as cpu_resident_e4m3
 from .kv_cache import write_kv_native, write_kv_ref
 from .linear import fp8_linear_ref
 from .metadata import AttentionMetadata
@@ -102,10 +103,16 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def keeps_fp8(device: torch.device) -> bool:
-    """Whether an FP8 weight stays FP8 on the device. CUDA: its FP8 kernels read it. CPU: upcast
-    once at load (fp8 * scale is exact in fp32), since torch's fp8 cast per step is far too slow;
-    the layer's CPU formats (cpu_linear.CpuLinear) then choose per step size."""
+    """Whether an FP8 weight stays FP8 for the device's FP8 kernels (CUDA). On a CPU it stays
+    e4m3 for ridge's own products instead (cpu_linear.resident_e4m3, CpuLinear), which choose per
+    step size."""
     return device.type == "cuda"
+
+
+def resident_e4m3(device: torch.device, shape) -> bool:
+    """Whether an e4m3 weight of this [out, in] shape stays e4m3 on the device for ridge's CPU
+    products (cpu_linear.resident_e4m3); elsewhere on CPU it is upcast once at load."""
+    return cpu_resident_e4m3(device, tuple(shape))
 
 
 def fp8_refusal(weight_scale: torch.Tensor, shape, device: torch.device) -> str | None:
@@ -207,7 +214,7 @@ def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None)
     device; a weight upcast at load (CPU) or never quantized runs in the format its layer's
     CpuLinear chose for this step's size (cpu), or F.linear where it has none."""
     with section("linear"):
-        if weight.dtype != FP8:
+        if cpu is not None or weight.dtype != FP8:
             return fp8_linear_cpu(x, weight, bias, cpu)
         return _pick("fp8_linear", fp8_linear_ref, x)(x, weight, weight_scale, bias)
 

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +36,16 @@ class ConvertedModel:
     from_cache: bool
     identity: str = ""  # the store key: the source file's identity, the quantizer's version and options
     recipe: dict | None = None  # the FP8 recipe that made the weights (quant/recipe.py) and what chose it
+    # Unquantized weights streamed: state_dict holds the globals, layer(i) reads, fuses and returns
+    # layer i's tensors when the loader places it (None: state_dict holds every layer's).
+    layer: Callable[[int], dict[str, torch.Tensor]] | None = None
 
 
-def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str | None = None,
+def convert(path=None, *, registry, quantize: bool = True, rule: str = "mse", recipe: str | None = None,
             calibrate=None, use_cache: bool = True, show_progress: bool = True,
-            device: str = "cpu", calibrate_layers=None, on_layer=None) -> ConvertedModel:
-    """recipe: an FP8 recipe's spec (quant/recipe.py), or "auto". Those measured on the calibration
+            device: str = "cpu", calibrate_layers=None, on_layer=None, layered: bool = False) -> ConvertedModel:
+    """registry: the model families (quant/spec.py; ridge/models/registry.py REGISTRY, which binds it:
+    quant/ sits below models/). recipe: an FP8 recipe's spec (quant/recipe.py), or "auto". Those measured on the calibration
     text (auto, and GPTQ rounding) need calibrate(cfg, fused state dict, rope factors, tokenizer,
     spec) -> (Recipe, GPTQ's input statistics or None, what it measured or None), which runs the
     model (ridge/models/fp8_calibrate.calibrate: quant/ sits below models/). None: RIDGE_FP8_RECIPE,
@@ -54,7 +59,9 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
     STREAMED: statistics(...) and choose(...)), without which they read the model whole and
     measure it through calibrate.
     on_layer(i, layers): called as layer i is done, with the layers whose source tensors are still
-    alive then (weak references: a test's witness that one layer at a time is held)."""
+    alive then (weak references: a test's witness that one layer at a time is held).
+    layered: unquantized weights (quantize=False) come a layer at a time, as a loader places
+    them (ConvertedModel.layer), not as one state dict."""
     from ridge.tokenizer import Tokenizer
 
     if recipe is None:
@@ -72,10 +79,15 @@ def convert(path=None, *, quantize: bool = True, rule: str = "mse", recipe: str 
         freq = tensors.pop("__rope_freqs__", None)
         return ConvertedModel(ModelConfig.from_dict(meta["config"]), tensors,
                               Tokenizer.from_dict(meta["tokenizer"]), freq, True, key, meta.get("recipe"))
-    if quantize and (stream := _streams(path, recipe, calibrate_layers)) is not None:
+    if quantize and (stream := _streams(path, recipe, calibrate_layers, registry)) is not None:
         return _convert_streamed(stream, path, key, rule, recipe, calibrate_layers, use_cache, show_progress, on_layer)
-    cfg, sd, freq, tok = read_source(path, show_progress)
-    fused = fuse_hf_state_dict(sd, cfg, path)
+    if layered and not quantize and not (stream := open_source(path, registry)).fp8_checkpoint():
+        # The source's own values: nothing to cache, read a layer at a time as the loader places them.
+        return ConvertedModel(stream.config, fuse_globals(stream.globals(), stream.config, path), stream.tokenizer,
+                              stream.freq_factors, False, key,
+                              layer=lambda i: fuse_layer(stream.layer(i), stream.config, i, {}, path, stream.spec.weights))
+    cfg, sd, freq, tok = read_source(path, registry, show_progress)
+    fused = fuse_hf_state_dict(sd, cfg, path, registry[cfg.arch].weights)
     chosen = None
     if quantize:
         fused, chosen = _quantize(fused, cfg, freq, tok, rule, recipe, calibrate)
@@ -106,13 +118,13 @@ def _quantize(fused, cfg, freq, tok, rule: str, spec: str, calibrate) -> tuple[d
     return out, {"spec": recipe.spec, "rule": rule, "asked": spec, **({"measured": measured} if measured else {})}
 
 
-def _streams(path, spec: str, calibrate_layers) -> SourceStream | None:
+def _streams(path, spec: str, calibrate_layers, registry) -> SourceStream | None:
     """The source opened for a streamed conversion, or None where the whole model is read: a
     recipe measured on the calibration text when no calibrate_layers runs it a layer at a time,
     or an FP8 checkpoint, which is loaded as it is (1 byte a weight already)."""
     if calibrate_layers is None and (spec == "auto" or Recipe.parse(spec).calibrated):
         return None
-    stream = open_source(path)
+    stream = open_source(path, registry)
     return None if stream.fp8_checkpoint() else stream
 
 
@@ -136,7 +148,7 @@ def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str
     def layer(i: int) -> dict[str, torch.Tensor]:
         src = stream.layer(i)
         read.update({(i, n): t for n, t in src.items()})
-        return fuse_layer(src, cfg, i, {}, path)
+        return fuse_layer(src, cfg, i, {}, path, stream.spec.weights)
 
     def done(i: int, fused: dict[str, torch.Tensor], stats) -> None:
         emit(recipe.quantize_layer(fused, rule, stats if recipe.calibrated else None))
@@ -184,7 +196,7 @@ def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str
     else:
         hit = store.load(key)
     if hit is None:  # not cached, or not readable back: the FP8 result held in memory instead
-        return convert(path, rule=rule, recipe=spec, use_cache=False, show_progress=show_progress,
+        return convert(path, registry=stream.registry, rule=rule, recipe=spec, use_cache=False, show_progress=show_progress,
                        calibrate_layers=calibrate_layers, on_layer=on_layer)
     tensors = hit[1]
     tensors.pop("__rope_freqs__", None)  # the memory map of what was just written: the FP8 model

@@ -3,24 +3,33 @@
 Fusing turns seven matrix products per layer into four; a mixture of experts' layer stacks its
 experts (fuse_experts). FP8 weights fuse too:
 their scales are per output channel, so they concatenate along with the rows
-(a per-tensor scale is first broadcast to its rows)."""
+(a per-tensor scale is first broadcast to its rows). What differs between families (which
+norms a layer has, checkpoints shipped fused, how experts are shipped) is their WeightLayout."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
-from .gpt_oss import gpt_oss_experts
 
 FP8 = torch.float8_e4m3fn
-# Each layer's norms, by architecture (Gemma norms both branches' inputs and outputs).
-_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
-_GEMMA_NORMS = _LLAMA_NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-LAYER_NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS,
-               "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
-# Architectures whose checkpoints ship qkv_proj and gate_up_proj fused, in the model's layout.
-FUSED_AS_SHIPPED = ("phi3",)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """A family's tensors under model.layers.{i}. (Hugging Face names). norms: each layer's;
+    fused_as_shipped: the checkpoints ship qkv_proj and gate_up_proj fused, in the model's
+    layout; experts(sd, cfg, layer, path): a sparse layer's tensors under `layer` -> the model's
+    stacked experts and router (names under experts. and router.; stacked_experts for the
+    layouts checkpoints share), None for a family without experts."""
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    fused_as_shipped: bool = False
+    experts: Callable | None = None
 
 
 def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
@@ -49,11 +58,12 @@ def _cat(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = False
         out[name + ".bias"] = torch.cat([sd[p + ".bias"] for p in prefixes], dim=0)
 
 
-def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
+def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path, layout: WeightLayout
+                       ) -> dict[str, torch.Tensor]:
     sd = with_model_prefix(sd)
     out = fuse_globals(sd, cfg, path)
     for i in range(cfg.num_layers):
-        fuse_layer(sd, cfg, i, out, path)
+        fuse_layer(sd, cfg, i, out, path, layout)
     return out
 
 
@@ -77,7 +87,7 @@ def fuse_globals(sd, cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
     return out
 
 
-def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path="model") -> dict[str, torch.Tensor]:
+def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path, layout: WeightLayout) -> dict[str, torch.Tensor]:
     """Layer i's tensors (HF names; sd needs hold no other layer's) -> its fused ones, into out."""
     def take(src: str, dst: str):
         if src not in sd:
@@ -85,15 +95,15 @@ def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path="model") -> dict[st
         out[dst] = sd[src]
 
     p, q = f"model.layers.{i}.", f"layers.{i}."
-    for norm in LAYER_NORMS.get(cfg.arch, _LLAMA_NORMS):
+    for norm in layout.norms:
         take(p + norm + ".weight", q + norm + ".weight")
     a, m = p + "self_attn.", p + "mlp."
-    shipped = cfg.arch in FUSED_AS_SHIPPED  # rows [q | k | v] and [gate | up], as ours
+    shipped = layout.fused_as_shipped  # rows [q | k | v] and [gate | up], as ours
     _cat(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
          path, cfg.attention_bias)
     _cat(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
     if cfg.is_moe_layer(i):
-        fuse_experts(sd, cfg, i, out, path)
+        fuse_experts(sd, cfg, i, out, path, layout)
     else:
         _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
              path, cfg.mlp_bias)
@@ -107,19 +117,17 @@ def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path="model") -> dict[st
 
 
 # -- mixtures of experts: a sparse layer's tensors -> the model's stacked experts and router.
-# Checkpoints ship experts one tensor per expert and projection (Qwen3-MoE's
-# mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's block_sparse_moe.experts.{e}.w1 /
-# w3 / w2), or, saved by transformers 5 without its conversion reversed, already stacked
-# (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]). Either way the model
-# gets, per layer: experts.gate_up_proj.weight [E, 2I, H] (rows [gate | up] per expert),
+# Checkpoints ship experts one tensor per expert and projection (mlp.experts.{e}.gate_proj /
+# up_proj / down_proj, or w1 / w3 / w2 under another block name), or, saved by transformers 5
+# without its conversion reversed, already stacked (mlp.experts.gate_up_proj [E, 2I, H],
+# mlp.experts.down_proj [E, H, I]). Either way the model gets, per layer:
+# experts.gate_up_proj.weight [E, 2I, H] (rows [gate | up] per expert),
 # experts.down_proj.weight [E, H, I], and router.weight [E, H] (its source dtype: the router runs
-# in fp32); from an FP8 checkpoint each weight's _scale [E, rows]. gpt-oss ships its own stacked
-# layouts, with biases (quant/gpt_oss.py).
-# Each family's names under model.layers.{i}.: (the MoE block, router, per-expert gate, up, down).
-EXPERT_NAMES = {
-    "qwen3_moe": [("mlp.", "gate", "gate_proj", "up_proj", "down_proj")],
-    "mixtral": [("block_sparse_moe.", "gate", "w1", "w3", "w2"), ("mlp.", "gate", "w1", "w3", "w2")],
-}
+# in fp32); from an FP8 checkpoint each weight's _scale [E, rows]. A family that ships its own
+# stacked layout (with biases, say) gives its own WeightLayout.experts.
+# A family's names under model.layers.{i}.: (the MoE block, router, per-expert gate, up, down),
+# one tuple per naming its checkpoints use.
+ExpertNames = tuple[str, str, str, str, str]
 
 
 def _stack(sd, names: list[list[str]], path) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,21 +144,20 @@ def _stack(sd, names: list[list[str]], path) -> tuple[torch.Tensor, torch.Tensor
     return w, torch.stack(scales)
 
 
-def _prefix(sd, cfg: ModelConfig, layer: str, path) -> tuple[str, str, str, str, str]:
-    for names in EXPERT_NAMES[cfg.arch]:
+def _prefix(sd, namings: tuple[ExpertNames, ...], layer: str, path) -> ExpertNames:
+    for names in namings:
         if layer + names[0] + names[1] + ".weight" in sd:
             return names
-    block, gate = EXPERT_NAMES[cfg.arch][0][:2]
+    block, gate = namings[0][:2]
     raise ModelLoadError(path, f"missing tensor {layer}{block}{gate}.weight (layer {layer.split('.')[2]}'s router)")
 
 
-def fuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict, path) -> None:
+def fuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dict, path, layout: WeightLayout) -> None:
     """Layer i's experts and router into out (the model's names)."""
     layer, q = f"model.layers.{i}.", f"layers.{i}."
-    if cfg.arch == "gpt_oss":
-        tensors = gpt_oss_experts(sd, layer + "mlp.", path)
-    else:
-        tensors = _stacked_experts(sd, cfg, layer, path)
+    if layout.experts is None:
+        raise ModelLoadError(path, f"layer {i} is a mixture of experts, which {cfg.arch} does not have")
+    tensors = layout.experts(sd, cfg, layer, path)
     E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     want = {"experts.gate_up_proj.weight": (E, 2 * inter, H), "experts.down_proj.weight": (E, H, inter),
             "router.weight": (E, H), "experts.gate_up_proj.bias": (E, 2 * inter), "experts.down_proj.bias": (E, H),
@@ -161,8 +168,14 @@ def fuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig, i: int, out: dic
         out[q + name] = t
 
 
-def _stacked_experts(sd, cfg: ModelConfig, layer: str, path) -> dict[str, torch.Tensor]:
-    block, gate, g, u, d = _prefix(sd, cfg, layer, path)
+def stacked_experts(*namings: ExpertNames) -> Callable:
+    """WeightLayout.experts for checkpoints that ship one tensor per expert and projection under
+    one of `namings` (or, from transformers 5, stacked), and a router without a bias."""
+    return partial(_stacked_experts, namings)
+
+
+def _stacked_experts(namings, sd, cfg: ModelConfig, layer: str, path) -> dict[str, torch.Tensor]:
+    block, gate, g, u, d = _prefix(sd, namings, layer, path)
     m = layer + block
     if m + gate + ".bias" in sd:
         raise ModelLoadError(path, f"tensor {m}{gate}.bias: {cfg.arch}'s router has no bias")

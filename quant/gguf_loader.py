@@ -1,10 +1,9 @@
-"""GGUF files (llama, qwen2, qwen3; gemma2 and gemma3 in quant/gguf_gemma.py; phi3, olmo2 and
-granite in quant/gguf_families.py; qwen3moe, Mixtral and gpt-oss in quant/gguf_moe.py) -> ModelConfig
-+ a Hugging Face-named fp32 state dict.
+"""GGUF files -> ModelConfig (quant/gguf_config.py) + Hugging Face-named fp32 tensors, a layer at a time.
 
-Dequantization is the `gguf` package's. llama.cpp's converter permutes the Q and
-K rows of llama models for its interleaved RoPE; we undo it to get back the
-rotate-half layout the model uses. Qwen models are stored unpermuted."""
+Dequantization is the `gguf` package's. A family's GGUFFamily (in its folder under
+ridge/models/) names its tensors beyond LAYER_NAMES; where llama.cpp's converter permuted the
+Q and K rows for its interleaved (NORM) RoPE, we undo it to get back the rotate-half layout
+the model uses."""
 from __future__ import annotations
 
 import mmap
@@ -12,16 +11,13 @@ import mmap
 import numpy as np
 import torch
 
-from ridge.config import ModelConfig
-
 from .errors import ModelLoadError
-from .gguf_families import (CONFIG_TENSORS, FAMILY_GGUF, LAYER_NAMES as FAMILY_LAYER_NAMES, PERMUTED_QK, check_keys,
-                            family_fields)
-from .gguf_gemma import GEMMA_GGUF, LAYER_NAMES as GEMMA_LAYER_NAMES, gemma_fields
-from .gguf_moe import GPT_OSS_LAYER_NAMES, expert_tensors, moe_arch, moe_fields
+from .fuse import ExpertNames
+from .gguf_config import field_value as _field, read_config  # noqa: F401  (engine/pooling.py reads _field)
 from .progress import progress
 
-_LAYER_NAMES = {
+# llama.cpp's names of a layer's tensors (blk.N.<name>) -> Hugging Face's (model.layers.N.<name>)
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -37,6 +33,9 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# The output and MLP projections' biases, for the families whose files have them (GGUFFamily.names).
+BIAS_NAMES = {"attn_output.bias": "self_attn.o_proj.bias", "ffn_gate.bias": "mlp.gate_proj.bias",
+              "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,20 +43,15 @@ _GLOBAL_NAMES = {
 }
 
 
-_ARCH_LAYER_NAMES = {"gemma2": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES}, "gpt_oss": {**_LAYER_NAMES, **GPT_OSS_LAYER_NAMES},
-                     "gemma3_text": {**_LAYER_NAMES, **GEMMA_LAYER_NAMES},
-                     **{arch: {**_LAYER_NAMES, **names} for arch, names in FAMILY_LAYER_NAMES.items()}}
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """arch: ModelConfig.arch, for the families whose layers name their tensors otherwise."""
+def hf_name(gguf_name: str, names: dict) -> str | None:
+    """names: the family's layer names beyond LAYER_NAMES (GGUFFamily.names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
-        if rest in layer_names:
-            return f"model.layers.{idx}.{layer_names[rest]}"
+        name = names.get(rest) or LAYER_NAMES.get(rest)
+        if name is not None:
+            return f"model.layers.{idx}.{name}"
     return None
 
 
@@ -67,52 +61,25 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+_STACKED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
-# general.architecture values this reader knows (llama.cpp writes Mistral as llama).
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", *GEMMA_GGUF, *FAMILY_GGUF)
+def split_experts(names: ExpertNames):
+    """GGUFFamily.tensor for a mixture of experts as llama.cpp stacks it: the router
+    blk.N.ffn_gate_inp [E, H] and the experts ffn_gate_exps, ffn_up_exps [E, I, H] and
+    ffn_down_exps [E, H, I] -> the Hugging Face names `names` gives them, one tensor per expert,
+    as the checkpoints ship them (quant/fuse.py stacks them again)."""
+    block, gate, *projections = names
 
-
-def read_config(reader, path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {arch!r}; ridge runs {', '.join(GGUF_ARCHS)} from GGUF")
-
-    def a(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
-
-    names = {t.name for t in reader.tensors}
-    hidden, heads = a("embedding_length"), a("attention.head_count")
-    if hidden is None or heads is None or a("block_count") is None:
-        raise ModelLoadError(path, f"missing {arch}.embedding_length/block_count/attention.head_count metadata")
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    scaling = None
-    if a("rope.scaling.type") not in (None, "none"):
-        scaling = {"rope_type": a("rope.scaling.type"), "factor": a("rope.scaling.factor", 1.0),
-                   "original_max_position_embeddings": a("rope.scaling.original_context_length", 4096)}
-    kw = dict(
-        arch=moe_arch(arch, a), vocab_size=int(vocab), hidden_size=int(hidden),
-        intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
-        num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv", heads)),
-        head_dim=int(a("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position=int(a("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
-        name=str(_field(reader, "general.name", "") or ""),
-    )
-    if arch in GEMMA_GGUF:
-        kw.update(gemma_fields(arch, a, kw, names, path))
-    if arch in FAMILY_GGUF:
-        kw.update(family_fields(arch, a, kw, names, reader, path))
-    if kw["arch"] in ("qwen3_moe", "mixtral", "gpt_oss"):
-        kw.update(moe_fields(kw["arch"], a, kw, names, path))
-    check_keys(arch, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
-    return ModelConfig(**kw)
+    def tensor(idx: str, rest: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        layer = f"model.layers.{idx}.{block}"
+        if rest == "ffn_gate_inp.weight":
+            return {f"{layer}{gate}.weight": w}
+        if rest not in _STACKED:
+            return None
+        proj = projections[_STACKED.index(rest)]
+        return {f"{layer}experts.{e}.{proj}.weight": t for e, t in enumerate(w.unbind(0))}
+    return tensor
 
 
 def _dequantize(t) -> torch.Tensor:
@@ -144,12 +111,14 @@ class GGUFTensors:
     """A GGUF file's tensors under Hugging Face names, by layer (layer(i): block i's; globals():
     the rest), each dequantized from the reader's memory map when its layer is asked for, so
     that conversion holds one layer in fp32 at a time (issue 39). Every name is checked on
-    opening: a tensor the model would not use refuses the file before anything is read."""
+    opening: a tensor the model would not use refuses the file before anything is read.
+    registry: the families (quant/spec.py)."""
 
-    def __init__(self, path, reader=None):
+    def __init__(self, path, registry, reader=None):
         self.path = path
         self.reader = reader if reader is not None else open_gguf(path)
-        self.cfg = cfg = read_config(self.reader, path)
+        self.cfg = cfg = read_config(self.reader, path, registry)
+        self.family = family = registry[cfg.arch].gguf
         self.freq_factors = None
         self._layers: dict[int, list] = {}
         self._globals: list = []
@@ -157,9 +126,9 @@ class GGUFTensors:
             if t.name == "rope_freqs.weight":
                 self.freq_factors = self._dequantize(t)
                 continue
-            if t.name in CONFIG_TENSORS:
+            if t.name in family.config_tensors:
                 continue
-            if expert_tensors(t.name, torch.empty(0), cfg.arch) is None and hf_name(t.name, cfg.arch) is None:
+            if self._expand(t.name, torch.empty(0)) is None and hf_name(t.name, family.names) is None:
                 # a tensor the model would not use: the file is a variant ridge does not know
                 raise ModelLoadError(path, f"tensor {t.name}: not part of the {cfg.arch} model ridge runs")
             parts = t.name.split(".", 2)
@@ -174,19 +143,27 @@ class GGUFTensors:
         except Exception as e:
             raise ModelLoadError(self.path, f"tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}") from None
 
+    def _expand(self, name: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The family's tensor hook (stacked experts): -> HF-named tensors, or None where it does
+        not apply."""
+        if self.family.tensor is None or not name.startswith("blk."):
+            return None
+        _, idx, rest = name.split(".", 2)
+        return self.family.tensor(idx, rest, w)
+
     def _read(self, tensors) -> dict[str, torch.Tensor]:
-        cfg, sd = self.cfg, {}
+        cfg, family, sd = self.cfg, self.family, {}
         for t in tensors:
             w = self._dequantize(t)
-            experts = expert_tensors(t.name, w, cfg.arch)
-            if experts is not None:
-                sd.update(experts)
+            expanded = self._expand(t.name, w)
+            if expanded is not None:
+                sd.update(expanded)
                 continue
-            if cfg.arch in PERMUTED_QK and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            if family.permuted_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = unpermute_qk(w, cfg.num_heads)
-            elif cfg.arch in PERMUTED_QK and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            elif family.permuted_qk and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = unpermute_qk(w, cfg.num_kv_heads)
-            sd[hf_name(t.name, cfg.arch)] = w
+            sd[hf_name(t.name, family.names)] = w
         # The values are copies now: the file's pages just read leave the process (they stay in
         # the page cache), else every layer's would count in its resident memory to the end.
         mm = getattr(self.reader.data, "_mmap", None)
@@ -204,10 +181,10 @@ class GGUFTensors:
         return self._read(self._layers.get(i, ()))
 
 
-def load_gguf(path, show_progress: bool = True):
+def load_gguf(path, registry, show_progress: bool = True):
     """-> (config, HF-named fp32 state dict, rope freq factors or None, reader): the whole model
     at once, for the callers that want it (unquantized weights, a recipe measured on the whole model)."""
-    src = GGUFTensors(path)
+    src = GGUFTensors(path, registry)
     sd = src.globals()
     for i in progress(sorted(src._layers), "dequantizing", enabled=show_progress):
         sd.update(src.layer(i))

@@ -1,6 +1,7 @@
 """Reading a Hugging Face config.json field by field, as transformers reads it.
 
-A family (quant/families.py) names every field its transformers model reads.
+A family (its HFFamily, in its folder under ridge/models/) names every field its transformers
+model reads.
 Each is honoured, or refused with a ModelLoadError naming the field and its
 value where ridge cannot run it exactly; the fields that cannot change the math
 at inference (dropout, initialisation, token ids, ...) are listed as ignored.
@@ -10,6 +11,8 @@ configs that leave a field out."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
@@ -32,6 +35,19 @@ ROPE_KEYS = {
 ROPE_REQUIRED = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
                  "yarn": {"factor"}, "longrope": {"short_factor", "long_factor"}}
 _ROPE_COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# PreTrainedConfig's own fields and the keys save_pretrained adds: none changes a causal LM's math.
+BASE_IGNORED = frozenset({
+    "transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype", "torch_dtype",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "model_type",
+    "_name_or_path", "auto_map", "use_cache", "initializer_range", "pad_token_id", "bos_token_id",
+    "eos_token_id", "attention_dropout",
+})
+# What common_fields and rope_fields read for every family.
+COMMON_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+                 "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta")
+# A router's training-time terms, which do not change inference.
+MOE_IGNORED = frozenset({"output_router_logits", "router_aux_loss_coef"})
 
 
 class HFConfig:
@@ -75,9 +91,52 @@ class HFConfig:
         return v
 
 
+@dataclass(frozen=True)
+class HFFamily:
+    """How a family reads config.json. defaults: transformers' class defaults of the fields read
+    (COMMON_FIELDS and the family's own); ignored: its class fields that do not change the math at
+    inference; read: the family's own fields -> ModelConfig keyword arguments, given the common ones."""
+    defaults: dict
+    read: Callable[[HFConfig, dict], dict]
+    ignored: frozenset = frozenset()
+    act_field: str = "hidden_act"  # the activation's key in the config class
+    # quantization_config methods the family's checkpoints ship besides FP8, dequantized as they
+    # are read (the fusion's experts hook reads them)
+    quant_methods: tuple[str, ...] = ()
+    # Each batch of tensors read, rewritten in place before fusion (a norm stored otherwise than
+    # the model takes it); None: as they are.
+    tensors: Callable[[dict], None] | None = None
+
+    @property
+    def fields(self) -> set[str]:
+        return set(self.defaults) | set(COMMON_FIELDS)
+
+    def model_config_kwargs(self, c: HFConfig, arch: str) -> dict:
+        kw = common_fields(c, arch, self.act_field)
+        return {**kw, **self.read(c, kw)}
+
+
+@dataclass(frozen=True)
+class HFWrapper:
+    """Another model_type whose checkpoints hold a family's model (a multimodal model served as
+    text): its config's defaults, the view of its text model's config (text_config), and its
+    tensors' names as the family's (tensor_name -> None: another modality's, never read)."""
+    model_type: str
+    defaults: dict
+    text_config: Callable[[HFConfig], HFConfig]
+    tensor_name: Callable[[str, Path], str | None]
+    skipped: str  # what the unread tensors are, for the log
+
+
+def attention_biases(c: HFConfig, mlp: bool) -> dict:
+    """attention_bias: q, k, v and o projections; mlp_bias (where the family reads it): gate, up, down."""
+    b = c.flag("attention_bias")
+    return dict(attention_bias=b, o_bias=b, mlp_bias=c.flag("mlp_bias") if mlp else False)
+
+
 def common_fields(c: HFConfig, arch: str, act_field: str = "hidden_act") -> dict:
     """The fields every decoder family reads, as ModelConfig keyword arguments. act_field: the
-    activation's key in the family's config class (Gemma's is hidden_activation)."""
+    activation's key in the family's config class."""
     heads = c.positive_int("num_attention_heads")
     hidden = c.positive_int("hidden_size")
     act = c.get(act_field)
@@ -97,9 +156,9 @@ def rope_fields(c: HFConfig, head_dim: int, *, types: tuple[str, ...] = ("defaul
                 aliases: dict | None = None, partial_rotary: bool = False, original_max_field: bool = False) -> dict:
     """rope_theta, rope_scaling (rope_type and every parameter its formula reads, filled as
     transformers' standardize_rope_params fills them) and rotary_dim.
-    aliases: old rope_type names (phi3's su). partial_rotary: the family rotates the first
+    aliases: old rope_type names. partial_rotary: the family rotates the first
     partial_rotary_factor of each head. original_max_field: the family's config class declares
-    original_max_position_embeddings (phi3), which then overrides rope_parameters' own."""
+    original_max_position_embeddings, which then overrides rope_parameters' own."""
     params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})  # transformers: rope_scaling first
     where = "rope_parameters"
     theta = params.get("rope_theta", c.get("rope_theta") if c.get("rope_theta") is not None else 10000.0)
@@ -139,7 +198,7 @@ def rope_fields(c: HFConfig, head_dim: int, *, types: tuple[str, ...] = ("defaul
 
 
 def window_all(c: HFConfig, num_layers: int) -> dict:
-    """sliding_window on every layer (mistral, phi3); None: full attention."""
+    """sliding_window on every layer; None: full attention."""
     w = c.positive_int("sliding_window")
     return dict(sliding_window=w, layer_types=None if w is None else ["sliding_attention"] * num_layers)
 
@@ -161,3 +220,30 @@ def window_from_layer_types(c: HFConfig, num_layers: int, window: int | None, de
     if window is None or "sliding_attention" not in types:
         return dict(sliding_window=None, layer_types=None)
     return dict(sliding_window=window, layer_types=list(types))
+
+
+# -- mixtures of experts: the fields transformers' MoE configs share.
+def experts_count(c: HFConfig, key: str, alias: str | None = None) -> tuple[int, int]:
+    """-> (E, k). alias: the config class's other name for the count (its attribute_map), which
+    a saved file may carry instead; both given must agree."""
+    e = c.get(key)
+    if alias and alias in c:
+        other = c.values[alias]
+        if key in c and other != e:
+            c.refuse(alias, other, f"disagrees with {key}={e!r}")
+        e = other
+    if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+        c.refuse(alias if alias and alias in c else key, e, "expected a non-negative integer")
+    k = c.positive_int("num_experts_per_tok")
+    if e and k > e:
+        c.refuse("num_experts_per_tok", k, f"more than the {e} experts")
+    return e, k
+
+
+def moe_fields(experts: int, k: int, width: int, layers: list[int], n: int, norm: bool) -> dict:
+    """ModelConfig's expert fields: E experts of `width`, k a token, in `layers` of the n, routed
+    softmax then top k (renormalised where norm); no sparse layer: the dense model transformers builds."""
+    if not layers:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=width, norm_topk_prob=norm,
+                moe_router="softmax_topk", moe_layers=None if len(layers) == n else layers)

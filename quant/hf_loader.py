@@ -11,12 +11,10 @@ import torch
 from ridge.config import ModelConfig
 
 from .errors import ModelLoadError
-from .hf_gemma import (GEMMA3_WRAPPER_DEFAULTS, VISION_PREFIXES, gemma3_text_config, gemma3_text_name,
-                       shift_norms)
+from .hf_config import HFConfig
 from .progress import progress
 
 log = logging.getLogger("ridge.quant")
-MULTIMODAL_GEMMA3 = "gemma3"  # Gemma3ForConditionalGeneration: its text model only
 
 
 def _config_json(path: Path) -> dict:
@@ -32,42 +30,44 @@ def _config_json(path: Path) -> dict:
     return c
 
 
-def read_hf_config(path: Path) -> ModelConfig:
-    """config.json -> ModelConfig through the model_type's family (quant/families.py), which
-    honours or refuses every field its transformers model reads; the multimodal gemma3 through
-    its text model's (quant/hf_gemma.py)."""
-    from .families import FAMILIES
-    from .hf_config import HFConfig
-
-    cfg_file = path / "config.json"
+def _family(path: Path, registry):
+    """-> (ModelSpec, HFWrapper or None, config.json's values): the family of config.json's model_type."""
     c = _config_json(path)
     kind = c.get("model_type")
-    if kind not in FAMILIES and kind != MULTIMODAL_GEMMA3:
-        raise ModelLoadError(cfg_file, f"unsupported model_type {kind!r}; "
-                                       f"ridge runs {', '.join([*FAMILIES, MULTIMODAL_GEMMA3])}")
-    if kind == MULTIMODAL_GEMMA3:
-        wrapper = HFConfig(c, cfg_file, GEMMA3_WRAPPER_DEFAULTS)
-        _check_quantization(wrapper, kind)
-        family = FAMILIES["gemma3_text"]
-        view = gemma3_text_config(wrapper)
+    found = registry.hf(kind)
+    if found is None:
+        raise ModelLoadError(path / "config.json", f"unsupported model_type {kind!r}; "
+                                                   f"ridge runs {', '.join(registry.hf_model_types())}")
+    return *found, c
+
+
+def read_hf_config(path: Path, registry) -> ModelConfig:
+    """config.json -> ModelConfig through the family of its model_type (registry: quant/spec.py),
+    which honours or refuses every field its transformers model reads; a wrapper's (a multimodal
+    checkpoint served as text) through its text model's."""
+    cfg_file = path / "config.json"
+    spec, wrapper, c = _family(path, registry)
+    if wrapper is not None:
+        outer = HFConfig(c, cfg_file, wrapper.defaults)
+        _check_quantization(outer, spec.hf)
+        view = wrapper.text_config(outer)
     else:
-        family = FAMILIES[kind]
-        view = HFConfig(c, cfg_file, family.defaults)
-        _check_quantization(view, kind)
-    kw = family.model_config_kwargs(view)
+        view = HFConfig(c, cfg_file, spec.hf.defaults)
+        _check_quantization(view, spec.hf)
+    kw = spec.hf.model_config_kwargs(view, spec.arch)
     kw["name"] = path.name
     return ModelConfig(**kw)
 
 
-def _check_quantization(c, kind: str) -> None:
+def _check_quantization(c, family) -> None:
     """ridge reads FP8 e4m3 checkpoints with one weight_scale per tensor or per output channel,
-    and gpt-oss's MXFP4 experts (dequantized at load: quant/gpt_oss.py); any other
-    quantization_config would be misread."""
+    and the methods a family declares (HFFamily.quant_methods: dequantized as they are read);
+    any other quantization_config would be misread."""
     q = c.get("quantization_config")
     if q is None:
         return
     method = q.get("quant_method") if isinstance(q, dict) else q
-    if kind == "gpt_oss" and method == "mxfp4":
+    if method in family.quant_methods:
         return
     if not isinstance(q, dict) or method not in ("fp8", "compressed-tensors"):
         c.refuse("quantization_config.quant_method", method, "ridge reads FP8 checkpoints (fp8, compressed-tensors)")
@@ -81,7 +81,7 @@ class HFTensors:
     model.layers.{i}.; globals(): the rest), each read from its file's memory map when asked.
     A layer at a time is what conversion holds, however large the model (issue 39)."""
 
-    def __init__(self, path, cfg: ModelConfig):
+    def __init__(self, path, cfg: ModelConfig, registry):
         from safetensors import safe_open
 
         from .fuse import with_model_prefix
@@ -90,9 +90,11 @@ class HFTensors:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(self.path, "no *.safetensors weights in this directory")
-        # A multimodal Gemma 3 gives its language model's tensors under Gemma3ForCausalLM's names;
-        # the vision tower's and the projector's are never read.
-        rename = gemma3_text_name if _config_json(self.path).get("model_type") == MULTIMODAL_GEMMA3 else None
+        spec, wrapper, _ = _family(self.path, registry)
+        self.family = spec.hf
+        # A wrapper gives its text model's tensors under the family's names; the other
+        # modalities' are never read.
+        rename = wrapper.tensor_name if wrapper is not None else None
         self._where: dict[str, tuple[str, Path]] = {}  # our name -> (its name in the file, the file)
         skipped = 0
         for f in files:
@@ -110,8 +112,8 @@ class HFTensors:
                     raise ModelLoadError(f, f"tensor {name}: a second copy of {dst}")
                 self._where[dst] = (name, f)
         if rename:
-            log.info("%s: Gemma 3 with vision served as text: its %d vision tower and projector tensors (%s) are "
-                     "not loaded", path, skipped, ", ".join(p.rstrip(".") for p in VISION_PREFIXES))
+            log.info("%s: %s served as text: its %d %s tensors are not loaded", path, wrapper.model_type, skipped,
+                     wrapper.skipped)
         self._where = with_model_prefix(self._where)
         self._layers: dict[int, list[str]] = {}
         self._globals: list[str] = []
@@ -141,8 +143,8 @@ class HFTensors:
                         sd[dst] = st.get_tensor(self._where[dst][0])
             except Exception as e:
                 raise ModelLoadError(f, f"not a readable safetensors file ({e})") from None
-        if self.cfg.arch in ("gemma2", "gemma3_text"):
-            shift_norms(sd)
+        if self.family.tensors is not None:
+            self.family.tensors(sd)
         return sd
 
     def globals(self) -> dict[str, torch.Tensor]:
@@ -152,12 +154,12 @@ class HFTensors:
         return self._read(self._layers.get(i, ()))
 
 
-def load_hf(path, show_progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf(path, registry, show_progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """-> (config, every tensor by name): the whole model at once, for the callers that want it
     (unquantized weights, an FP8 checkpoint, a recipe measured on the whole model)."""
     path = Path(path)
-    cfg = read_hf_config(path)
-    src = HFTensors(path, cfg)
+    cfg = read_hf_config(path, registry)
+    src = HFTensors(path, cfg, registry)
     sd = src.globals()
     for i in progress(sorted(src._layers), "loading", enabled=show_progress):
         sd.update(src.layer(i))

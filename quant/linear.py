@@ -1,20 +1,20 @@
 """Runtime FP8 linear layer: consumes what quant/fp8.py produced.
 
-Whether the weight stays FP8 is kernels' choice per device (ops.keeps_fp8): on
-CUDA it does and runs through the FP8 kernels; on CPU torch's fp8 -> fp32 cast
-is far too slow to run every step, so the weight is upcast once at load; fp8 *
-scale is exact in fp32, so both devices compute with the same quantized
-numbers. Which product runs, per device and on CPU per
-step size (bf16 copies, ridge's e4m3 kernel), is kernels' choice
-(kernels/ops.py, kernels/cpu_linear.py): the layer only holds its weights."""
+An FP8 weight stays FP8 on every device where ridge has a product for it: on CUDA the FP8
+kernels read it (ops.keeps_fp8); on a CPU ridge's e4m3 products read its bytes, packed once at
+load into their layout with the scales beside them (kernels/cpu_linear.py CpuLinear.from_fp8:
+weight and weight_scale are then those two tensors, one byte a weight). Only where those
+products are not built (no C compiler) is it upcast once at load (fp8 * scale is exact in fp32).
+Which product runs per step size is kernels' choice (kernels/cpu_linear_plan.py): the layer
+only holds its weights."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ridge.kernels import ops
-from ridge.kernels.cpu_linear import CpuLinear, pack_fp8
-from ridge.kernels.fp8_scales import column_groups, dequantize
+from ridge.kernels.cpu_linear import CpuLinear
+from ridge.kernels.fp8_scales import dequantize
 
 FP8 = torch.float8_e4m3fn
 
@@ -27,7 +27,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", None)
         self.register_buffer("bias", None)
         self.fp8_device = False  # the weight stays FP8 on the device (ops.keeps_fp8: CUDA), set by load
-        self.cpu: CpuLinear | None = None  # the CPU weight and its formats (kernels/cpu_linear.py)
+        self.cpu: CpuLinear | None = None  # the CPU weight and its products (kernels/cpu_linear.py)
 
     def load(self, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
              device: torch.device, dtype: torch.dtype) -> None:
@@ -45,12 +45,12 @@ class FP8Linear(nn.Module):
                 raise ValueError(why)
             self.weight = weight.to(device)
             self.weight_scale = scale.float().to(device)
+        elif weight.dtype == FP8 and ops.resident_e4m3(device, tuple(weight.shape)):
+            self.cpu = CpuLinear.from_fp8(weight, scale)
+            self.weight, self.weight_scale = self.cpu.packed.view(FP8), self.cpu.scale
         elif weight.dtype == FP8:
-            self.weight = dequantize(weight, scale, dtype).to(device)
-            # The e4m3 kernel's layout from the bytes at hand (a permute: recovering them from the
-            # upcast copy costs a slow fp32 -> e4m3 cast); kept until the CPU formats are chosen.
-            groups = column_groups(scale, tuple(weight.shape))[0].to(device)
-            self.cpu = CpuLinear(self.weight, groups[0] if groups.shape[0] == 1 else groups, pack_fp8(weight, groups))
+            self.cpu = CpuLinear.upcast(weight, scale, dtype)
+            self.weight = self.cpu.weight.to(device)
         else:
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -59,10 +59,19 @@ class FP8Linear(nn.Module):
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
 
+    def dequantized(self) -> torch.Tensor:
+        """The [out, in] weight the layer computes with, in fp32 (e4m3 times its scales, exact):
+        for oracles that copy it into another model."""
+        if self.cpu is not None and self.cpu.is_e4m3:
+            return self.cpu.reference(torch.eye(self.in_features)).T.contiguous()
+        if self.weight.dtype == FP8:
+            return dequantize(self.weight, self.weight_scale, torch.float32)
+        return self.weight.float()
+
     def cpu_weights(self) -> CpuLinear:
-        """The weight as kernels' CPU formats see it (made here for a weight never quantized,
-        or one assigned rather than loaded: the tied head)."""
-        if self.cpu is None or self.cpu.weight is not self.weight:
+        """The weight as kernels' CPU products see it (made here for a weight never quantized,
+        or one assigned rather than loaded: a tied head in the compute dtype)."""
+        if self.cpu is None or (not self.cpu.is_e4m3 and self.cpu.weight is not self.weight):
             self.cpu = CpuLinear(self.weight)
         return self.cpu
 

@@ -37,15 +37,16 @@ def resolve_model_path(path=None) -> Path:
     return p
 
 
-def read_config(path=None) -> ModelConfig:
-    """From metadata only, without reading a tensor; named after the file if the metadata is not."""
+def read_config(path, registry) -> ModelConfig:
+    """From metadata only, without reading a tensor; named after the file if the metadata is not.
+    registry: the families (quant/spec.py; ridge/models/registry.py's)."""
     path = resolve_model_path(path)
     if path.is_dir():
         from .hf_loader import read_hf_config
-        cfg = read_hf_config(path)
+        cfg = read_hf_config(path, registry)
     else:
         from .gguf_loader import open_gguf, read_config as read_gguf_config
-        cfg = read_gguf_config(open_gguf(path), path)
+        cfg = read_gguf_config(open_gguf(path), path, registry)
     return cfg if cfg.name else replace(cfg, name=path.name)
 
 
@@ -67,35 +68,37 @@ def _tokenizer_from_hf(path):
         raise ModelLoadError(path, str(e)) from None
 
 
-def read_source(path: Path, show_progress: bool):
+def read_source(path: Path, registry, show_progress: bool):
     """-> (config, HF-named fp32 state dict, rope freq factors or None, tokenizer): the whole model."""
     if path.is_dir():
         from .hf_loader import load_hf
-        cfg, sd = load_hf(path, show_progress)
+        cfg, sd = load_hf(path, registry, show_progress)
         return cfg, sd, None, _tokenizer_from_hf(path)
     from .gguf_loader import load_gguf
-    cfg, sd, freq, reader = load_gguf(path, show_progress)
+    cfg, sd, freq, reader = load_gguf(path, registry, show_progress)
     return cfg, sd, freq, _tokenizer_from_gguf(reader, path)
 
 
 class SourceStream:
     """A model source read a layer at a time: config, rope freq factors, tokenizer, and its
     tensors (HF names) as globals() and layer(i), each read from the file's memory map when
-    asked (quant/hf_loader.py HFTensors, quant/gguf_loader.py GGUFTensors)."""
+    asked (quant/hf_loader.py HFTensors, quant/gguf_loader.py GGUFTensors); spec: its family's
+    ModelSpec (quant/spec.py), whose WeightLayout fuses them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, registry):
         self.path = path
         if path.is_dir():
             from .hf_loader import HFTensors, read_hf_config
-            self.config = read_hf_config(path)
-            self.tensors = HFTensors(path, self.config)
+            self.config = read_hf_config(path, registry)
+            self.tensors = HFTensors(path, self.config, registry)
             self.freq_factors = None
             self.tokenizer = _tokenizer_from_hf(path)
         else:
             from .gguf_loader import GGUFTensors
-            self.tensors = GGUFTensors(path)
+            self.tensors = GGUFTensors(path, registry)
             self.config, self.freq_factors = self.tensors.cfg, self.tensors.freq_factors
             self.tokenizer = _tokenizer_from_gguf(self.tensors.reader, path)
+        self.registry, self.spec = registry, registry[self.config.arch]
 
     def fp8_checkpoint(self) -> bool:
         """Whether the file ships FP8 weights (their scales name them): it is loaded as it is, whole."""
@@ -108,5 +111,5 @@ class SourceStream:
         return self.tensors.layer(i)
 
 
-def open_source(path: Path) -> SourceStream:
-    return SourceStream(path)
+def open_source(path: Path, registry) -> SourceStream:
+    return SourceStream(path, registry)

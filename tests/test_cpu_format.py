@@ -1,6 +1,8 @@
-"""The CPU weight format is chosen per matrix shape and step size, by measurement,
-at every size the scheduler makes, and the timings are cached per machine; the choice is
-kernels' (kernels/cpu_linear_plan.py), the engine only starts it (ridge/engine/cpu_format.py)."""
+"""The CPU product is chosen per matrix shape and step size, by measurement, at every size the
+scheduler makes, and the timings are cached per machine; the choice is kernels'
+(kernels/cpu_linear_plan.py), the engine only starts it (ridge/engine/cpu_format.py). An e4m3
+weight chooses between ridge's two e4m3 products only; a weight never quantized among fp32 and
+bf16 copies."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ import torch
 from ridge.engine import cpu_format
 from ridge.kernels import cpu_linear_plan as plans
 from ridge.kernels import native
-from ridge.kernels.cpu_linear import ShapeFormat, gemv_bf16, gemv_offered, pack_fp8
+from ridge.kernels.cpu_linear import ShapeFormat, gemv_bf16, gemv_offered, tiles_offered
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.linear import FP8Linear
 
@@ -42,26 +44,20 @@ def test_each_size_takes_the_faster_format_and_a_loss_does_not_end_the_search():
     assert plans.describe(plan) == "fp32 1-2, bf16 3-64, fp32 65-128"
 
 
-def test_fp8_takes_the_sizes_where_it_is_fastest_of_all():
-    """The e4m3 kernel takes a size only where it beats every other format there; a size it takes
-    needs no bf16 copy, and one row needs no GEMV copy if fp8 beats that too."""
-    known = {1: (10.0, 6.0), 4: (12.0, 6.5), 16: (20.0, 9.0), 64: (50.0, 20.0)}
-    f = plans._format([1, 4, 16, 64], known, gemv_s=4.0, fp8={1: 3.0, 4: 4.0, 16: 9.5, 64: 30.0})
-    assert f.fp8 == [(1, True), (4, True), (16, False), (64, False)]
-    assert f.plan == [(1, False), (4, False), (16, True), (64, True)] and not f.gemv
-    f = plans._format([1, 4], known, gemv_s=4.0, fp8={1: 5.0, 4: 7.0})  # the GEMV wins one row
-    if gemv_offered():
-        assert f.fp8 is None and f.gemv
-    else:  # none here (ridge's bf16 product runs instead): fp8 beats bf16's 6.0
-        assert f.fp8 == [(1, True), (4, False)] and not f.gemv
-    assert plans._format([1, 4], known, gemv_s=4.0, fp8={}).fp8 is None  # no kernel here
+needs_e4m3 = pytest.mark.skipif(not tiles_offered(), reason="ridge's e4m3 products are not built here")
+
+
+def test_a_weight_never_quantized_takes_the_gemv_only_where_it_beats_both():
+    known = {1: (10.0, 6.0), 4: (12.0, 6.5)}
+    assert plans._format([1, 4], known, gemv_s=4.0).gemv == gemv_offered()
+    assert not plans._format([1, 4], known, gemv_s=5.9).gemv  # not by the margin
 
 
 def test_one_row_steps_take_the_gemv_where_it_is_kept():
     """A one-row step through ATen's bf16 GEMV on a plain bf16 copy, every other step
     size as before; the result is the bf16 product's, and oneDNN is switched back on after."""
-    lin = _linear()
-    lin.cpu.use(ShapeFormat([(1, True), (8, True)], gemv=True))
+    lin = _plain(48, 32)
+    lin.cpu_weights().use(ShapeFormat([(1, True), (8, True)], gemv=True))
     assert [lin.cpu.kind(n) for n in (1, 3)] == ["gemv", "bf16"]
     plain = lin.cpu.copies["gemv"]
     assert plain.dtype == torch.bfloat16 and not plain.is_mkldnn
@@ -77,8 +73,8 @@ def test_one_row_steps_take_the_gemv_where_it_is_kept():
 
 
 def test_a_layer_follows_its_plan_by_step_size():
-    lin = _linear()
-    lin.cpu.use(ShapeFormat([(1, False), (4, True), (8, False)]))
+    lin = _plain(48, 32)
+    lin.cpu_weights().use(ShapeFormat([(1, False), (4, True), (8, False)]))
     assert [lin.cpu.kind(n) for n in (1, 2, 4, 5, 8, 100)] == ["fp32", "bf16", "bf16", "fp32", "fp32", "fp32"]
     x = torch.randn(3, 32)
     ref = torch.nn.functional.linear(x, lin.weight)
@@ -88,6 +84,22 @@ def test_a_layer_follows_its_plan_by_step_size():
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
 
 
+@needs_e4m3
+def test_an_e4m3_layer_follows_its_plan_and_makes_no_copy():
+    """The streaming kernel at the sizes the plan marks, the blocked product at the others; both
+    read the one packed copy, and each answers as the torch reference does."""
+    lin = _linear()
+    isa = native.fp8_linear_isa()
+    lin.cpu.use(ShapeFormat([], fp8=[(1, True), (4, True), (8, False)]), isa)
+    assert [lin.cpu.kind(n) for n in (1, 4, 5, 100)] == ["fp8", "fp8", "tiles", "tiles"]
+    assert lin.cpu.copies == {} and lin.cpu.weight is None
+    for rows in (1, 3, 5, 33):
+        x = torch.randn(rows, 32)
+        ref = lin.cpu.reference(x)
+        torch.testing.assert_close(lin(x), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+@needs_e4m3
 def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(plans, "_had_the_cores", lambda wall, cpu: True)  # the suite's workers share the cores
@@ -96,29 +108,29 @@ def test_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
         def __init__(self):
             super().__init__()
             self.a, self.b, self.lm_head = _linear(48, 32), _linear(48, 32), _linear(96, 32)
+            self.c = _plain(48, 32)  # a recipe's bf16 exception: the formats of old
 
     m = Model()
     made = {}
-    layers = [lin.cpu_weights() for lin in (m.a, m.b, m.lm_head)]
+    layers = [lin.cpu_weights() for lin in (m.a, m.b, m.lm_head, m.c)]
     found = plans.measure_plans(layers, (96, 32), max_tokens=20, max_head_rows=4, made=made)
-    assert set(found) == {(48, 32), (96, 32)}
-    # The copies made to time the weights are handed back for the layers to keep (the e4m3 bytes
-    # too, where ridge's C kernels are built).
-    ids = {id(m.a.weight), id(m.b.weight), id(m.lm_head.weight)}
-    kinds = ("packed", "plain") + (("fp8",) if native.fp8_linear_isa() else ())
-    assert set(made) == {(i, kind) for i in ids for kind in kinds}
-    assert [n for n, _ in found[(48, 32)].plan] == [1, 2, 4, 8, 16, 20]
-    assert [n for n, _ in found[(96, 32)].plan] == [1, 2, 4]  # the head only sees sampled rows
+    e4m3 = plans.shape_class(layers[0])[1]
+    assert set(found) == {((48, 32), e4m3), ((96, 32), e4m3), ((48, 32), None)}
+    # Only the weight never quantized has bf16 copies made to time it, handed back to keep.
+    assert set(made) == {(id(m.c.weight), "packed"), (id(m.c.weight), "plain")}
+    assert [n for n, _ in found[((48, 32), e4m3)].fp8] == [1, 2, 4, 8, 16, 20]
+    assert [n for n, _ in found[((96, 32), e4m3)].fp8] == [1, 2, 4]  # the head only sees sampled rows
+    assert [n for n, _ in found[((48, 32), None)].plan] == [1, 2, 4, 8, 16, 20]
     timings = json.loads((tmp_path / "ridge" / "cpu-format.json").read_text())
     assert all(t["48x32"]["gemv"] > 0 for t in timings.values())  # the one-row GEMV timed too
-    if native.fp8_linear_isa():
-        fp8 = f"fp8 {native.source_digest()}"  # the e4m3 kernel's timings are of this build of it
-        assert all(sorted(map(int, t["48x32"][fp8])) == [1, 2, 4, 8, 16, 20] for t in timings.values())
+    assert native.source_digest() in e4m3  # the e4m3 products' timings are of this build of them
+    assert all(sorted(map(int, t["48x32"][e4m3])) == [1, 2, 4, 8, 16, 20] for t in timings.values())
+    assert all(len(v) == 2 and min(v) > 0 for t in timings.values() for v in t["48x32"][e4m3].values())
     cached = (tmp_path / "ridge" / "cpu-format.json").read_text()
     again_made = {}
     again = plans.measure_plans(layers, (96, 32), max_tokens=20, max_head_rows=4, made=again_made)  # cached
     assert again == found and (tmp_path / "ridge" / "cpu-format.json").read_text() == cached
-    assert again_made == {}  # nothing timed, nothing packed
+    assert again_made == {}  # nothing timed, nothing copied
 
 
 def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
@@ -142,6 +154,8 @@ def test_an_unquantized_model_keeps_its_own_weights(tmp_path, monkeypatch):
     quantized = Model(quantized=True)
     cpu_format.choose_cpu_format(quantized, weight_bytes=1 << 40, max_tokens=8, max_head_rows=4)
     assert "48x32" in timings.read_text() and "96x32" in timings.read_text()
+    # The e4m3 layer keeps its bytes alone; the head in the compute dtype may take a bf16 copy.
+    assert quantized.a.cpu.copies == {} and quantized.a.cpu.weight is None
 
 
 def test_shapes_are_timed_cold_over_enough_weights(monkeypatch):
@@ -166,18 +180,11 @@ def test_timings_are_kept_per_instruction_set(tmp_path, monkeypatch):
     assert plans._cpu_key() != full and torch.backends.cpu.get_cpu_capability() in full
 
 
-@pytest.mark.skipif(not native.fp8_linear_isa(), reason="no e4m3 kernel built on this machine")
-def test_fp8_stops_timing_once_it_loses_a_size():
-    """Past the first size the e4m3 kernel loses, the larger sizes are not timed (it only falls
-    further behind as a step grows): that keeps the start-up measurement under 2 s."""
-    lins = [_linear(48, 32) for _ in range(3)]
-    packs = [pack_fp8(m.weight, m.cpu.scale) for m in lins]
-    scales = [m.cpu.scale * 256 for m in lins]
-    isa = native.fp8_linear_isa()
-    won = plans.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1.0, 4: 1.0})
-    assert all(0 < t < 1.0 for t in won.values())  # a second per product: every size timed, every size won
-    lost = plans.measure_fp8(packs, scales, [1, 2, 4], isa, best={1: 1.0, 2: 1e-12, 4: 1.0})
-    assert 0 < lost[1] < 1.0 and lost[2] > 1e-12 and lost[4] == float("inf")
+@needs_e4m3
+def test_e4m3_weights_are_timed_in_their_two_products_only():
+    lins = [_linear(48, 32).cpu for _ in range(3)]
+    times = plans.measure_e4m3(lins, [1, 2, 8], native.fp8_linear_isa())
+    assert set(times) == {1, 2, 8} and all(0 < a < 1 and 0 < b < 1 for a, b in times.values())
 
 
 def test_timings_taken_beside_other_work_are_not_cached():

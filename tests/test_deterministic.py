@@ -114,11 +114,16 @@ def test_invariant_formats_give_a_row_the_same_bits_at_every_row_count(loaded):
     the check itself fails on a product whose rows change with the row count."""
     eng = make_engine(loaded, deterministic=True)
     kinds = set()
+    head = eng.model.lm_head.cpu_weights()
     for m in eng.cpu_formats.layers:
         assert m.bounds == [1] and len(m.runs) == 1
-        assert cpu_linear_plan.is_invariant(m.runs[0], m.weight.shape[1], 40)
-        kinds |= set(m.kinds)
-    assert kinds == {"fp8", "fp32"}  # the tiny model has both: e4m3-shaped layers and a head that is not
+        assert cpu_linear_plan.is_invariant(m.runs[0], m.shape[1], 40)
+        if m is not head:
+            kinds |= set(m.kinds)
+    # Every decoder layer is e4m3 on a CPU: the streaming kernel where it is invariant here, else
+    # the blocked product padded as MKL's fp32 is. The head is the default recipe's wide table
+    # (quant/embedding.py), run in fp32.
+    assert kinds and kinds <= {"fp8", "tiles"} and head.kinds == ["fp32"]
     w = torch.randn(96, 64)
     assert not cpu_linear_plan.is_invariant(lambda x: x @ w.T * (1 + 1e-6 * len(x)), 64, 40)
 

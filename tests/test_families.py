@@ -7,7 +7,7 @@ window) with fp32 weights, and with FP8 weights against transformers run on
 ridge's e4m3 weights; greedy tokens through the engine, its prefill in one pass
 and in chunks, with and without a prefix-cache hit. Then the config fidelity
 rule: every field of transformers' config classes is declared by the family
-(quant/families.py), and each value ridge cannot run is refused by name."""
+(its HFFamily: ridge/models/<family>/), and each value ridge cannot run is refused by name."""
 from __future__ import annotations
 
 import copy
@@ -20,9 +20,9 @@ import torch
 from engine_utils import assert_no_leak, greedy, make_engine
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
+from ridge.models.registry import REGISTRY, read_hf_config
 from ridge.quant.errors import ModelLoadError
-from ridge.quant.families import BASE_IGNORED, FAMILIES
-from ridge.quant.hf_loader import read_hf_config
+from ridge.quant.hf_config import BASE_IGNORED
 from tiny_models import tiny_vocab, write_gguf, write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -120,32 +120,37 @@ def assert_match(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def with_ridge_weights(model, lm):
-    """A copy of the transformers model computing with ridge's linear weights as ridge computes
-    with them (on CPU FP8 weights are upcast once at load: e4m3 times its scale, exact in fp32)."""
+    """A copy of the transformers model computing with ridge's weights as ridge computes with them
+    (FP8: e4m3 times its scale, exact in fp32; on CPU the embedding table and head too)."""
     hf = copy.deepcopy(model)
     cfg = lm.config
     with torch.no_grad():
+        hf.get_input_embeddings().weight.copy_(_dequantized(lm.model.embed_tokens))
+        if not lm.config.tie_word_embeddings:
+            hf.get_output_embeddings().weight.copy_(lm.model.lm_head.dequantized())
         for ours, theirs in zip(lm.model.layers, hf.model.layers):
             attn = theirs.self_attn
-            qkv = ours.qkv_proj.weight.float()
+            qkv = ours.qkv_proj.dequantized()
             if hasattr(attn, "qkv_proj"):  # phi3 ships them fused, as ridge keeps them
                 attn.qkv_proj.weight.copy_(qkv)
             else:
                 for proj, w in zip((attn.q_proj, attn.k_proj, attn.v_proj),
                                    qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
                     proj.weight.copy_(w)
-            attn.o_proj.weight.copy_(ours.o_proj.weight.float())
+            attn.o_proj.weight.copy_(ours.o_proj.dequantized())
             _copy_mlp(ours, theirs.mlp, cfg)
     return hf
+
+
+def _dequantized(embedding) -> torch.Tensor:
+    return embedding.dequantized() if hasattr(embedding, "dequantized") else embedding.weight.float()
 
 
 def _copy_mlp(ours, mlp, cfg) -> None:
     """ridge's MLP weights into transformers': fused (phi3), gate and up, or a mixture of
     experts' stacked experts (tests/test_moe.py), whose router stays as shipped."""
     if hasattr(ours, "experts"):
-        gate_up, down = (w.float() if s is None else w.float() * s[..., None]  # e4m3 where CPU kernels read it
-                         for w, s in ((ours.experts.w_gate_up, ours.experts.w_gate_up_scale),
-                                      (ours.experts.w_down, ours.experts.w_down_scale)))  # [E, 2I, H], [E, H, I]
+        gate_up, down = ours.experts.dequantized()  # [E, 2I, H], [E, H, I]
         if hasattr(mlp, "router"):  # gpt-oss: [E, H, 2I] with gate and up interleaved, [E, I, H]
             gate, up = gate_up.transpose(1, 2).chunk(2, dim=-1)
             gate_up, down = torch.stack((gate, up), dim=-1).flatten(-2), down.transpose(1, 2)
@@ -154,13 +159,13 @@ def _copy_mlp(ours, mlp, cfg) -> None:
         router = mlp.router if hasattr(mlp, "router") else mlp.gate
         assert torch.equal(router.weight, ours.router.weight), "the router stays as shipped"
         return
-    gate_up = ours.gate_up_proj.weight.float()
+    gate_up = ours.gate_up_proj.dequantized()
     if hasattr(mlp, "gate_up_proj"):
         mlp.gate_up_proj.weight.copy_(gate_up)
     else:
         mlp.gate_proj.weight.copy_(gate_up[: cfg.intermediate_size])
         mlp.up_proj.weight.copy_(gate_up[cfg.intermediate_size:])
-    mlp.down_proj.weight.copy_(ours.down_proj.weight.float())
+    mlp.down_proj.weight.copy_(ours.down_proj.dequantized())
 
 
 @pytest.mark.parametrize("name", GGUF_VARIANTS)
@@ -238,7 +243,7 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "
 def test_every_field_of_transformers_config_is_declared(model_type):
     """Each field of the config class is read (with transformers' default) or declared ignored:
     a field transformers adds fails here until a family says what it does."""
-    fam = FAMILIES[model_type]
+    fam = REGISTRY[model_type].hf
     cls = getattr(transformers, CONFIG_CLASSES[model_type])
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
     undeclared = sorted(set(fields) - fam.fields - fam.ignored - BASE_IGNORED)
@@ -337,7 +342,8 @@ def test_gguf_keys_ridge_does_not_honour_are_refused(tmp_path, key, value, named
     """The GGUF side of the rule: a metadata key under the architecture that no reader honours."""
     import gguf
 
-    from ridge.quant.gguf_loader import open_gguf, read_config
+    from ridge.models.registry import read_gguf_config as read_config
+    from ridge.quant.gguf_loader import open_gguf
 
     arch = key.split(".")[0]
     path = tmp_path / "m.gguf"

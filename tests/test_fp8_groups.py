@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridge.kernels import native
-from ridge.kernels.cpu_linear import pack_fp8
+from ridge.kernels import native, ops
+from ridge.kernels.cpu_linear import kernel_scales, pack_fp8, unpack_fp8
 from ridge.kernels.fp8_scales import column_groups, dequantize, expand_scale, scale_block
 from ridge.kernels.linear import (FP8, fp8_linear_ref, fp8_w8a8_triton, fp8_weight_only_triton, quantize_groups_ref,
                                  quantize_groups_triton)
@@ -141,8 +141,10 @@ def _per_token(x, q, s):
 def test_e4m3_kernel_with_groups(grouping, N, K):
     q, s = quantize_fp8(weight(N, K), "mse", grouping)
     cols, gk = column_groups(s, (N, K))
-    packed = pack_fp8(q, cols)
-    assert torch.equal(packed, pack_fp8(dequantize(q, s), cols))  # recovered from the upcast copy
+    packed = pack_fp8(q)
+    # The layout holds the e4m3 bytes themselves: unpacked with the layer's kernel scales, they are
+    # the upcast weight exactly.
+    assert torch.equal(unpack_fp8(packed, kernel_scales(s, (N, K)), N), dequantize(q, s))
     scale256 = (cols[0] if cols.shape[0] == 1 else cols) * 256
     for isa in range(1, native.fp8_linear_isa() + 1):
         for M in (1, 2, 4, 9):  # the streaming tiles and the converted-panel tiles
@@ -158,7 +160,9 @@ def test_cpu_layer_upcasts_groups_exactly(grouping):
     layer = FP8Linear(200, 48)
     layer.load(q, s, None, torch.device("cpu"), torch.float32)
     x = torch.randn(3, 200)
-    assert torch.equal(layer.weight, dequantize(q, s))
+    # On a CPU the layer holds the packed e4m3 bytes (or, where ridge's products are not built, the
+    # upcast weight); either way the weight it computes with is exactly e4m3 * scale.
+    assert torch.equal(layer.dequantized(), dequantize(q, s))
     torch.testing.assert_close(layer(x), F.linear(x, dequantize(q, s)))
 
 
@@ -224,7 +228,7 @@ def test_convert_records_the_recipe_and_keys_the_cache_by_it(tmp_path):
     from tiny_models import make_tiny
 
     from ridge.models.fp8_calibrate import calibrate
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
 
     path, *_ = make_tiny(tmp_path)
     a = convert(path, recipe="g32+bf16:1.down", show_progress=False)
@@ -254,7 +258,7 @@ def test_auto_takes_the_fewest_bytes_within_the_budget(tmp_path):
     from tiny_models import make_tiny
 
     from ridge.models.fp8_calibrate import choose_recipe
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
 
     path, *_ = make_tiny(tmp_path)
     conv = convert(path, quantize=False, use_cache=False, show_progress=False)
@@ -277,7 +281,7 @@ def test_auto_judges_on_text_its_statistics_never_saw(tmp_path):
     from tiny_models import make_tiny
 
     from ridge.models.fp8_calibrate import build, calibration_ids, choose_recipe, hessians, split_calibration
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
 
     path, *_ = make_tiny(tmp_path)
     conv = convert(path, quantize=False, use_cache=False, show_progress=False)
@@ -299,7 +303,7 @@ def test_e4m3_kernel_gives_a_row_the_same_bits_at_every_row_count(grouping):
     N, K = 48, 200
     q, s = quantize_fp8(weight(N, K), "mse", grouping)
     cols, _ = column_groups(s, (N, K))
-    packed, scale256 = pack_fp8(q, cols), native.scale_blocks((cols[0] if cols.shape[0] == 1 else cols) * 256)
+    packed, scale256 = pack_fp8(q), native.scale_blocks((cols[0] if cols.shape[0] == 1 else cols) * 256)
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(3))
     for isa in range(1, native.fp8_linear_isa() + 1):
         alone = native.fp8_linear(x[:1], packed, scale256, isa)
@@ -324,12 +328,15 @@ def test_a_gpu_refuses_groups_narrower_than_its_fp8_dot(monkeypatch):
 
 def test_head_recipe_quantizes_the_lm_head_and_keeps_the_lookup(tmp_path):
     """+head: the LM head in FP8 (a tied model's from a copy of its embedding table, which the
-    lookup keeps as it was); the model runs it through the FP8 linear and its logits stay close."""
+    store keeps wide); the model runs it through the FP8 linear and its logits stay close. The
+    lookup: where ridge's e4m3 products run on the CPU it reads the head's e4m3 bytes (the table
+    exists once, quant/embedding.py load_embedding); elsewhere it keeps the table as it was. The
+    default recipe keeps the table wide and a tied head is that same tensor."""
     from tiny_models import make_tiny
 
     from ridge.models.loader import load_model
     from ridge.models.oneshot import prompt_logits
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
     from ridge.quant.recipe import Recipe
 
     assert Recipe.parse("g16+act+head").spec == "g16+act+head" and Recipe.parse("channel+head").head
@@ -340,9 +347,24 @@ def test_head_recipe_quantizes_the_lm_head_and_keeps_the_lookup(tmp_path):
     assert sd["embed_tokens.weight"].dtype != FP8 and conv.recipe["spec"] == "channel+head"
     plain = load_model(path, device="cpu", use_cache=False, recipe="channel")
     fp8 = load_model(path, device="cpu", use_cache=False, recipe="channel+head")
-    assert fp8.model.lm_head.weight.data_ptr() != fp8.model.embed_tokens.weight.data_ptr()  # untied
-    torch.testing.assert_close(fp8.model.embed_tokens.weight, plain.model.embed_tokens.weight)
-    torch.testing.assert_close(fp8.model.lm_head.weight, dequantize(sd["lm_head.weight"], sd["lm_head.weight_scale"]))
+    head, embed = fp8.model.lm_head, fp8.model.embed_tokens
+    want = dequantize(sd["lm_head.weight"], sd["lm_head.weight_scale"])
+    torch.testing.assert_close(head.dequantized(), want)
+    # The default recipe: one wide table serves both ends.
+    assert plain.model.embed_tokens.weight.dtype != FP8
+    assert plain.model.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()
+    table = sd["embed_tokens.weight"]
+    if ops.resident_e4m3(torch.device("cpu"), tuple(table.shape)):
+        # The lookup reads the head's e4m3 bytes and scales: the same tensors, its rows the head's.
+        assert head.is_fp8 and embed.cpu is head.cpu
+        assert embed.weight.data_ptr() == head.weight.data_ptr()
+        assert embed.weight_scale.data_ptr() == head.weight_scale.data_ptr()
+        torch.testing.assert_close(embed.dequantized(), want, rtol=0, atol=0)
+        look = torch.tensor([[3, 7, 268], [0, 5, 5]])
+        torch.testing.assert_close(embed(look), want[look].to(embed.dtype), rtol=0, atol=0)
+    else:  # no e4m3 products here: the head is untied, the lookup keeps the table
+        assert head.weight.data_ptr() != embed.weight.data_ptr()
+        torch.testing.assert_close(embed.weight, plain.model.embed_tokens.weight)
     ids = list(range(3, 40))
     a, b = prompt_logits(plain.model, ids), prompt_logits(fp8.model, ids)
     assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 * a.abs().max()

@@ -297,7 +297,7 @@ def test_invalid_requests_are_400_in_openai_shape(oai, daemon):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="tiny", prompt="x", max_tokens=0)  # 10**6 is a ceiling (test_clients.py)
     assert e.value.code == "invalid_field" and e.value.param == "max_tokens"
-    for bad in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 0.5},
+    for bad in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"frequency_penalty": 3.0},
                 {"messages": []}, {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
                 {"response_format": {"type": "regex", "regex": "(ab"}}):
         with pytest.raises(openai.BadRequestError):

@@ -12,8 +12,8 @@ import torch
 from engine_utils import greedy, make_engine, prompts, run
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
+from ridge.models.registry import read_hf_config
 from ridge.quant.errors import ModelLoadError
-from ridge.quant.hf_loader import read_hf_config
 from tiny_models import tiny_config, random_state_dict, tiny_vocab, write_gguf, write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -91,7 +91,7 @@ def test_fp32_logits_match_transformers(gemma):
 
 def _on_ridge_weights(hf, lm):
     """transformers' model with the linear weights ridge runs (its e4m3 values times their scales,
-    upcast at load on CPU), unfused."""
+    FP8Linear.dequantized: on CPU the layers hold the packed e4m3 bytes), unfused."""
     import copy
 
     ref = copy.deepcopy(hf)
@@ -99,21 +99,21 @@ def _on_ridge_weights(hf, lm):
     with torch.no_grad():
         for ours, theirs in zip(lm.model.layers, ref.model.layers):
             a, m = theirs.self_attn, theirs.mlp
-            for w, t in zip(ours.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size]),
+            for w, t in zip(ours.qkv_proj.dequantized().split([cfg.q_size, cfg.kv_size, cfg.kv_size]),
                             (a.q_proj, a.k_proj, a.v_proj)):
                 t.weight.copy_(w)
-            a.o_proj.weight.copy_(ours.o_proj.weight)
-            gate, up = ours.gate_up_proj.weight.split(cfg.intermediate_size)
+            a.o_proj.weight.copy_(ours.o_proj.dequantized())
+            gate, up = ours.gate_up_proj.dequantized().split(cfg.intermediate_size)
             m.gate_proj.weight.copy_(gate)
             m.up_proj.weight.copy_(up)
-            m.down_proj.weight.copy_(ours.down_proj.weight)
+            m.down_proj.weight.copy_(ours.down_proj.dequantized())
     return ref
 
 
 def test_fp8_weights_match_transformers_on_the_same_weights(gemma):
     path, hf, _ = gemma
     lm = load_model(path, device="cpu", weights="fp8", use_cache=False)
-    first = lm.model.layers[0].o_proj.weight
+    first = lm.model.layers[0].o_proj.dequantized()
     assert not torch.equal(first, hf.model.layers[0].self_attn.o_proj.weight)  # really quantized
     assert_matches(prompt_logits(lm.model, PROMPT), hf_logits(_on_ridge_weights(hf, lm), PROMPT))
 
@@ -175,7 +175,7 @@ def test_gguf_matches_transformers(tmp_path, variant):
                                                   ("gemma3_text", 34, 32)])
 def test_gguf_attention_scale_is_llama_cpps(tmp_path, kind, layers, scalar):
     """The 27B models scale by (hidden / heads) ** -0.5, the others by head_dim ** -0.5."""
-    from ridge.quant.source import read_config
+    from ridge.models.registry import read_config
 
     cfg = tiny_config(kind, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=32, max_position=64,
                       sliding_window=8, layer_types=["sliding_attention"] * layers)
@@ -339,8 +339,10 @@ def test_multimodal_gemma3_older_layout(multimodal, tmp_path):
 def test_multimodal_gemma3_config_fields_are_declared():
     import dataclasses
 
-    from ridge.quant.families import BASE_IGNORED
-    from ridge.quant.hf_gemma import GEMMA3_WRAPPER_DEFAULTS, GEMMA3_WRAPPER_IGNORED, GEMMA3_WRAPPER_READ
+    from ridge.models.gemma3.config import WRAPPER_DEFAULTS as GEMMA3_WRAPPER_DEFAULTS
+    from ridge.models.gemma3.config import WRAPPER_IGNORED as GEMMA3_WRAPPER_IGNORED
+    from ridge.models.gemma3.config import WRAPPER_READ as GEMMA3_WRAPPER_READ
+    from ridge.quant.hf_config import BASE_IGNORED
 
     fields = {f.name: f.default for f in dataclasses.fields(transformers.Gemma3Config)}
     assert not set(fields) - GEMMA3_WRAPPER_READ - GEMMA3_WRAPPER_IGNORED - BASE_IGNORED

@@ -134,13 +134,13 @@ def test_cpu_path_matches_reference_and_asks_once_a_step(cache_dtype, padded):
 
 
 def test_the_fp8_cache_rotation_is_exact_and_the_model_attends_through_it(tmp_path):
-    """H H / D = I exactly; a tiny model with an FP8 cache writes K H (ridge/models/llama.py) and its
+    """H H / D = I exactly; a tiny model with an FP8 cache writes K H (ridge/models/layers/decoder.py) and its
     logits stay within FP8's error of the fp32 cache's."""
     from tiny_models import make_tiny
 
     from ridge.models.fp8_calibrate import build
     from ridge.models.oneshot import prompt_logits
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
 
     h, hd = rotation(64, torch.float32, torch.device("cpu"))
     assert torch.equal(h @ hd, torch.eye(64)) and torch.equal(h, h.t()) and rotation(48, torch.float32, "cpu") is None

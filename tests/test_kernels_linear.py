@@ -82,23 +82,34 @@ def test_weight_only_software_fp8_decode(monkeypatch):
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 9, 64])
-def test_cpu_small_step_copy_matches_fp32(M):
-    """The CPU's bf16 copy (packed once for oneDNN where torch has it) computes the exact
-    e4m3 values with bf16 activations: close to the fp32 path, odd shapes included."""
+def test_cpu_e4m3_products_match_the_torch_upcast(M):
+    """An FP8 layer on CPU keeps its e4m3 bytes (no fp32 or bf16 copy) and each of its products
+    computes the exact e4m3 values: close to the torch upcast, odd shapes included (301 rows:
+    a block of 16 left over; 77 inputs: odd, upcast once at load instead)."""
+    from ridge.kernels import native
     from ridge.kernels.cpu_linear import ShapeFormat, bf16_linear, pack_bf16
+    from ridge.kernels.fp8_scales import dequantize
     from ridge.quant.linear import FP8Linear
 
     torch.manual_seed(M)
-    w = torch.randn(301, 77)
-    q, scale = quantize_fp8(w)
-    lin = FP8Linear(77, 301)
-    lin.load(q, scale, None, torch.device("cpu"), torch.float32)
-    x = torch.randn(M, 77)
-    ref = lin(x)
-    lin.cpu.use(ShapeFormat.bf16_up_to(64))
-    got = lin(x)
-    assert got.dtype == torch.float32 and got.shape == (M, 301)
-    assert_close(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+    for k in (76, 77):
+        w = torch.randn(301, k)
+        q, scale = quantize_fp8(w)
+        lin = FP8Linear(k, 301)
+        lin.load(q, scale, None, torch.device("cpu"), torch.float32)
+        x = torch.randn(M, k)
+        ref = x @ dequantize(q, scale).T
+        if k % 2 or not native.fp8_linear_isa():
+            assert lin.weight.dtype == torch.float32  # no e4m3 product takes it: upcast once
+            assert_close(lin(x), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+            continue
+        assert lin.weight.dtype == FP8 and lin.weight.numel() == 304 * k  # one byte a weight, rows to 16
+        for plan in ([(1, True)], [(1, False)]):
+            lin.cpu.use(ShapeFormat([], fp8=plan), native.fp8_linear_isa())
+            got = lin(x)
+            assert got.dtype == torch.float32 and got.shape == (M, 301) and lin.cpu.copies == {}
+            atol = (0.02 if plan[0][1] and native.fp8_linear_isa() == 2 else 1e-5) * ref.abs().max().item()
+            assert_close(got, ref, atol=atol, rtol=1e-3)
     wb = torch.randn(50, 33).bfloat16()
     xb = torch.randn(M, 33).bfloat16()
     assert torch.allclose(bf16_linear(xb, pack_bf16(wb)).float(), torch.nn.functional.linear(xb, wb).float(),

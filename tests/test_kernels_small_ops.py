@@ -8,7 +8,7 @@ from ridge.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.norm import rms_norm_ref, rms_norm_triton
 from ridge.kernels.rope import rope_ref, rope_triton
-from ridge.models.rope import rope_cos_sin
+from ridge.models.layers.rope import rope_cos_sin
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp32", "bf16", "fp16"]

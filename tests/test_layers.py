@@ -264,6 +264,7 @@ DEVICE_BRANCHES = {
     "ridge.engine.budget": "the ridge point: a GPU's from its table, a CPU's by measurement",
     "ridge.engine.stats": "free memory, as sizing",
     "ridge.engine.sampler": "pinned host copies of a GPU's samples",
+    "ridge.engine.sampler_keys": "pinned host copies of small per-request lists queued to a GPU",
     "ridge.engine.step_batch": "pinned staging on a GPU; on CPU the staging buffer is the device buffer",
     "ridge.engine.structured.step": "pinned token masks on a GPU",
     "ridge.engine.cpu_format": "CPU weight formats exist on CPU only (kernels/cpu_linear_plan.py chooses them)",

@@ -71,14 +71,16 @@ def test_a_row_gets_the_same_bits_at_any_batch():
 
 
 def test_experts_load_packed_on_cpu_and_run_the_kernel():
-    """On CPU with the kernel the layer holds its e4m3 bytes and the kernel's packed copy (2 bytes
-    a weight, no fp32 upcast) and has no per-expert formats to measure; under native.off() it
-    falls back to the grouped torch path on the same bytes, and the references read them too."""
+    """On CPU with the kernel the layer holds the kernel's packed e4m3 bytes alone (1 byte a
+    weight: its stacked buffers are one-byte stand-ins, no fp32 upcast) and has no per-expert
+    formats to measure; under native.off() it falls back to the grouped torch path on the same
+    bytes, and the references read them too."""
     E, H, inter, k, T = 8, 64, 32, 2, 9
     mod, t = _loaded(E, H, inter, "swigluoai", seed=1)
     assert mod.w_gate_up.dtype == mod.w_down.dtype == torch.float8_e4m3fn and mod.cpu_weights() == []
     packed = [c for c in mod.cpu_copies() if c.dtype == torch.uint8]
     assert sum(c.numel() for c in packed) == t["w_gate_up"].numel() + t["w_down"].numel()
+    assert mod.w_gate_up.untyped_storage().nbytes() == mod.w_down.untyped_storage().nbytes() == 1
     ids, w = _routing(T, E, k, seed=2)
     x = torch.randn(T, H)
     ref = _ref(x, ids, w, t, "swigluoai")

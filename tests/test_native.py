@@ -13,9 +13,10 @@ from ridge.kernels import native
 from ridge.kernels import attention_native, ops
 from ridge.kernels.attention import paged_attention_ref
 from ridge.kernels.attention_native import NATIVE_MAX_Q
-from ridge.kernels.cpu_linear import ShapeFormat, pack_fp8
+from ridge.kernels.cpu_linear import ShapeFormat, kernel_scales, pack_fp8, unpack_fp8
 from ridge.kernels.kv_cache import quantize_kv, write_kv_ref
 from ridge.kernels.metadata import AttentionMetadata
+from ridge.kernels.fp8_scales import expand_scale
 from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.linear import FP8, FP8Linear
 
@@ -27,27 +28,54 @@ def _isas():
 
 
 @needs_cc
-@pytest.mark.parametrize("n,k", [(16, 2), (48, 34), (960, 576), (576, 1536), (4096 + 16, 130)])
-def test_fp8_linear_matches_the_reference(n, k):
+@pytest.mark.parametrize("n,k,grouping", [(16, 2, "channel"), (48, 34, "channel"), (960, 576, "channel"),
+                                            (576, 1536, "channel"), (4096 + 16, 130, "channel"), (40, 96, "channel"),
+                                            (48, 32, "g16"), (960, 576, "g16"), (576, 1536, "g16"), (40, 96, "g16")])
+def test_fp8_linear_matches_the_reference(n, k, grouping):
+    """Both e4m3 products (streaming, blocked) against the torch upcast, per-channel fp32 scales
+    and 1 x 16 groups' bf16 ones, rows left over past a block of 16 (40) included."""
     g = torch.Generator().manual_seed(n + k)
     # Rows of very different magnitudes: small ones land on e4m3 subnormals, which must convert exactly.
     w = torch.randn(n, k, generator=g) * torch.logspace(-4, 1, n)[:, None]
-    q, scale = quantize_fp8(w)
+    q, scale = quantize_fp8(w, grouping=grouping)
     tiny = torch.randn(n, k, generator=g) * 1e-5
     tiny[:, 0] = 1.0  # each row's scale set by one large weight: the rest quantize to subnormals
     q2, s2 = quantize_fp8(tiny)
     assert ((q2.view(torch.uint8) & 0x78) == 0).float().mean() > 0.3, "the test needs subnormal weights"
     for qw, s in ((q, scale), (q2, s2)):
-        packed = pack_fp8(qw, s)
-        ref_w = qw.float() * s.float()[:, None]
-        for isa in _isas():
-            for m in (1, 2, 3, 7, 8, 9, 17, 33):
-                x = torch.randn(m, k, generator=g)
-                y = native.fp8_linear(x, packed, (s.float() * 256).contiguous(), isa)
+        packed, s256 = pack_fp8(qw), kernel_scales(s, (n, k))
+        ref_w = (qw.float() * expand_scale(s, (n, k))).float()
+        assert torch.equal(unpack_fp8(packed, s256, n), ref_w)  # the reference's own unpacking
+        assert torch.equal(native.fp8_widen(packed, s256)[:n], ref_w)  # the blocked product's widening
+        ids = torch.randint(0, n, (9,), generator=g)
+        assert torch.equal(native.fp8_rows(packed, s256, ids), ref_w[ids])  # the embedding lookup
+        for m in (1, 2, 3, 7, 8, 9, 17, 33):
+            x = torch.randn(m, k, generator=g)
+            ref = x @ ref_w.T
+            y = native.fp8_linear_tiles(x, packed, s256, blocks=2)[:, :n]
+            torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+            for isa in _isas():
+                y = native.fp8_linear(x, packed, s256, isa)[:, :n]
                 # AVX-512 BF16 rounds activations to bf16, as the bf16 paths do; the weights are exact.
                 xr = x.to(torch.bfloat16).float() if isa == 2 else x
                 ref = xr @ ref_w.T
                 torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+
+
+@needs_cc
+def test_groups_with_a_remainder_and_block_scales_match_the_reference():
+    """1 x 16 groups over a K with a short last group, and B x B blocks (rows of B share a
+    scale): the kernels' scale layouts against the torch upcast."""
+    g = torch.Generator().manual_seed(7)
+    for shape, grouping in (((32, 40), "g16"), ((48, 256), "b128"), ((64, 96), "g32")):
+        q, s = quantize_fp8(torch.randn(*shape, generator=g), grouping=grouping)
+        packed, s256 = pack_fp8(q), kernel_scales(s, shape)
+        ref_w = q.float() * expand_scale(s, shape)
+        x = torch.randn(5, shape[1], generator=g)
+        ref = x @ ref_w.T
+        for y in [native.fp8_linear_tiles(x, packed, s256)] + [native.fp8_linear(x, packed, s256, i) for i in _isas()]:
+            tol = 1e-2 if y is not None and native.fp8_linear_isa() == 2 else 1e-5
+            torch.testing.assert_close(y, ref, atol=tol * ref.abs().max().item(), rtol=1e-3)
 
 
 @pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="ridge's bf16 product needs AVX-512 BF16")
@@ -74,30 +102,21 @@ def test_bf16_product_sums_and_returns_fp32(n, k):
 
 
 @needs_cc
-def test_pack_fp8_recovers_the_bytes_from_the_upcast_copy():
-    """The CPU layer keeps only fp8 * scale in fp32; dividing by the scale and rounding to e4m3
-    gives back exactly the bytes it was loaded from."""
-    q, s = quantize_fp8(torch.randn(64, 96) * torch.logspace(-3, 2, 64)[:, None])
-    lin = FP8Linear(96, 64)
-    lin.load(q, s, None, torch.device("cpu"), torch.float32)
-    assert torch.equal(pack_fp8(lin.weight, lin.cpu.scale), pack_fp8(q, s))
-    assert pack_fp8(torch.zeros(24, 96, dtype=FP8), s) is None  # 24 outputs: not a multiple of 16
-
-
-@needs_cc
-def test_a_layer_runs_fp8_at_the_sizes_its_plan_marks():
+def test_a_layer_runs_the_product_its_plan_marks():
     q, s = quantize_fp8(torch.randn(48, 32))
     lin = FP8Linear(32, 48)
     lin.load(q, s, None, torch.device("cpu"), torch.float32)
     lin.cpu.use(ShapeFormat([], fp8=[(1, True), (4, True), (8, False)]), isa=1)
-    assert [lin.cpu.kind(n) for n in (1, 2, 4, 5, 8, 64)] == ["fp8"] * 3 + ["fp32"] * 3
+    assert [lin.cpu.kind(n) for n in (1, 2, 4, 5, 8, 64)] == ["fp8"] * 3 + ["tiles"] * 3
     assert lin.cpu.max_rows("fp8") == 4
     x = torch.randn(3, 32)
-    assert torch.equal(lin(x), native.fp8_linear(x, lin.cpu.copies["fp8"], (s.float() * 256).contiguous(), 1))
+    assert torch.equal(lin(x), native.fp8_linear(x, lin.cpu.packed, lin.cpu.scale, 1))
     x = torch.randn(6, 32)
-    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert torch.equal(lin(x), native.fp8_linear_tiles(x, lin.cpu.packed, lin.cpu.scale))
+    with native.off():  # the torch reference over the same bytes
+        torch.testing.assert_close(lin(x), lin.cpu.reference(x))
     lin.cpu.use(ShapeFormat([], fp8=[(1, False)]), isa=1)
-    assert "fp8" not in lin.cpu.copies and lin.cpu.kind(1) == "fp32"
+    assert lin.cpu.copies == {} and lin.cpu.kind(1) == "tiles"
 
 
 H, HKV, D, BS = 12, 3, 64, 16
@@ -206,7 +225,7 @@ def test_small_ops_match_their_references(rows):
     from ridge.kernels.activation import silu_and_mul_native, silu_and_mul_ref
     from ridge.kernels.norm import rms_norm_native, rms_norm_ref
     from ridge.kernels.rope import rope_native, rope_ref
-    from ridge.models.rope import rope_cos_sin
+    from ridge.models.layers.rope import rope_cos_sin
 
     g = torch.Generator().manual_seed(rows)
     x, res, w = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g), torch.rand(576, generator=g)
@@ -279,7 +298,7 @@ def test_ops_takes_the_c_kernels_for_the_calls_a_model_step_makes(tokens, cache_
     from ridge.kernels.kv_cache import write_kv_native
     from ridge.kernels.norm import rms_norm_native, rms_norm_ref, rms_norm_torch
     from ridge.kernels.rope import rope_native, rope_ref, rope_torch
-    from ridge.models.rope import rope_cos_sin
+    from ridge.models.layers.rope import rope_cos_sin
 
     h, res, w = torch.randn(tokens, 576), torch.randn(tokens, 576), torch.ones(576)
     assert ops.backend("rms_norm", h, w, 1e-5, res) is rms_norm_native

@@ -27,6 +27,8 @@ from test_gateway import ask, free_port, wait_http
 from test_rerank import DOCS, QUERY, ranker, reference  # noqa: F401  ranker: the fixture, built here too
 
 GREEDY = {"temperature": 0, "num_predict": 12}
+# Ollama's own defaults, which its route applies when a request leaves them out (a Modelfile's).
+OLLAMA_PENALTY = {"repetition_penalty": 1.1, "repeat_last_n": 64}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
 
 
@@ -70,8 +72,8 @@ def ridge(daemon):
 
 
 def direct(ridge, messages, **params):
-    """The daemon's own answer, greedy, to the same chat."""
-    return ridge.generate(messages=messages, **{"max_tokens": 12, "temperature": 0, **params})
+    """The daemon's own answer, greedy, to the same chat, with Ollama's default repeat penalty."""
+    return ridge.generate(messages=messages, **{"max_tokens": 12, "temperature": 0, **OLLAMA_PENALTY, **params})
 
 
 def test_chat_whole_and_streamed_are_the_daemons_answer(client, ridge):
@@ -92,7 +94,7 @@ def test_generate_renders_the_template_unless_raw(client, ridge):
     want = direct(ridge, CHAT)
     got = client.generate(model="tiny", prompt="hello there", system="Be brief.", options=GREEDY)
     assert got.response == want.text and got.done
-    raw = ridge.generate("Once upon", max_tokens=12, temperature=0)
+    raw = ridge.generate("Once upon", max_tokens=12, temperature=0, **OLLAMA_PENALTY)
     assert client.generate(model="tiny", prompt="Once upon", raw=True, options=GREEDY).response == raw.text
     streamed = list(client.generate(model="tiny", prompt="Once upon", raw=True, options=GREEDY, stream=True))
     assert "".join(p.response for p in streamed) == raw.text and streamed[-1].done
@@ -160,7 +162,7 @@ def test_models_tags_ps_show_and_version(client, daemon):
     (lambda c: c.chat(model="nope", messages=CHAT), 404, "model 'nope' not found"),
     (lambda c: c.show("nope"), 404, "not found"),
     (lambda c: c.chat(model="tiny", messages=CHAT, options={"num_ctx": 1 << 30}), 400, "num_ctx"),
-    (lambda c: c.chat(model="tiny", messages=CHAT, options={"mirostat": 2}), 400, "mirostat"),
+    (lambda c: c.chat(model="tiny", messages=CHAT, options={"mirostat": 3}), 400, "mirostat"),
     (lambda c: c.chat(model="tiny", messages=CHAT, keep_alive="soon"), 400, "keep_alive"),
     (lambda c: c.chat(model="tiny", messages=CHAT, options={"num_predict": 0}), 400, "num_predict"),
     (lambda c: c.embed(model="tiny", input="x"), 400, "embedding"),

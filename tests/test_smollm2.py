@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ridge.config import kv_bytes_per_token
-from ridge.models.llama import CausalLM
+from ridge.models.layers.decoder import CausalLM
 from ridge.models.oneshot import prompt_logits
-from ridge.quant.convert import convert
+from ridge.models.registry import convert
 from ridge.quant.fp8 import quantize_state_dict
 from ridge.quant.source import default_model_path
 

@@ -13,8 +13,8 @@ import torch
 from ridge.models.fp8_calibrate import STREAMED, calibrate
 from ridge.models.loader import load_model
 from ridge.models.oneshot import prompt_logits
+from ridge.models.registry import REGISTRY, convert
 from ridge.quant import store
-from ridge.quant.convert import convert
 from ridge.quant.fuse import fuse_hf_state_dict
 from ridge.quant.source import read_source
 from tiny_models import make_tiny, write_tokenizer_files
@@ -56,8 +56,8 @@ def sources(tmp_path_factory):
 def test_streamed_equals_the_whole_model_path_and_holds_one_layer(sources, name, spec, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = sources[name]
-    cfg, sd, freq, tok = read_source(path, False)  # the whole-model path, as convert ran it before
-    fused = fuse_hf_state_dict(sd, cfg, path)
+    cfg, sd, freq, tok = read_source(path, REGISTRY, False)  # the whole-model path, as convert ran it before
+    fused = fuse_hf_state_dict(sd, cfg, path, REGISTRY[cfg.arch].weights)
     recipe, hess, _ = calibrate(cfg, fused, freq, tok, spec)
     want = recipe.quantize(fused, "mse", hess)
 
@@ -115,8 +115,8 @@ def test_the_streamed_model_runs_as_the_whole_model_path_did(sources, tmp_path, 
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = sources["qwen3_moe-hf-bf16"]
-    cfg, sd, freq, tok = read_source(path, False)
-    fused = fuse_hf_state_dict(sd, cfg, path)
+    cfg, sd, freq, tok = read_source(path, REGISTRY, False)
+    fused = fuse_hf_state_dict(sd, cfg, path, REGISTRY[cfg.arch].weights)
     recipe, hess, _ = calibrate(cfg, fused, freq, tok, "g16+act")
     ids = [1, 40, 71, 200, 33, 5, 90, 12]
     ref = prompt_logits(build(cfg, recipe.quantize(fused, "mse", hess), freq), ids)
@@ -134,8 +134,8 @@ def test_streamed_auto_measures_what_whole_models_measure(sources):
     from ridge.quant.recipe import Recipe, long_name
 
     path = sources["llama-hf"]
-    cfg, sd, freq, tok = read_source(path, False)
-    fused = fuse_hf_state_dict(sd, cfg, path)
+    cfg, sd, freq, tok = read_source(path, REGISTRY, False)
+    fused = fuse_hf_state_dict(sd, cfg, path, REGISTRY[cfg.arch].weights)
     chosen, _, measured = choose_recipe(cfg, fused, freq, tok, budget=0.0, groupings=("g32", "g64"), max_bf16=3)
     tried = measured["tried"]
     assert len(tried) == 6 + 3 and len(chosen.keep) == 3  # nothing meets a zero budget: every step measured
@@ -151,3 +151,39 @@ def test_streamed_auto_measures_what_whole_models_measure(sources):
     assert measured["sensitivity"]
     for short, v in measured["sensitivity"].items():
         assert v == pytest.approx(whole[long_name(short)], rel=1e-4, abs=1e-9), short
+
+
+@pytest.mark.parametrize("name", ["llama-hf", "qwen3-gguf-q8"])
+def test_unquantized_weights_load_a_layer_at_a_time(sources, name):
+    """--weights fp32 (and bf16) read the source a layer at a time as the loader places it: the
+    conversion holds the globals only, and the model is the whole-state-dict path's."""
+    from ridge.models.fp8_calibrate import build
+
+    path = sources[name]
+    layered = convert(path, quantize=False, use_cache=False, show_progress=False, layered=True)
+    assert layered.layer is not None and not any(n.startswith("layers.") for n in layered.state_dict)
+    whole = convert(path, quantize=False, use_cache=False, show_progress=False)
+    assert whole.layer is None
+    for i in range(whole.config.num_layers):
+        got = layered.layer(i)
+        want = {n: t for n, t in whole.state_dict.items() if n.startswith(f"layers.{i}.")}
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    ids = [1, 40, 71, 200, 33, 5, 90, 12]
+    lm = load_model(path, device="cpu", weights="fp32", show_progress=False)
+    want = prompt_logits(build(whole.config, whole.state_dict, whole.freq_factors), ids)
+    torch.testing.assert_close(prompt_logits(lm.model, ids), want, rtol=0, atol=0)
+
+
+def test_an_untied_moe_model_under_head_loads_its_table_in_the_layers_grouping(sources, tmp_path, monkeypatch):
+    """+head on an untied mixture of experts: the table takes the dense layers' grouping (1 x 16),
+    not a stacked expert's per-channel scales, converted and from the cache alike."""
+    from ridge.quant.embedding import FP8Embedding
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = sources["qwen3_moe-hf-bf16"]
+    for _ in range(2):  # converted, then from the cache (where the experts' scales may come first)
+        lm = load_model(path, device="cpu", recipe="g16+act+head", show_progress=False)
+        if isinstance(lm.model.embed_tokens, FP8Embedding):
+            scale = lm.model.embed_tokens.weight_scale
+            assert scale.dim() == 3 and scale.shape[-1] == 16, tuple(scale.shape)  # [N/16, K/16, 16]: g16
+        assert torch.isfinite(prompt_logits(lm.model, [1, 40, 71, 5])).all()

@@ -34,8 +34,20 @@ PARAMS = {  # key -> (check, what it must be)
     "speculative": (lambda x: isinstance(x, bool), _BOOL),
     "deterministic": (lambda x: isinstance(x, bool), _BOOL),
     "response_format": (lambda x: isinstance(x, dict), "a map with a type"),
+    # llama.cpp's samplers (SamplingParams; ranges checked there)
+    "repeat_last_n": (is_int, _INT), "presence_penalty": (is_num, _NUM), "frequency_penalty": (is_num, _NUM),
+    "logit_bias": (lambda x: isinstance(x, (dict, list)), "a map of token id to bias, or an array of "
+                   "[token id or string, bias] pairs"),
+    "typical_p": (is_num, _NUM), "top_n_sigma": (is_num, _NUM), "mirostat": (is_int, _INT),
+    "mirostat_tau": (is_num, _NUM), "mirostat_eta": (is_num, _NUM), "dry_multiplier": (is_num, _NUM),
+    "dry_base": (is_num, _NUM), "dry_allowed_length": (is_int, _INT), "dry_penalty_last_n": (is_int, _INT),
+    "dry_sequence_breakers": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of strings"),
+    "xtc_probability": (is_num, _NUM), "xtc_threshold": (is_num, _NUM),
+    "samplers": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of sampler names"),
 }
-_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty"}
+_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "typical_p",
+           "top_n_sigma", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold"}
+MAX_BIAS_ENTRIES = 1024  # logit_bias: entries, and the tokens the strings among them spell
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 MAX_SALT_BYTES = 1024
 PRINCIPAL_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # hello's sub-principal (Server._subdivide)
@@ -90,6 +102,7 @@ class Validator:
         self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
         self.chat = chat_format(tokenizer)  # what the chat template says about tools and reasoning
         self._grammar_tokens: frozenset[str] | None = None
+        self._breakers: dict[tuple[str, ...], frozenset[int]] = {}  # dry_sequence_breakers -> token ids
 
     # -- generate ---------------------------------------------------------------
     def generate(self, env: Envelope) -> GenerateRequest:
@@ -204,7 +217,60 @@ class Validator:
             raise fail("params.stop_token_ids", f"at most 64 token ids in [0, {self.vocab})", rid)
         d = {k: float(v) if k in _FLOATS else v for k, v in raw.items()}
         d.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, lim.max_tokens))
+        if "logit_bias" in d:
+            d["logit_bias"] = self.logit_bias(d["logit_bias"], rid)
+        if d.get("dry_multiplier"):
+            breakers = d.get("dry_sequence_breakers")
+            if breakers is None:
+                breakers = SamplingParams.__dataclass_fields__["dry_sequence_breakers"].default_factory()
+            if isinstance(breakers, list) and 0 < len(breakers) <= 16 and all(b for b in breakers):
+                d["dry_breaker_ids"] = self.breaker_ids(tuple(breakers))
         return d, budget
+
+    def logit_bias(self, raw, rid: str | None) -> dict[int, float]:
+        """params.logit_bias -> token id -> bias. A map of token ids (OpenAI's, with integer keys), or
+        llama-server's [[token id or string, bias], ...]: a string's tokens each get its bias. A bias
+        of false bans the token (-inf), as llama-server reads it."""
+        what = ("a map of token id to a finite number or false, or an array of [token id or string, bias] "
+                f"pairs; token ids in [0, {self.vocab}), at most {MAX_BIAS_ENTRIES} tokens")
+        pairs = list(raw.items()) if isinstance(raw, dict) else raw
+        out: dict[int, float] = {}
+        for pair in pairs:
+            if isinstance(pair, (list, tuple)) and len(pair) == 2:
+                key, bias = pair
+            else:
+                raise fail("params.logit_bias", what, rid)
+            if bias is False:
+                bias = float("-inf")
+            elif is_num(bias):
+                bias = float(bias)
+            else:
+                raise fail("params.logit_bias", what, rid)
+            if isinstance(raw, dict) and isinstance(key, str) and key.isascii() and key.isdigit():
+                key = int(key)  # OpenAI's JSON map: token ids as strings
+            if isinstance(key, str) and not isinstance(raw, dict):
+                ids = self.tokenizer.encode(key, add_special_tokens=False)
+            elif is_int(key) and 0 <= key < self.vocab:
+                ids = [key]
+            else:
+                raise fail("params.logit_bias", what, rid)
+            for t in ids:
+                out[t] = bias
+            if len(out) > MAX_BIAS_ENTRIES:
+                raise fail("params.logit_bias", what, rid)
+        return out
+
+    def breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[int]:
+        """The tokens whose text holds one of DRY's sequence breakers, as llama.cpp finds them: a
+        repeat never spans such a token. The vocabulary is decoded once per set of breakers (the
+        default set is all most clients send); kept for the daemon's life, bounded."""
+        if (ids := self._breakers.get(breakers)) is None:
+            texts = self.tokenizer.backend.decode_batch([[i] for i in range(min(self.vocab, self.tokenizer.vocab_size))], skip_special_tokens=False)
+            ids = frozenset(i for i, t in enumerate(texts) if any(b in t for b in breakers))
+            if len(self._breakers) >= 16:
+                self._breakers.pop(next(iter(self._breakers)))
+            self._breakers[breakers] = ids
+        return ids
 
     @staticmethod
     def sampling(d: dict, rid: str | None) -> SamplingParams:

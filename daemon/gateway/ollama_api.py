@@ -18,9 +18,11 @@ from ridge.durations import FOREVER, parse_duration
 from .openai_api import ApiError, Generation, bad, ceiling
 from .ollama_schemas import ChatRequest, GenerateRequest, Options
 
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, when a Modelfile sets none
+# Ollama's, when a Modelfile sets none (docs/modelfile.md: repeat_penalty 1.1 over repeat_last_n 64).
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
+# Ollama's options the daemon takes under the same names (its ranges are checked there).
+PASSED = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
 UNTIL_FULL = (-1, -2)  # num_predict: no limit / fill the context; both run to the context's end here
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "typical_p": 1, "mirostat": 0}
 PINNED = -1.0  # keep_alive: held until the daemon stops
 EFFORTS = ("low", "medium", "high")
 
@@ -75,9 +77,6 @@ def sampling(options: Options | None, link, model: dict) -> dict:
     if o.num_ctx is not None and not 1 <= o.num_ctx <= (max_len or o.num_ctx):
         raise bad(f"options.num_ctx: {o.num_ctx} is outside [1, {max_len}], the context ridge serves this model "
                   "with (its max_model_len)", "options")
-    for key, neutral in NEUTRAL.items():
-        if (v := getattr(o, key)) is not None and v != neutral:
-            raise bad(f"options.{key} is not supported by ridge (only {neutral})", "options")
     params: dict = {}
     if o.num_predict is None or o.num_predict in UNTIL_FULL:
         params["max_tokens"] = max_len or link.limits["max_tokens"]  # the daemon caps it at the room left
@@ -88,17 +87,14 @@ def sampling(options: Options | None, link, model: dict) -> dict:
         params["max_tokens"] = ceiling(o.num_predict, max_len or link.limits["max_tokens"])
     for key, default in DEFAULTS.items():
         params[key] = default if (v := getattr(o, key)) is None else v
-    if o.min_p is not None:
-        params["min_p"] = o.min_p
+    params["repetition_penalty"] = params.pop("repeat_penalty")  # the daemon's name
+    for key in PASSED:
+        if (v := getattr(o, key)) is not None:
+            params[key] = v
     if o.seed is not None and o.seed >= 0:  # a negative seed: a random one, as Ollama's -1
         params["seed"] = o.seed
     if o.stop is not None:
         params["stop"] = [s for s in ([o.stop] if isinstance(o.stop, str) else o.stop) if s]
-    if o.repeat_penalty is not None and o.repeat_penalty != 1:
-        if o.repeat_last_n != -1:  # ridge's penalty counts every token of the context; Ollama's default, 64
-            raise bad("options.repeat_penalty is supported only with repeat_last_n -1 (the whole context: "
-                      "ridge's repetition_penalty)", "options")
-        params["repetition_penalty"] = o.repeat_penalty
     return params
 
 

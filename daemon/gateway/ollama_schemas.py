@@ -25,12 +25,14 @@ class Options(Body):
     min_p: Optional[Num] = None
     seed: Optional[Int] = None
     stop: Stop = None
-    repeat_penalty: Optional[Num] = Field(None, description="only with repeat_last_n -1 (the whole context)")
-    repeat_last_n: Optional[Int] = None
-    presence_penalty: Optional[Num] = Field(None, description="only 0")
-    frequency_penalty: Optional[Num] = Field(None, description="only 0")
-    typical_p: Optional[Num] = Field(None, description="only 1")
-    mirostat: Optional[Int] = Field(None, description="only 0")
+    repeat_penalty: Optional[Num] = Field(None, description="default 1.1, as Ollama's")
+    repeat_last_n: Optional[Int] = Field(None, description="default 64, as Ollama's; -1: the whole context, 0: off")
+    presence_penalty: Optional[Num] = None
+    frequency_penalty: Optional[Num] = None
+    typical_p: Optional[Num] = None
+    mirostat: Optional[Int] = Field(None, description="0, 1 or 2")
+    mirostat_tau: Optional[Num] = None
+    mirostat_eta: Optional[Num] = None
 
 
 class Generating(Body):

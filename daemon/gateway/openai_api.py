@@ -93,12 +93,6 @@ def parsed(model: type[M], body: dict) -> M:
                   str(err["loc"][0]) if err["loc"] else None) from None
 
 
-def _unsupported(req: BaseModel, key: str, neutral) -> None:
-    """A field ridge has no counterpart for: fine while it asks for nothing (null or `neutral`)."""
-    if getattr(req, key) not in (None, neutral):
-        raise bad(f"{key} is not supported by ridge", key)
-
-
 @dataclass
 class Generation:
     """One OpenAI request, as the daemon `generate`s it takes (one per prompt)."""
@@ -142,11 +136,41 @@ def _sampling(req: Sampling, max_tokens: int | None, given: int | None,
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise bad("best_of is not supported by ridge (only best_of = n)", "best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        _unsupported(req, key, 0)
-    _unsupported(req, "logit_bias", {})
+    llama_samplers(req, p)
     p["n"] = n
     return p, n
+
+
+LLAMA_FIELDS = ("repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "mirostat",
+                "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
+                "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "samplers")
+LLAMA_REPEAT_LAST_N = 64  # llama-server's repeat_last_n, when its repeat_penalty comes without one
+
+
+def llama_samplers(req: Sampling, p: dict) -> None:
+    """llama-server's samplers and OpenAI's penalties -> the daemon's params, under the same names
+    (the daemon checks their ranges and answers a bad one with the field's name). repeat_penalty is
+    llama-server's (a window of 64 tokens unless repeat_last_n), repetition_penalty vLLM's (the whole
+    context): one request gives one of them."""
+    for key in LLAMA_FIELDS:
+        if (v := getattr(req, key)) is not None:
+            p[key] = v
+    if req.repeat_penalty is not None:
+        if req.repetition_penalty is not None:
+            raise bad("give repeat_penalty (llama-server's) or repetition_penalty (vLLM's), not both", "repeat_penalty")
+        p["repetition_penalty"] = req.repeat_penalty
+        p.setdefault("repeat_last_n", LLAMA_REPEAT_LAST_N)
+    if req.logit_bias:
+        # Pairs, not a map: msgpack maps keep string keys, and llama-server's strings need pairs anyway.
+        items = req.logit_bias.items() if isinstance(req.logit_bias, dict) else req.logit_bias
+        pairs = []
+        for key, bias in items:
+            if isinstance(req.logit_bias, dict):
+                if not (key.isascii() and key.isdigit()):
+                    raise bad(f"logit_bias: {key!r} is not a token id", "logit_bias")
+                key = int(key)
+            pairs.append([key, bias])
+        p["logit_bias"] = pairs
 
 
 def _stream(req: Sampling) -> tuple[bool, bool]:

@@ -82,6 +82,9 @@ class StreamOptions(Body):
 
 
 Stop = Annotated[Union[Str, list[Str], None], one_of("must be a string or an array of strings")]
+Bias = Union[Num, Literal[False]]  # llama-server's false: the token is banned
+LogitBias = Annotated[Union[dict[str, Bias], list[tuple[Union[Int, Str], Bias]], None],
+                      one_of("must be a map of token id to bias, or an array of [token id or string, bias] pairs")]
 
 
 class Sampling(Body):
@@ -94,16 +97,33 @@ class Sampling(Body):
     best_of: Optional[Int] = Field(None, description="only best_of = n")
     seed: Optional[Int] = None
     stop: Stop = None
-    presence_penalty: Optional[Num] = Field(None, description="only 0")
-    frequency_penalty: Optional[Num] = Field(None, description="only 0")
-    logit_bias: Optional[dict[str, Num]] = Field(None, description="only {}")
+    presence_penalty: Optional[Num] = Field(None, description="[-2, 2], over the generated tokens")
+    frequency_penalty: Optional[Num] = Field(None, description="[-2, 2], over the generated tokens")
+    logit_bias: LogitBias = Field(None, description="token id -> bias; or llama-server's [[token id or string, "
+                                                    "bias or false], ...]")
     response_format: Optional[ResponseFormat] = None
     stream: Optional[Bool] = None
     stream_options: Optional[StreamOptions] = None
     # ridge's own, under vLLM's names
     top_k: Optional[Int] = Field(None, description="ridge: 0 or -1 = off")
     min_p: Optional[Num] = None
-    repetition_penalty: Optional[Num] = None
+    repetition_penalty: Optional[Num] = Field(None, description="vLLM's: over the whole context unless repeat_last_n")
+    # llama-server's samplers, under its names (docs/protocol.md §3.2)
+    repeat_penalty: Optional[Num] = Field(None, description="llama-server's: over the last repeat_last_n (64) tokens")
+    repeat_last_n: Optional[Int] = Field(None, description="-1: the whole context, 0: off")
+    typical_p: Optional[Num] = None
+    top_n_sigma: Optional[Num] = None
+    mirostat: Optional[Int] = Field(None, description="0, 1 or 2")
+    mirostat_tau: Optional[Num] = None
+    mirostat_eta: Optional[Num] = None
+    dry_multiplier: Optional[Num] = None
+    dry_base: Optional[Num] = None
+    dry_allowed_length: Optional[Int] = None
+    dry_penalty_last_n: Optional[Int] = None
+    dry_sequence_breakers: Optional[list[Str]] = None
+    xtc_probability: Optional[Num] = None
+    xtc_threshold: Optional[Num] = None
+    samplers: Optional[list[Str]] = Field(None, description="llama-server's sampler names, in order")
     stop_token_ids: Optional[list[Int]] = None
     ignore_eos: Optional[Bool] = None
     min_tokens: Optional[Int] = Field(None, description="ridge: only with ignore_eos and no stop")

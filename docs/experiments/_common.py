@@ -9,7 +9,7 @@ import torch
 
 from ridge.models.fp8_calibrate import build, calibration_ids, kl
 from ridge.models.oneshot import prompt_logits
-from ridge.quant.convert import convert
+from ridge.models.registry import convert
 
 torch.set_num_threads(2)
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"

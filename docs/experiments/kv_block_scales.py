@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import agree, ref, refs, texts  # noqa: E402
 
 import ridge.kernels.kv_cache as kc  # noqa: E402
-import ridge.models.llama as llama  # noqa: E402
+import ridge.models.layers.decoder as llama  # noqa: E402
 from ridge.models.oneshot import prompt_logits  # noqa: E402
 
 

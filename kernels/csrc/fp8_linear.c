@@ -29,6 +29,8 @@
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
 #define T256 __attribute__((target("avx2,f16c,fma")))
 #define INL inline __attribute__((always_inline))
+/* Scales are fp32 (times 256) or bf16 (times 256, exact: a power of two), sbf says which. */
+#define SAT(s, sbf, off) ((const void *)((const char *)(s) + (off) * ((sbf) ? 2 : 4)))
 
 /* ---- AVX-512 BF16 ------------------------------------------------------------------- */
 
@@ -45,12 +47,14 @@ T512 static INL __m512bh e4m3_bf16x32(const uint8_t *p) {
    added to the row's earlier groups, by an explicit multiply-add: a multiply then an add is
    fused by GCC in some tiles and not in others, and a row's bits would then depend on the
    tile its step's row count gave it. */
-T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t off, int64_t g) {
+T512 static INL void close512(float *y, __m512 acc, const void *s, int sbf, int64_t off, int64_t g) {
     if (!s) {
         _mm512_storeu_ps(y, g ? _mm512_add_ps(acc, _mm512_loadu_ps(y)) : acc);
         return;
     }
-    const __m512 sv = _mm512_loadu_ps(s + off);
+    const __m512 sv = sbf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)s + off))), 16))
+                          : _mm512_loadu_ps((const float *)s + off);
     _mm512_storeu_ps(y, g ? _mm512_fmadd_ps(acc, sv, _mm512_loadu_ps(y)) : _mm512_mul_ps(acc, sv));
 }
 
@@ -58,7 +62,7 @@ T512 static INL void close512(float *y, __m512 acc, const float *s, int64_t off,
    bf16 words already converted (same order). */
 #define TILE512(NAME, MRC, NB, CONV)                                                             \
 T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0, const void *w1, \
-                      const float *s, int64_t ldb, float *y, int64_t ldy) {                      \
+                      const void *s, int sbf, int64_t ldb, float *y, int64_t ldy) {              \
   for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
     const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
     __m512 acc[MRC][NB];                                                                         \
@@ -76,13 +80,13 @@ T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0
         }                                                                                        \
     }                                                                                            \
     for (int j = 0; j < NB; j++)                                                                 \
-        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s, g * 16 + j * ldb, g); \
+        for (int i = 0; i < MRC; i++) close512(y + i * ldy + j * 16, acc[i][j], s, sbf, g * 16 + j * ldb, g); \
   }                                                                                              \
 }
 #define TILES512(M) TILE512(c2_##M, M, 2, 1) TILE512(b2_##M, M, 2, 0) TILE512(c1_##M, M, 1, 1) TILE512(b1_##M, M, 1, 0)
 TILES512(1) TILES512(2) TILES512(3) TILES512(4) TILES512(5) TILES512(6) TILES512(7) TILES512(8)
-typedef void (*tile_fn)(const uint32_t *, int64_t, int64_t, const void *, const void *, const float *, int64_t,
-                        float *, int64_t);
+typedef void (*tile_fn)(const uint32_t *, int64_t, int64_t, const void *, const void *, const void *, int,
+                        int64_t, float *, int64_t);
 #define MR512 8
 static const tile_fn C2[9] = {0, c2_1, c2_2, c2_3, c2_4, c2_5, c2_6, c2_7, c2_8};
 static const tile_fn B2[9] = {0, b2_1, b2_2, b2_3, b2_4, b2_5, b2_6, b2_7, b2_8};
@@ -93,7 +97,7 @@ static const tile_fn B1[9] = {0, b1_1, b1_2, b1_3, b1_4, b1_5, b1_6, b1_7, b1_8}
    the same close), so a row's bits are the tiles' at any step size; a thread streams one block
    at a time, which ran 1.1-1.5x faster at one row than the pairs of blocks a tile reads (cold). */
 #define ROW512(NAME, CONV)                                                                        \
-T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w, const float *s, float *y) { \
+T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w, const void *s, int sbf, float *y) { \
   for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
     const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
     __m512 acc = _mm512_setzero_ps();                                                            \
@@ -101,7 +105,7 @@ T512 static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w,
         acc = _mm512_dpbf16_ps(acc, CONV ? e4m3_bf16x32((const uint8_t *)w + p * 32)              \
                                          : (__m512bh)_mm512_loadu_si512((const uint16_t *)w + p * 32), \
                                (__m512bh)_mm512_set1_epi32((int)xr[p]));                         \
-    close512(y, acc, s, g * 16, g);                                                              \
+    close512(y, acc, s, sbf, g * 16, g);                                                         \
   }                                                                                              \
 }
 ROW512(row_c512, 1) ROW512(row_b512, 0)
@@ -122,8 +126,8 @@ T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
    words in the same layout (pack_bf16's), read as they are, and scale is NULL. One row runs
    ROW512, the tiles' arithmetic, so that its sums are added in the same order whatever the
    step's rows (the deterministic mode's batch invariance). */
-T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w, int bf16, const float *scale,
-                            int64_t N, int64_t gk, float *y, int nthreads) {
+T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w, int bf16, const void *scale,
+                            int sbf, int64_t N, int64_t gk, float *y, int nthreads) {
     const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16, sb = (K + gk - 1) / gk * 16;
     const int64_t wsize = bf16 ? 2 : 1;
     uint16_t *xb = malloc((size_t)(M * K) * 2);
@@ -133,7 +137,7 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w,
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t nb = 0; nb < nblocks; nb++)
             (bf16 ? row_b512 : row_c512)(xr, kp, gp, (const uint8_t *)w + nb * blk * wsize,
-                                         scale ? scale + nb * sb : NULL, y + nb * 16);
+                                         scale ? SAT(scale, sbf, nb * sb) : NULL, sbf, y + nb * 16);
         free(xb);
         return;
     }
@@ -157,7 +161,7 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w,
             const tile_fn *t = buf || bf16 ? (two ? B2 : B1) : (two ? C2 : C1);
             for (int64_t m0 = 0; m0 < M; m0 += MR512) {
                 int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
-                t[mr](xr + m0 * kp, kp, gp, a, b, scale ? scale + nb * sb : NULL, sb, y + m0 * N + nb * 16, N);
+                t[mr](xr + m0 * kp, kp, gp, a, b, scale ? SAT(scale, sbf, nb * sb) : NULL, sbf, sb, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -184,9 +188,14 @@ T256 static INL void e4m3_f32x32(const uint8_t *p, __m256 *v) {
 
 /* A 16-column block's 16 scales as four vectors in the accumulators' (column, k parity)
    order: each scale twice. */
-T256 static INL void scale_pairs(const float *s, __m256 *sd) {
+T256 static INL __m256 bf16x8(const uint16_t *s) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)s)), 16));
+}
+
+T256 static INL void scale_pairs(const void *s, int sbf, __m256 *sd) {
     const __m256i a = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), b = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    const __m256 lo = _mm256_loadu_ps(s), hi = _mm256_loadu_ps(s + 8);
+    const __m256 lo = sbf ? bf16x8(s) : _mm256_loadu_ps(s), hi = sbf ? bf16x8((const uint16_t *)s + 8)
+                                                                       : _mm256_loadu_ps((const float *)s + 8);
     sd[0] = _mm256_permutevar8x32_ps(lo, a), sd[1] = _mm256_permutevar8x32_ps(lo, b);
     sd[2] = _mm256_permutevar8x32_ps(hi, a), sd[3] = _mm256_permutevar8x32_ps(hi, b);
 }
@@ -203,8 +212,8 @@ T256 static INL void store8(float *y, __m256 a, __m256 b) {
    does the same operations in the same order for a row, whatever MRC, so a row's bits do not
    depend on how many rows share its step (the deterministic mode relies on it). */
 #define TILE256(NAME, MRC, CONV)                                                                 \
-T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, const float *s, int64_t lds, \
-                      float *y, int64_t ldy) {                                                   \
+T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, const void *s, int sbf,     \
+                      int64_t lds, float *y, int64_t ldy) {                                      \
   __m256 tot[MRC][4];                                                                            \
   for (int64_t p0 = 0, g = 0; p0 < K / 2; p0 += gp, g++) {                                       \
     const int64_t p1 = p0 + gp < K / 2 ? p0 + gp : K / 2;                                        \
@@ -224,7 +233,7 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
         }                                                                                        \
     }                                                                                            \
     __m256 sd[4];                                                                                \
-    scale_pairs(s + g * lds, sd);                                                                \
+    scale_pairs(SAT(s, sbf, g * lds), sbf, sd);                                                  \
     for (int i = 0; i < MRC; i++)                                                                \
         for (int c = 0; c < 4; c++)                                                              \
             tot[i][c] = g ? _mm256_fmadd_ps(acc[i][c], sd[c], tot[i][c]) : _mm256_mul_ps(acc[i][c], sd[c]); \
@@ -235,12 +244,13 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
   }                                                                                              \
 }
 TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
-typedef void (*tile256_fn)(const float *, int64_t, int64_t, const void *, const float *, int64_t, float *, int64_t);
+typedef void (*tile256_fn)(const float *, int64_t, int64_t, const void *, const void *, int, int64_t, float *,
+                           int64_t);
 static const tile256_fn F256[4] = {0, f1, f2, f3};
 
 /* Up to 2 rows convert as they stream; more convert each 16-column block once into a
    per-thread fp32 buffer and run 3-row tiles over it. */
-T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
+T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
                             int64_t N, int64_t gk, float *y, int nthreads) {
     const int64_t blk = K * 16, nblocks = N / 16, gp = gk / 2, sb = (K + gk - 1) / gk * 16;
 #pragma omp parallel num_threads(nthreads)
@@ -250,14 +260,78 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const uint8_t *wb = w + nb * blk;
             if (!buf) {
-                (M == 1 ? v1 : v2)(x, K, gp, wb, scale + nb * sb, 16, y + nb * 16, N);
+                (M == 1 ? v1 : v2)(x, K, gp, wb, SAT(scale, sbf, nb * sb), sbf, 16, y + nb * 16, N);
                 continue;
             }
             for (int64_t q = 0; q < blk; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
             for (int64_t m0 = 0; m0 < M; m0 += 3) {
                 int mr = M - m0 < 3 ? (int)(M - m0) : 3;
-                F256[mr](x + m0 * K, K, gp, buf, scale + nb * sb, 16, y + m0 * N + nb * 16, N);
+                F256[mr](x + m0 * K, K, gp, buf, SAT(scale, sbf, nb * sb), sbf, 16, y + m0 * N + nb * 16, N);
             }
+        }
+        free(buf);
+    }
+}
+
+/* ---- the blocked product: tiles of e4m3 rows widened once, then the BLAS's fp32 GEMM ------- */
+
+/* The Fortran BLAS's sgemm (column-major), as torch's own MKL exports it (kernels/native.py). */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+
+/* Blocks [b0, b1) of a packed weight times their scales, k-major: out[k * ldo + (b - b0) * 16 + j]
+   is column b * 16 + j's weight at k, e4m3 * scale rounded once to fp32 (as a torch upcast makes
+   it: (e4m3 / 256) * (scale * 256) is the same product). A k pair's 32 bytes are shuffled so that
+   the even k's 16 columns fill one half of the register and the odd k's the other; then the fp16
+   trick of e4m3_f32x32. */
+T256 static void widen_256(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0,
+                           int64_t b1, float *out, int64_t ldo) {
+    const int64_t kp = K / 2, gp = gk / 2, sblk = (K + gk - 1) / gk * 16;
+    const __m256i shuf = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i z = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xbfff);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *wb = w + b * kp * 32;
+        float *ob = out + (b - b0) * 16;
+        for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
+            const void *sg = SAT(scale, sbf, b * sblk + g * 16);
+            const __m256 s0 = sbf ? bf16x8(sg) : _mm256_loadu_ps(sg);
+            const __m256 s1 = sbf ? bf16x8((const uint16_t *)sg + 8) : _mm256_loadu_ps((const float *)sg + 8);
+            const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
+            for (int64_t p = p0; p < p1; p++) {
+                __m256i r = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(wb + p * 32)), shuf);
+                r = _mm256_permute4x64_epi64(r, 0xd8);  /* low half: even k, columns 0-15; high: odd k */
+                const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, r), 1), keep);
+                const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, r), 1), keep);
+                float *o0 = ob + 2 * p * ldo, *o1 = o0 + ldo;
+                _mm256_storeu_ps(o0, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(lo)), s0));
+                _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(hi)), s1));
+                _mm256_storeu_ps(o1, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)), s0));
+                _mm256_storeu_ps(o1 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1)), s1));
+            }
+        }
+    }
+}
+
+/* y [M][N] = x [M][K] . W^T, W's tiles of tb blocks (tb * 16 columns) each widened into the
+   thread's own buffer (tb * 16 * K floats, sized by the caller to stay in its core's cache) and
+   multiplied by one single-threaded GEMM call; the team shares the tiles. A tile's columns are
+   the same at any M and thread count, and the GEMM sees M only as its n: the reduction order of
+   a column is the GEMM's for that n. */
+T256 static void tiles_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
+                           int64_t N, int64_t gk, float *y, int64_t tb, sgemm_fn gemm, int nthreads) {
+    const int64_t nblocks = N / 16, ntiles = (nblocks + tb - 1) / tb;
+    const int mi = (int)M, ki = (int)K, ldc = (int)N;
+    const float one = 1.0f, zero = 0.0f;
+#pragma omp parallel num_threads(nthreads < ntiles ? nthreads : (int)ntiles)
+    {
+        float *buf = aligned_alloc(64, (size_t)(tb * 16 * K) * 4);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            const int64_t b0 = t * tb, b1 = b0 + tb < nblocks ? b0 + tb : nblocks;
+            const int nt = (int)((b1 - b0) * 16);
+            widen_256(w, K, scale, sbf, gk, b0, b1, buf, nt);
+            gemm("N", "N", &nt, &mi, &ki, &one, buf, &nt, x, &ki, &zero, y + b0 * 16, &ldc);
         }
         free(buf);
     }
@@ -271,13 +345,13 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
 T256 static void block256(const float *x, int64_t n, int64_t K, const uint8_t *wb, const float *s, float *y,
                           int64_t ldy, float *buf) {
     if (n <= 2) {
-        (n == 1 ? v1 : v2)(x, K, K / 2, wb, s, 0, y, ldy);
+        (n == 1 ? v1 : v2)(x, K, K / 2, wb, s, 0, 0, y, ldy);
         return;
     }
     for (int64_t q = 0; q < K * 16; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
     for (int64_t m0 = 0; m0 < n; m0 += 3) {
         int mr = n - m0 < 3 ? (int)(n - m0) : 3;
-        F256[mr](x + m0 * K, K, K / 2, buf, s, 0, y + m0 * ldy, ldy);
+        F256[mr](x + m0 * K, K, K / 2, buf, s, 0, 0, y + m0 * ldy, ldy);
     }
 }
 
@@ -416,19 +490,34 @@ int fp8_linear_isa(void) {
 /* x [M][K] fp32 contiguous, y [M][N] fp32; N % 16 == 0, K % 2 == 0, gk even and > 0 (the
    caller checks). isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not
    built here or a group size the layout cannot take. */
-int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
-                       int64_t gk, float *y, int isa, int nthreads) {
+int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
+                       int64_t N, int64_t gk, float *y, int isa, int nthreads) {
     if (gk <= 0 || gk % 2) return -1;
     if (gk > K) gk = K;
-    if (isa == 2) linear_512(x, M, K, w, 0, scale, N, gk, y, nthreads);
-    else if (isa == 1) linear_256(x, M, K, w, scale, N, gk, y, nthreads);
+    if (isa == 2) linear_512(x, M, K, w, 0, scale, sbf, N, gk, y, nthreads);
+    else if (isa == 1) linear_256(x, M, K, w, scale, sbf, N, gk, y, nthreads);
     else return -1;
     return 0;
 }
+/* The blocked product (tiles_256): x [M][K] fp32 contiguous, y [M][N]; N % 16 == 0, K % 2 == 0,
+   gk even, tb > 0, gemm the Fortran sgemm (the caller checks). Returns 0, or -1 where AVX2 is
+   not here or an argument is out of range. */
+int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
+                     int64_t gk, float *y, int64_t tb, void *gemm, int nthreads) {
+    __builtin_cpu_init();
+    if (!gemm || gk <= 0 || gk % 2 || tb <= 0 || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+        return -1;
+    tiles_256(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (sgemm_fn)gemm, nthreads);
+    return 0;
+}
 
-int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
-               float *y, int isa, int nthreads) {
-    return fp8_linear_grouped(x, M, K, w, scale, N, K, y, isa, nthreads);
+/* widen_256 on its own (tests hold it to the torch upcast): blocks [b0, b1) into out, ldo apart. */
+int fp8_widen(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0, int64_t b1,
+              float *out, int64_t ldo) {
+    __builtin_cpu_init();
+    if (gk <= 0 || gk % 2 || !__builtin_cpu_supports("avx2")) return -1;
+    widen_256(w, K, scale, sbf, gk > K ? K : gk, b0, b1, out, ldo);
+    return 0;
 }
 /* y [M][N] fp32 = x [M][K] (rounded to bf16) . w^T for a bf16 weight in the e4m3 weights'
    layout ([N/16][K/2][16][2] words), on AVX-512 BF16 only: fp32 sums and an fp32 result, where
@@ -437,7 +526,7 @@ int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const flo
 int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return -1;
-    linear_512(x, M, K, w, 1, NULL, N, K, y, nthreads);
+    linear_512(x, M, K, w, 1, NULL, 0, N, K, y, nthreads);
     return 0;
 }
 /* One MoE layer's experts (moe_256's contract); k <= 64. The AVX2 tiles run on an AVX-512
@@ -453,14 +542,21 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 }
 #else
 int fp8_linear_isa(void) { return 0; }
-int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
-                       int64_t gk, float *y, int isa, int nthreads) {
-    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)gk; (void)y; (void)isa; (void)nthreads;
+int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
+                       int64_t N, int64_t gk, float *y, int isa, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)isa;
+    (void)nthreads;
     return -1;
 }
-int fp8_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, int64_t N,
-               float *y, int isa, int nthreads) {
-    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)N; (void)y; (void)isa; (void)nthreads;
+int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
+                     int64_t gk, float *y, int64_t tb, void *gemm, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)tb; (void)gemm;
+    (void)nthreads;
+    return -1;
+}
+int fp8_widen(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0, int64_t b1,
+              float *out, int64_t ldo) {
+    (void)w; (void)K; (void)scale; (void)sbf; (void)gk; (void)b0; (void)b1; (void)out; (void)ldo;
     return -1;
 }
 int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
@@ -477,3 +573,38 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
     return -1;
 }
 #endif
+
+/* ---- rows of a packed e4m3 weight (an embedding lookup) ---------------------------------- */
+
+/* out [T][K] fp32: row ids[i] of a packed [N/16][K/2][16][2] weight times its scales (fp32 or
+   bf16, times 256, in the kernels' block layout; groups of gk along K), e4m3 * scale rounded
+   once as a torch upcast does. Only the gathered rows are read. Plain C: a lookup is a few rows. */
+void fp8_rows(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, const int64_t *ids, int64_t T,
+              float *out, int nthreads) {
+    float lut[256];  /* e4m3 / 256, as the fp16 trick gives it */
+    for (int v = 0; v < 256; v++) {
+        int e = (v >> 3) & 15, m = v & 7;
+        float mag = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        lut[v] = (v & 0x80 ? -mag : mag) / 256.0f;
+    }
+    if (gk > K) gk = K;
+    const int64_t kp = K / 2, sblk = (K + gk - 1) / gk * 16;
+#pragma omp parallel for schedule(static) num_threads(T * K >= (1 << 16) ? nthreads : 1)
+    for (int64_t i = 0; i < T; i++) {
+        const int64_t n = ids[i], j = n % 16;
+        const uint8_t *wb = w + (n / 16) * kp * 32 + j * 2;
+        const int64_t s0 = (n / 16) * sblk + j;
+        float *o = out + i * K;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t si = s0 + (k / gk) * 16;
+            float s;
+            if (sbf) {
+                uint32_t u = (uint32_t)((const uint16_t *)scale)[si] << 16;
+                memcpy(&s, &u, 4);
+            } else {
+                s = ((const float *)scale)[si];
+            }
+            o[k] = lut[wb[(k / 2) * 32 + (k & 1)]] * s;
+        }
+    }
+}

@@ -238,7 +238,7 @@ def _tokenizer(args, engine=None):
         return engine.tokenizer
     from ridge.models.fp8_calibrate import calibrate
     from ridge.models.loader import default_device
-    from ridge.quant.convert import convert
+    from ridge.models.registry import convert
     device = getattr(args, "device", None) or default_device().type
     return convert(args.model, show_progress=False, recipe=getattr(args, "fp8_recipe", None), calibrate=calibrate,
                    device=str(device).split(":")[0]).tokenizer  # the entry the engine's conversion made

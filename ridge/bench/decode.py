@@ -75,7 +75,7 @@ class Products:
     def __init__(self, model, tokens: int, mode: str = "eager", warmup: int = 3):
         mods = linear_modules(model)
         self.device = model.embed_tokens.weight.device
-        dt = model.embed_tokens.weight.dtype
+        dt = model.dtype
         xs = {m.in_features: torch.randn(tokens, m.in_features, device=self.device, dtype=dt) for m in mods}
 
         @torch.inference_mode()

@@ -126,7 +126,7 @@ def run_window(args, rep) -> None:
     from ridge.config import kv_bytes_per_token
     from ridge.engine.config import engine_config
     from ridge.engine.engine import LLMEngine
-    from ridge.quant.source import read_config
+    from ridge.models.registry import read_config
 
     from .runs import warm_up
 

@@ -1,4 +1,5 @@
-"""Start-up on CPU: the weight formats of the model's linear layers, chosen in
+"""Start-up on CPU: the products of the model's linear layers (e4m3 weights: ridge's streaming
+kernel or the blocked product; weights never quantized: fp32 or bf16 copies), chosen in
 kernels/cpu_linear_plan.py (which measures them and decides per matrix shape and step size),
 and the process's allocator setting that a CPU step depends on."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from ridge.quant.linear import FP8Linear
 
 
 def cpu_layers(model) -> list[CpuLinear]:
-    """Every linear layer's CPU weight, the tied head's too (its weight is the embedding's), and
+    """Every linear layer's CPU weight, the tied head's too (its bytes are the embedding's), and
     each expert's two products in a mixture of experts (an expert's product sees the rows routed
     to it, so its formats are chosen by row count as a dense layer's are by step size)."""
     return [m.cpu_weights() for m in model.modules() if isinstance(m, FP8Linear) and m.weight.numel()] + \
@@ -23,7 +24,7 @@ def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: 
     anywhere (0 = none; always on a GPU, whose FP8 weights have no CPU formats)."""
     if model.cos_sin.device.type != "cpu":
         return 0
-    return cpu_linear_plan.choose(cpu_layers(model), tuple(model.lm_head.weight.shape), weight_bytes, mode,
+    return cpu_linear_plan.choose(cpu_layers(model), (model.lm_head.out_features, model.lm_head.in_features), weight_bytes, mode,
                                   max_tokens, max_head_rows)
 
 
@@ -37,7 +38,7 @@ class CpuFormats:
 
     def __init__(self, model, max_tokens: int, max_head_rows: int, deterministic: bool):
         self.layers = cpu_layers(model) if model.cos_sin.device.type == "cpu" else []
-        self.head_shape = tuple(model.lm_head.weight.shape)
+        self.head_shape = (model.lm_head.out_features, model.lm_head.in_features)
         self.max_tokens, self.max_head_rows = max_tokens, max_head_rows
         self.sets: dict[bool, list[tuple]] = {False: [self._state(m) for m in self.layers]}
         if deterministic:

@@ -147,7 +147,7 @@ class LLMEngine:
     def _plan_budget(self) -> None:
         c = self.config
         fp8 = ops.keeps_fp8(self.device) and self.loaded.weights == "fp8"
-        b = 1 if fp8 else self.model.embed_tokens.weight.element_size()
+        b = 1 if fp8 else self.model.dtype.itemsize
         mc = self.loaded.config  # a mixture of experts' chunk grows by E / k (engine/budget.py)
         experts = (mc.num_experts, mc.num_experts_per_tok) if mc.num_experts else None
         chunk, self.budget_info = default_token_budget(self.device, b, fp8, c.ridge_point, experts)
@@ -357,10 +357,10 @@ class LLMEngine:
             self.tiers.close()
 
     def _needs_host_history(self) -> bool:
-        # A repetition penalty reads every earlier token on the host, the latest included;
+        # Penalties and DRY read every earlier token on the host, the latest included;
         # a constraint's next mask needs its matcher advanced by the latest token.
         running = self.scheduler.running
-        return any(r.params.repetition_penalty != 1.0 for r in running) or self.constraints.needs_last_token(running)
+        return any(r.params.reads_history for r in running) or self.constraints.needs_last_token(running)
 
     def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> StepHandle | None:
         now = time.monotonic()

@@ -82,6 +82,10 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     # This sample's own position in its response_format (structured.grammar.Matcher), or None.
     matcher: object = None
+    # Mirostat's mu (SamplingParams.mirostat): a 0-d float32 tensor on the device, 2 * tau at the first
+    # sample, updated on the device by every sample after it (sampler_chain.mirostat_update), so that
+    # overlapped steps never wait for it. It belongs to this sample of the request, not to the sampler.
+    mirostat_mu: object = None
     # An embedding request's pooling (last | mean; engine/pooling.py) and its pooled state so far.
     embed_pooling: str | None = None
     pooled: object = None

@@ -15,29 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for it: pageable copies to a
-    GPU synchronize, pinned ones queue."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def keyed_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): nearby seeds and positions get unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        z = ((z ^ (z >> shift)) * mult) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def keyed_generator(seed: int, position: int, device) -> torch.Generator:
-    """The generator of the token at `position` (its index in prompt + output) of a request seeded `seed`."""
-    return torch.Generator(device).manual_seed(keyed_seed(seed, position))
+from .sampler_chain import adjust_logits, chain_probs, mirostat_update
+from .sampler_keys import keyed_generator, keyed_seed, to_device  # noqa: F401  (their home before sampler_keys.py)
 
 
 @dataclass(slots=True)
@@ -96,17 +75,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     return out
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """HF's repetition penalty over prompt and output: divide positive logits, multiply negative."""
-    for i, r in enumerate(reqs):
-        p = r.params.repetition_penalty
-        if p != 1.0:
-            seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p, vals * p)
-    return logits
-
-
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                  use_min_p: bool = True, use_top: bool = True) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude; rows keep at least their best token.
@@ -157,10 +125,17 @@ class Sampler:
                 e[i].exponential_(generator=g)
         return e
 
-    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request], positions: list[int]) -> torch.Tensor:
-        """The target's own draw for each row (logits already masked and penalised): the exponential race."""
-        p = self.probs(logits, reqs)
-        return (p / self.noise(p, reqs, positions)).argmax(dim=-1)
+    def sample_tokens(self, logits: torch.Tensor, reqs: list[Request], positions: list[int] | None) -> torch.Tensor:
+        """The target's own draw for each row (logits already masked and penalised): the exponential race.
+        A mirostat row's mu then moves by the drawn token's surprise (plain decoding only: such a
+        request never speculates, SamplingParams.plain_decoding)."""
+        p = self.probs(logits, reqs, positions)
+        tokens = (p / self.noise(p, reqs, positions)).argmax(dim=-1)
+        miro = [i for i, r in enumerate(reqs) if r.params.mirostat]
+        if miro:
+            rows = to_device(miro, torch.int64, logits.device)
+            mirostat_update(p.index_select(0, rows), tokens.index_select(0, rows), [reqs[i] for i in miro])
+        return tokens
 
     def uniform(self, reqs: list[Request], device) -> torch.Tensor:
         """One U[0, 1) per row, from each seeded request's own generator."""
@@ -171,8 +146,27 @@ class Sampler:
                 u[i] = torch.rand((), generator=g, device=device)
         return u
 
-    def probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """The distribution each row samples from (for sampled rows; greedy rows are ignored)."""
+    def probs(self, logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+        """The distribution each row samples from (for sampled rows; greedy rows are ignored).
+        Rows whose request asks for llama.cpp's samplers (typical_p, top_n_sigma, XTC, mirostat, an
+        order) go through sampler_chain; the others through the plain path below, unchanged.
+        positions: as for noise(), keys a deterministic request's XTC coin."""
+        chained = [i for i, r in enumerate(reqs) if r.params._shapes]
+        if not chained:
+            return self._plain_probs(logits, reqs)
+        if len(chained) == len(reqs):
+            return chain_probs(logits, reqs, self, positions)
+        dev = logits.device
+        plain = [i for i in range(len(reqs)) if not reqs[i].params._shapes]
+        out = torch.empty_like(logits)
+        for rows, fn in ((plain, lambda x, rs, pos: self._plain_probs(x, rs)),
+                         (chained, lambda x, rs, pos: chain_probs(x, rs, self, pos))):
+            idx = to_device(rows, torch.int64, dev)
+            out.index_copy_(0, idx, fn(logits.index_select(0, idx), [reqs[i] for i in rows],
+                                       positions and [positions[i] for i in rows]))
+        return out
+
+    def _plain_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         dev = logits.device
         ps = [r.params for r in reqs]
         temp = to_device([p.temperature or 1.0 for p in ps], torch.float32, dev)
@@ -192,7 +186,8 @@ class Sampler:
         index of the token each row draws (noise). Queues everything on the device; the result
         is read later (SampledRows.read), with `extra`."""
         raw = logits if raw is None else raw
-        logits = apply_penalties(logits.clone(), reqs) if any(r.params.repetition_penalty != 1.0 for r in reqs) else logits
+        # Penalties, logit_bias and DRY change the logits the argmax and every sampler read.
+        logits = adjust_logits(logits.clone(), reqs) if any(r.params._adjusts for r in reqs) else logits
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(sampled) == len(reqs):

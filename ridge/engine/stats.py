@@ -122,7 +122,7 @@ def model_info(engine) -> dict:
         "max_model_len": engine.max_model_len,
         "fp8_weights": bool(linears) and all(m.is_fp8 for m in linears),
         "quantized": engine.loaded.weights == "fp8", "weights": engine.loaded.weights,
-        "weight_dtype": str(engine.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "weight_dtype": str(engine.model.dtype).removeprefix("torch."),
         "kv_dtype": engine.kv_dtype, "block_size": engine.config.block_size, "num_kv_blocks": engine.kv_cache_manager.num_blocks,
         "ridge_point": float(budget.get("ridge_point", 0.0)), "ridge_source": str(budget.get("ridge_source", "")),
         "device": str(engine.device), "chat_template": tok.chat_template is not None,

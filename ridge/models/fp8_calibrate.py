@@ -27,7 +27,7 @@ from ridge.quant.convert import CALIBRATION
 from ridge.quant.fp8 import GROUPINGS, quantize_fp8
 from ridge.quant.recipe import Recipe, linear_shapes, short_name
 
-from .families import model_class
+from .registry import model_class
 from .fp8_stream import Lane, LinearInputs, dequantized, walk
 from .oneshot import prompt_logits
 

@@ -23,7 +23,7 @@ from ridge.kernels.fp8_scales import dequantize
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.quant.fp8 import FP8, is_linear_weight
 
-from .families import model_class
+from .registry import model_class
 
 CPU = torch.device("cpu")
 BLOCK = 16

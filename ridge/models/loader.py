@@ -10,16 +10,15 @@ import torch
 from ridge.config import ModelConfig
 from ridge.kernels import ops
 from ridge.plan import WEIGHT_BYTES
-from ridge.quant.convert import convert
 from ridge.quant.errors import ModelLoadError
 from ridge.quant.experts import FP8Experts
 from ridge.quant.fp8 import FP8
 from ridge.quant.linear import FP8Linear
 from ridge.quant.source import resolve_model_path
 
-from .families import model_class
 from .fp8_calibrate import STREAMED, calibrate
-from .llama import CausalLM
+from .layers.decoder import CausalLM
+from .registry import convert, model_class
 
 
 @dataclass
@@ -56,7 +55,7 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     dtype = torch.float32 if weights == "fp32" else ops.compute_dtype(device)  # bf16 on CPU: fp32, see below
     conv = convert(path, quantize=weights == "fp8", rule=rule, recipe=recipe, calibrate=calibrate,
                    use_cache=use_cache, show_progress=show_progress, device=device.type,
-                   calibrate_layers=STREAMED)
+                   calibrate_layers=STREAMED, layered=True)
     if weights != "fp8":
         _refuse_fp8_source(conv.state_dict, weights, resolve_model_path(path))
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
@@ -65,7 +64,10 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     model.load_globals(sd, device, dtype, conv.freq_factors)
     for i in range(conv.config.num_layers):
         # Consumed a layer at a time: once the model holds its own copy, the cache's mapping of
-        # that layer's shard (or the converted tensors) can go before the next layer comes.
+        # that layer's shard (or the converted tensors, or the source's layer) goes before the next.
+        if conv.layer is not None:
+            model.load_layer(i, conv.layer(i), device, dtype)
+            continue
         model.load_layer(i, sd, device, dtype)
         for k in [k for k in sd if k.startswith(f"layers.{i}.")]:
             del sd[k]

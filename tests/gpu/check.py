@@ -70,8 +70,8 @@ from ridge.kernels.moe_triton import _candidates as moe_candidates, fused_moe_tr
 from ridge.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from ridge.kernels.rope import rope_ref, rope_triton  # noqa: E402
 from ridge.kernels.triton_utils import CONFIGS  # noqa: E402
-from ridge.models.llama import CausalLM  # noqa: E402
-from ridge.models.rope import rope_cos_sin  # noqa: E402
+from ridge.models.layers.decoder import CausalLM  # noqa: E402
+from ridge.models.layers.rope import rope_cos_sin  # noqa: E402
 from ridge.quant.fp8 import quantize_fp8  # noqa: E402
 
 DEV = torch.device("cpu" if TINY else "cuda")

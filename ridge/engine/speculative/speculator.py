@@ -18,9 +18,11 @@ class Speculator:
         that its max_tokens, the context and the step's budget leave; batch_tokens: the tokens
         already in the step, which set the price of a draft against the knee."""
         p = req.params
-        # A penalty reads every earlier token and logprobs are per sampled row: neither is
-        # defined over a verified span.
-        if not p.speculative or p.repetition_penalty != 1.0 or p.logprobs or room <= 0:
+        # Penalties and DRY read every earlier token, mirostat's mu moves with each drawn token, XTC
+        # draws a coin per token, a logit_bias moves the argmax greedy verification compares with
+        # (SamplingParams.plain_decoding), and logprobs are per sampled row: none is defined over a
+        # verified span, so such a request decodes one token a step.
+        if not p.speculative or p.plain_decoding or p.logprobs or room <= 0:
             return 0
         return min(room, self.policy.choose_k(req.request_id, batch_tokens))
 

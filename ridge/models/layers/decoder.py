@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/4) over a flattened
-batch; the other families' models build on its layer and model (ridge/models/families.py).
+"""The dense decoder over a flattened batch: llama's layer and model, which the dense families
+run as they are and the others build on (ridge/models/<family>/model.py, layers/moe.py).
 
 The forward pass takes every scheduled token of every request in one
 [num_tokens] row, with positions and attention metadata; attention reads and
@@ -14,6 +14,7 @@ from ridge.config import ModelConfig
 from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
+from ridge.quant.embedding import load_embedding
 from ridge.quant.linear import FP8Linear
 
 from .rope import rope_cos_sin
@@ -107,7 +108,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
-        """Layer `index` of the stack (a family's model overrides it: ridge/models/gemma.py)."""
+        """Layer `index` of the stack (a family's model overrides it: ridge/models/gemma2/model.py)."""
         return DecoderLayer(cfg, index)
 
     @torch.inference_mode()
@@ -132,7 +133,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return getattr(self.embed_tokens, "dtype", self.embed_tokens.weight.dtype)  # FP8Embedding's: its output's
 
     def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                      freq_factors: torch.Tensor | None = None) -> None:
@@ -151,7 +152,7 @@ class CausalLM(nn.Module):
 
     def load_layer(self, i: int, sd, device: torch.device, dtype: torch.dtype) -> None:
         """Layer i's weights from sd (which needs hold no other layer's): a streamed conversion
-        loads, runs and drops one layer at a time (fp8_calibrate.stream_act_importance)."""
+        loads, runs and drops one layer at a time (fp8_stream.walk)."""
         self._load_modules(self.layers[i].named_modules(prefix=f"layers.{i}"), sd, device, dtype)
 
     def load_globals(self, sd, device: torch.device, dtype: torch.dtype,
@@ -159,10 +160,7 @@ class CausalLM(nn.Module):
         """Everything but the decoder layers: the embedding, final norm, head and RoPE tables."""
         mods = [(n, m) for n, m in self.named_modules() if n and not n.startswith("layers")]
         self._load_modules([(n, m) for n, m in mods if n != "lm_head" or "lm_head.weight" in sd], sd, device, dtype)
-        self.embed_tokens.weight = nn.Parameter(sd["embed_tokens.weight"].to(device=device, dtype=dtype),
-                                                requires_grad=False)
-        if "lm_head.weight" not in sd:  # tied embeddings: one table serves both ends
-            self.lm_head.weight = self.embed_tokens.weight.data
+        load_embedding(self, sd, device, dtype)  # e4m3 on a CPU, a tied head the same bytes
         cfg = self.cfg
         self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
                                     freq_factors=freq_factors, rotary_dim=cfg.rotary_dim).to(device)
@@ -172,4 +170,5 @@ class CausalLM(nn.Module):
         tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n not in tables and b is not None]
         unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
         lowp = [t for m in self.modules() if isinstance(m, FP8Linear) and m.cpu is not None for t in m.cpu.copies.values()]
-        return sum(t.numel() * t.element_size() for t in list(unique.values()) + lowp)
+        # A stand-in expanded from one byte (quant/experts.py shape_only) holds its storage, not its numel.
+        return sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in list(unique.values()) + lowp)

@@ -20,8 +20,8 @@ from torch import nn
 
 from ridge.config import ModelConfig
 
-from .llama import CausalLM, DecoderLayer, RMSNorm
-from .rope import rope_cos_sin
+from ..layers.decoder import CausalLM, DecoderLayer, RMSNorm
+from ..layers.rope import rope_cos_sin
 
 
 class GemmaDecoderLayer(DecoderLayer):

@@ -9,7 +9,7 @@ import torch
 
 from ridge.config import ModelConfig
 
-from .llama import CausalLM, DecoderLayer
+from ..layers.decoder import CausalLM, DecoderLayer
 
 
 class GraniteDecoderLayer(DecoderLayer):

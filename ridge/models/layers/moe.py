@@ -17,7 +17,7 @@ from ridge.config import ModelConfig
 from ridge.kernels.timing import section
 from ridge.quant.experts import FP8Experts
 
-from .llama import CausalLM, DecoderLayer
+from .decoder import CausalLM, DecoderLayer
 
 
 class Router(nn.Module):

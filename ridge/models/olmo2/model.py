@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ridge.config import ModelConfig
 
-from .llama import CausalLM, DecoderLayer, RMSNorm
+from ..layers.decoder import CausalLM, DecoderLayer, RMSNorm
 
 
 class Olmo2DecoderLayer(DecoderLayer):

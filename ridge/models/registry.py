@@ -1,0 +1,42 @@
+"""The families ridge runs: one line each in FAMILIES, the folder under ridge/models/ whose
+package's SPEC (quant/spec.py ModelSpec) says how the family is read from a Hugging Face
+directory and a GGUF, how its tensors fuse, and which model runs it (vLLM's model registry,
+by folder). docs/architecture.md (## Models, "Adding a family") shows a family's folder.
+
+quant/ sits below models/ (tests/test_layers.py), so its readers and convert() take the
+registry as an argument; the functions below are them with ridge's families."""
+from __future__ import annotations
+
+from functools import partial
+from importlib import import_module
+
+from ridge.config import ModelConfig
+from ridge.quant import convert as converter, gguf_config, hf_loader, source
+from ridge.quant.spec import Registry
+
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "olmo2",
+    "granite",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
+REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
+
+
+def model_class(cfg: ModelConfig) -> type:
+    """The nn.Module class that runs cfg.arch."""
+    return REGISTRY[cfg.arch].model
+
+
+convert = partial(converter.convert, registry=REGISTRY)
+read_config = partial(source.read_config, registry=REGISTRY)
+read_hf_config = partial(hf_loader.read_hf_config, registry=REGISTRY)
+read_gguf_config = partial(gguf_config.read_config, registry=REGISTRY)
