@@ -180,22 +180,27 @@ def stream_choose_recipe(cfg, globals_sd: dict[str, torch.Tensor], layer, freq, 
     return r, {"budget": budget, "tried": tried, "sensitivity": {short_name(k): sens[k] for k in order}}
 
 
-def _judge(cfg, globals_sd, layer, freq, ids: list[int], weights: dict, fit: list[int], done=None) -> dict:
-    """Each candidate's KL from the fp32 model on ids, in one walk: candidate -> weights(i, fused,
-    stats) as Lane.weights takes it, with the statistics of the fitted text."""
-    ref = Lane(ids)
-    lanes = {key: Lane(ids, w) for key, w in weights.items()}
+def _kls(cfg, globals_sd, layer, freq, ref: Lane, lanes: dict, first: tuple = (), done=None) -> dict:
+    """key -> the KL of lanes[key]'s logits from the reference lane's, in one walk (first: lanes
+    that run before them, the statistics)."""
     out, logits = {}, {}
-    by_lane = {id(lane): key for key, lane in lanes.items()}
+    key_of = {id(lane): key for key, lane in lanes.items()}
 
     def finish(lane: Lane, got: torch.Tensor) -> None:
         if lane is ref:
             logits["ref"] = got
         else:
-            out[by_lane[id(lane)]] = kl(got, logits["ref"])
+            out[key_of[id(lane)]] = kl(got, logits["ref"])
 
-    walk(cfg, globals_sd, layer, freq, [Lane(fit, stats="full"), ref, *lanes.values()], done, finish)
+    walk(cfg, globals_sd, layer, freq, [*first, ref, *lanes.values()], done, finish)
     return out
+
+
+def _judge(cfg, globals_sd, layer, freq, ids: list[int], weights: dict, fit: list[int], done=None) -> dict:
+    """Each candidate's KL from the fp32 model on ids, in one walk: candidate -> weights(i, fused,
+    stats) as Lane.weights takes it, with the statistics of the fitted text."""
+    lanes = {key: Lane(ids, w) for key, w in weights.items()}
+    return _kls(cfg, globals_sd, layer, freq, Lane(ids), lanes, (Lane(fit, stats="full"),), done)
 
 
 def _sensitivity(cfg, globals_sd, layer, freq, ids: list[int], grouping: str, shapes) -> dict[str, float]:
@@ -212,17 +217,7 @@ def _sensitivity(cfg, globals_sd, layer, freq, ids: list[int], grouping: str, sh
             q, s = quantize_fp8(fused[name], "mse", grouping)
             return {**fused, name: dequantize(q, s)}
         lanes[name] = Lane(ids, one, follows=ref, start=j)
-    out, logits = {}, {}
-    by_lane = {id(lane): name for name, lane in lanes.items()}
-
-    def finish(lane: Lane, got: torch.Tensor) -> None:
-        if lane is ref:
-            logits["ref"] = got
-        else:
-            out[by_lane[id(lane)]] = kl(got, logits["ref"])
-
-    walk(cfg, globals_sd, layer, freq, [ref, *lanes.values()], finish=finish)
-    return out
+    return _kls(cfg, globals_sd, layer, freq, ref, lanes)
 
 
 @dataclass(frozen=True)
