@@ -41,7 +41,8 @@ def rule_chain(n: int = CHAIN) -> str:
 
 def slow_schema() -> dict:
     """Optional properties cost llguidance's JSON compiler time quadratic in their number, under any
-    of its limits: 3,000 take 2-3 s, these (just under MAX_CHAIN) 9 s on a shared 2-core machine."""
+    of its limits: 3,000 take 2-3 s on a shared 2-core machine, these (just under MAX_CHAIN) 2 s on a quiet
+    one and 9 s on a shared one, past COMPILE_SECONDS either way."""
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4900)}}
 
 

@@ -38,7 +38,8 @@ from ridge.errors import InvalidRequest
 
 STACK_BYTES = 64 << 20  # address space only: pages are committed as a deep compile touches them
 MAX_CHAIN = 5000  # the lowest measured crash at STACK_BYTES is 21,400 (Lark rules): over 4x margin
-COMPILE_SECONDS = 2.0  # typical schemas compile in about a millisecond, a large tools grammar in 0.1 s
+COMPILE_SECONDS = 1.0  # typical schemas compile in about a millisecond, a large tools grammar in 0.1 s; the
+# costliest shape under MAX_CHAIN (4,900 optional properties) in 2 s on a quiet 2-core machine: refused
 MAX_GBNF_RULES = 500  # llama.cpp's own grammars have tens; a GBNF grammar's conversion is quadratic
 MAX_COMPILING = 2  # compiles running at once, a timed-out one included until it ends
 
