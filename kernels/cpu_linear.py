@@ -12,6 +12,10 @@ up to summation order:
 Which one runs at each size is measured at start-up per matrix shape (kernels/cpu_linear_plan.py).
 No fp32 or bf16 copy of an e4m3 weight is made.
 
+The same layout and products hold int8 codes in 1 x 32 groups (code "i8": llama.cpp's Q8_0
+grid): the embedding table and head of an FP8 model whose recipe keeps them out of e4m3
+(quant/embedding.py), one byte a weight as the layers are.
+
 A weight never quantized (--weights fp32 / bf16, a recipe's bf16 exceptions), or an e4m3 one
 where neither product runs (no C compiler: upcast once at load, fp8 * scale being exact in
 fp32), keeps the formats of old: fp32 through MKL, or a bf16 copy (ridge's own bf16 product where
@@ -96,13 +100,39 @@ def kernel_scales(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return s[0].contiguous() if s.shape[0] == 1 else native.scale_blocks(s)
 
 
-def unpack_fp8(packed: torch.Tensor, scale256: torch.Tensor, n: int) -> torch.Tensor:
+Q8_GROUP = 32  # int8 codes per scale: llama.cpp's Q8_0 block
+
+
+def quantize_q8(w: torch.Tensor, gk: int = Q8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form of native.q8_pack, its oracle: [N, K] -> (int8 codes [N, K], bf16 scales
+    [N, ceil(K/gk)]). A group's scale is amax / 127 rounded up to bf16, so that no code passes
+    127; a code is x / scale rounded to nearest, ties to even (an all-zero group: scale 0)."""
+    n, k = w.shape
+    groups = -(-k // gk)
+    x = torch.nn.functional.pad(w.float(), (0, groups * gk - k)).view(n, groups, gk)
+    bits = (x.abs().amax(-1) / 127).view(torch.int32)
+    s = ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s[..., None] > 0, (x / safe[..., None]).round().clamp(-127, 127), torch.zeros_like(x))
+    return q.view(n, groups * gk)[:, :k].to(torch.int8), s.to(torch.bfloat16)
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_q8's codes and scales in the products' layouts (as native.q8_pack writes them)."""
+    n = codes.shape[0]
+    nb = -(-n // 16)
+    packed = pack_fp8(codes.view(FP8))  # the layout takes any byte; rows past n are zeros
+    s = torch.cat((scales, scales.new_zeros(nb * 16 - n, scales.shape[1])))
+    return packed, s.view(nb, 16, -1).transpose(1, 2).contiguous()
+
+
+def unpack_fp8(packed: torch.Tensor, scale256: torch.Tensor, n: int, code: str = "e4m3") -> torch.Tensor:
     """The torch reference of the e4m3 products' weight: pack_fp8's bytes times kernel_scales'
     scales -> [n, K] fp32, e4m3 * scale rounded once (the oracle, and the product where the C
-    kernels are off)."""
+    kernels are off). code "i8": int8 codes times their scales as they are."""
     nb, kp = packed.shape[:2]
-    w = packed.permute(0, 2, 1, 3).reshape(nb * 16, 2 * kp)[:n].view(FP8).float()
-    s = scale256.float() / 256
+    w = packed.permute(0, 2, 1, 3).reshape(nb * 16, 2 * kp)[:n].view(torch.int8 if code == "i8" else FP8).float()
+    s = scale256.float() / (1 if code == "i8" else 256)
     if s.dim() == 1:
         return w * s[:n, None]
     g = s.shape[1]
@@ -198,6 +228,7 @@ class CpuLinear:
     runs: list = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # "fp8" | "tiles" | "gemv" | "bf16" | "fp32" per bound
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
+    code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
 
     def __post_init__(self):
         if self.weight is not None:
@@ -209,12 +240,22 @@ class CpuLinear:
         return cls(packed=pack_fp8(w), scale=kernel_scales(scale, tuple(w.shape)), shape=tuple(w.shape))
 
     @classmethod
+    def from_q8(cls, w: torch.Tensor) -> "CpuLinear":
+        """A wide [N, K] weight (fp32 or bf16, K even) as int8 codes in 1 x 32 groups, quantized
+        and packed in one pass (native.q8_pack; quantize_q8 + pack_q8 where the C kernels are off)."""
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.stride(-1) != 1:
+            w = w.float().contiguous()
+        packed, scale = native.q8_pack(w, Q8_GROUP) if native.library() is not None else pack_q8(*quantize_q8(w))
+        return cls(packed=packed, scale=scale, shape=tuple(w.shape), code="i8")
+
+    @classmethod
     def upcast(cls, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "CpuLinear":
         """An e4m3 weight where its products do not run: upcast once (exact in fp32)."""
         return cls(dequantize(w, scale, dtype))
 
     @property
-    def is_e4m3(self) -> bool:
+    def is_packed(self) -> bool:
+        """8-bit bytes in the products' layout: e4m3, or int8 codes (code)."""
         return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +273,7 @@ class CpuLinear:
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch oracle of an e4m3 weight's products."""
-        return F.linear(x.float(), unpack_fp8(self.packed, self.scale, self.shape[0])).to(x.dtype)
+        return F.linear(x.float(), unpack_fp8(self.packed, self.scale, self.shape[0], self.code)).to(x.dtype)
 
     def _cut(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
@@ -241,25 +282,26 @@ class CpuLinear:
     def _stream(self, x: torch.Tensor, isa: int) -> torch.Tensor | None:
         if native.library() is None:
             return None
-        return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa), x)
+        return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa, self.code == "i8"), x)
 
     def _tiles(self, x: torch.Tensor) -> torch.Tensor | None:
         if native.library() is None:
             return None
-        return self._cut(native.fp8_linear_tiles(x.float(), self.packed, self.scale), x)
+        return self._cut(native.fp8_linear_tiles(x.float(), self.packed, self.scale, i8=self.code == "i8"), x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids of an e4m3 weight times their scales, [*ids.shape, K] fp32: an embedding
+        """Rows ids of a packed weight times their scales, [*ids.shape, K] fp32: an embedding
         lookup that widens only the gathered rows."""
+        i8 = self.code == "i8"
         if native.library() is None:
             nb = ids.reshape(-1)
-            w = self.packed[nb // 16, :, nb % 16, :].reshape(nb.numel(), -1).view(FP8).float()
-            s = self.scale.float() / 256
+            w = self.packed[nb // 16, :, nb % 16, :].reshape(nb.numel(), -1).view(torch.int8 if i8 else FP8).float()
+            s = self.scale.float() / (1 if i8 else 256)
             s = s[nb][:, None] if s.dim() == 1 else s[nb // 16, :, nb % 16].repeat_interleave(
                 -(-w.shape[1] // s.shape[1]), 1)[:, : w.shape[1]]
             out = w * s
         else:
-            out = native.fp8_rows(self.packed, self.scale, ids)
+            out = native.fp8_rows(self.packed, self.scale, ids, i8)
         return out.reshape(*ids.shape, self.shape[1])
 
     def use(self, fmt: ShapeFormat, isa: int = 0, made: dict[str, torch.Tensor] | None = None) -> None:

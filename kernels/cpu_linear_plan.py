@@ -264,7 +264,7 @@ def shape_class(layer: CpuLinear) -> tuple:
     depends on the shape and, for e4m3, on the scales' layout (a multiply-add per group as it
     closes, fp32 or bf16 scales) and the kernels' source (a timing of another build of them says
     nothing of this one)."""
-    if not layer.is_e4m3:
+    if not layer.is_packed:
         return tuple(layer.shape), None
     s = layer.scale
     layout = "" if s.dim() == 1 else f" {s.shape[1]} groups {str(s.dtype).removeprefix('torch.')}"
@@ -324,8 +324,8 @@ def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: i
             m.use(ShapeFormat.bf16_up_to(limit), isa)
         log.info("CPU weights: the streaming e4m3 kernel / bf16 copies for steps of <= %d tokens, tiles / fp32 "
                  "above (set)", limit)
-        return limit if any(not m.is_e4m3 for m in layers) else 0
-    if not any(m.is_e4m3 for m in layers):
+        return limit if any(not m.is_packed for m in layers) else 0
+    if not any(m.is_packed for m in layers):
         # An unquantized model (--weights fp32 or bf16) asked for its own weights: a bf16 copy would round them.
         return 0
     t0 = time.perf_counter()
@@ -423,18 +423,18 @@ def _use_fp8(layer: CpuLinear, isa: int) -> None:
 
 def _fp32_run(layer: CpuLinear, rows=fp32_rows):
     """MKL's GEMM at every size, padded to `rows`: on the e4m3 weight's tiles, or the weight itself."""
-    return _pad_rows(layer._tiles if layer.is_e4m3 else (lambda x: F.linear(x, layer.weight)), rows)
+    return _pad_rows(layer._tiles if layer.is_packed else (lambda x: F.linear(x, layer.weight)), rows)
 
 
 def _set_fp32(layer: CpuLinear, run) -> None:
-    layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["tiles" if layer.is_e4m3 else "fp32"], {}
+    layer.bounds, layer.runs, layer.kinds, layer.copies = [1], [run], ["tiles" if layer.is_packed else "fp32"], {}
 
 
 def use_invariant(layer: CpuLinear, isa: int, max_tokens: int) -> str:
     """Give the layer one batch-invariant product for every step size; -> its kind ("fp8", or
     "fp32" / "fp32/16": MKL's GEMM padded as fp32_rows or to 16 rows)."""
     k = layer.shape[1]
-    if layer.is_e4m3 and isa > 0:
+    if layer.is_packed and isa > 0:
         _use_fp8(layer, isa)
         if is_invariant(layer.runs[0], k, max_tokens):
             return "fp8"

@@ -141,7 +141,7 @@ class CpuExperts:
     def copies(self) -> list[torch.Tensor]:
         """What the products read beyond the layer's buffers: the e4m3 bytes and their scales,
         and any copy a never-quantized expert's format made."""
-        e4m3 = [t for m in self.layers() if m.is_e4m3 for t in (m.packed, m.scale)]
+        e4m3 = [t for m in self.layers() if m.is_packed for t in (m.packed, m.scale)]
         return [t for m in self.layers() for t in m.copies.values()] + e4m3 + list(self.packed or ())
 
     def expert_weight(self, which: int, e: int) -> torch.Tensor | None:
@@ -152,7 +152,7 @@ class CpuExperts:
             w, s = self.packed[2 * which], self.packed[2 * which + 1]
             return unpack_fp8(w[e], s[e], s.shape[1])
         layer = (self.gate_up, self.down)[which][e]
-        return unpack_fp8(layer.packed, layer.scale, layer.shape[0]) if layer.is_e4m3 else None
+        return unpack_fp8(layer.packed, layer.scale, layer.shape[0]) if layer.is_packed else None
 
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:

@@ -110,13 +110,15 @@ def _build(cc: str, out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
-    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32]
+    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, i32]
     lib.fp8_linear_grouped.restype = i32
-    lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32]
+    lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32]
     lib.fp8_linear_tiles.restype = i32
-    lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64]
+    lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64, i32]
     lib.fp8_widen.restype = i32
-    lib.fp8_rows.argtypes = [p, i64, p, i32, i64, p, i64, p, i32]
+    lib.fp8_rows.argtypes = [p, i64, p, i32, i64, p, i64, p, i32, i32]
+    lib.q8_pack.argtypes = [p, i32, i64, i64, i64, i64, p, p, i32]
+    lib.q8_pack.restype = None
     lib.fp8_rows.restype = None
     lib.bf16_linear.argtypes, lib.bf16_linear.restype = [p, i64, i64, p, i64, p, i32], i32
     lib.fp8_moe.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, p, p, i32, f32, f32, p, i32, i32]
@@ -235,13 +237,14 @@ def _product(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, call
     return y
 
 
-def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int,
+               i8: bool = False) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32, streaming the bytes (the product of
     few rows). packed: cpu_linear.pack_fp8's [N/16, K/2, 16, 2] bytes; scale256: the scales times
-    256, as _scales takes them."""
+    256, as _scales takes them. i8: the bytes are int8 codes (pack_q8) and the scales as they are."""
     def fp8_linear_grouped(x, s, gk, sbf, y):
         return library().fp8_linear_grouped(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), s.data_ptr(),
-                                            sbf, y.shape[1], gk, y.data_ptr(), isa, torch.get_num_threads())
+                                            sbf, y.shape[1], gk, y.data_ptr(), isa, int(i8), torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_grouped)
 
 
@@ -275,7 +278,7 @@ TILE_BYTES = 512 << 10
 
 
 def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor,
-                     blocks: int | None = None) -> torch.Tensor:
+                     blocks: int | None = None, i8: bool = False) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
     `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
     by torch's BLAS sgemm, one tile per thread at a time. Arguments as fp8_linear's."""
@@ -283,11 +286,12 @@ def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tens
         k = x.shape[1]
         return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,
                                           y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k), sgemm(),
-                                          torch.get_num_threads())
+                                          int(i8), torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_tiles)
 
 
-def fp8_widen(packed: torch.Tensor, scale256: torch.Tensor, b0: int = 0, b1: int | None = None) -> torch.Tensor:
+def fp8_widen(packed: torch.Tensor, scale256: torch.Tensor, b0: int = 0, b1: int | None = None,
+              i8: bool = False) -> torch.Tensor:
     """Blocks [b0, b1) of a packed weight widened to fp32 [(b1 - b0) * 16, K], e4m3 * scale (the
     blocked product's widening, for tests against the torch upcast)."""
     nb, kp = packed.shape[:2]
@@ -295,12 +299,12 @@ def fp8_widen(packed: torch.Tensor, scale256: torch.Tensor, b0: int = 0, b1: int
     scale256, gk, sbf = _scales(packed, scale256)
     out = torch.empty((2 * kp, (b1 - b0) * 16), dtype=torch.float32)
     rc = library().fp8_widen(packed.data_ptr(), 2 * kp, scale256.data_ptr(), sbf, gk, b0, b1, out.data_ptr(),
-                             out.shape[1])
+                             out.shape[1], int(i8))
     assert rc == 0, "fp8_widen: no AVX2 here"
     return out.t()
 
 
-def fp8_rows(packed: torch.Tensor, scale256: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def fp8_rows(packed: torch.Tensor, scale256: torch.Tensor, ids: torch.Tensor, i8: bool = False) -> torch.Tensor:
     """Rows ids of a packed weight times their scales -> [len(ids), K] fp32 (an embedding lookup:
     only the gathered rows are read). Arguments as fp8_linear's; ids any integer tensor."""
     nb, kp = packed.shape[:2]
@@ -309,8 +313,24 @@ def fp8_rows(packed: torch.Tensor, scale256: torch.Tensor, ids: torch.Tensor) ->
     assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < nb * 16), "token id out of range"
     out = torch.empty((ids.numel(), 2 * kp), dtype=torch.float32)
     library().fp8_rows(packed.data_ptr(), 2 * kp, scale256.data_ptr(), sbf, gk, ids.data_ptr(), ids.numel(),
-                       out.data_ptr(), torch.get_num_threads())
+                       out.data_ptr(), int(i8), torch.get_num_threads())
     return out
+
+
+def q8_pack(w: torch.Tensor, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [N, K] fp32 or bf16 weight (rows may be a strided view, K even) -> (int8 codes in the
+    products' packed layout [ceil(N/16), K/2, 16, 2] as uint8, bf16 scales [ceil(N/16),
+    ceil(K/gk), 16]) in one pass: 1 x gk groups, scale amax / 127 rounded up to bf16
+    (kernels/cpu_linear.py quantize_q8 is its torch form)."""
+    n, k = w.shape
+    assert w.dtype in (torch.float32, torch.bfloat16) and k % 2 == 0 and gk % 2 == 0 and w.stride(1) == 1, \
+        (w.dtype, w.shape, gk)
+    nb, groups = -(-n // 16), -(-k // gk)
+    packed = torch.empty((nb, k // 2, 16, 2), dtype=torch.uint8)
+    scales = torch.empty((nb, groups, 16), dtype=torch.bfloat16)
+    library().q8_pack(w.data_ptr(), int(w.dtype == torch.bfloat16), n, k, w.stride(0), gk, packed.data_ptr(),
+                      scales.data_ptr(), torch.get_num_threads())
+    return packed, scales
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

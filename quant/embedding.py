@@ -1,15 +1,19 @@
-"""The token embedding of an FP8 model on a CPU where the recipe put the head in e4m3 (+head).
+"""The token embedding and LM head of an FP8 model on a CPU: one byte a weight, as the layers.
 
-On a CPU every FP8 linear weight stays e4m3 (quant/linear.py); the embedding table is the
-largest matrix left (SmolLM2: a fifth of the parameters, Llama-3.2-1B: a fifth). Where the
-head is e4m3 (+head), the table is held in e4m3 too: a tied model's is the head's bytes (the
-head's FP8Linear packs them for ridge's e4m3 products and the lookup reads that layout,
-kernels/cpu_linear.py CpuLinear.rows, so the table exists once); an untied model's is quantized
-at load in the layers' groups along the hidden size. A lookup widens only the gathered rows
-(table[ids] * scale[ids]).
-
-Elsewhere (the default recipes, a GPU, an unquantized model, a CPU without ridge's C kernels)
-the table stays as it was: nn.Embedding in the compute dtype, a tied head the same tensor."""
+On a CPU every FP8 linear weight stays e4m3 (quant/linear.py); the embedding table and head
+are the largest matrices left (SmolLM2: a fifth of the parameters, Llama-3.2-1B: a fifth, and
+a tied model's head is the table). Where ridge's CPU products run (ops.resident_e4m3), both
+are held in 8 bits in the products' packed layout (kernels/cpu_linear.py), the table's lookup
+widening only the gathered rows (CpuLinear.rows):
+- under +head, e4m3: the converter's MSE search wrote lm_head.weight in e4m3; a tied model's
+  table is the head's bytes, an untied one's is quantized at load in the layers' groups;
+- otherwise (the default recipes), int8 codes in 1 x 32 groups with bf16 scales (llama.cpp's
+  Q8_0 grid), quantized at load from the stored wide table in one pass (native.q8_pack): e4m3's
+  3 mantissa bits cost the head more than the accuracy budget (SmolLM2 g16+act: KL 0.0042 ->
+  0.0080 on the prose text), where these 8 bits hold it (0.0042; docs/benchmarks.md, issue 39).
+  A tied head is the table's bytes; an untied head gets its own.
+Elsewhere (a GPU, an unquantized model, a CPU without ridge's C kernels) the table stays as it
+was: nn.Embedding in the compute dtype, a tied head the same tensor."""
 from __future__ import annotations
 
 import logging
@@ -26,16 +30,16 @@ from .fp8 import FP8, quantize_fp8
 log = logging.getLogger("ridge.quant")
 
 
-class FP8Embedding(nn.Module):
-    """Rows of an e4m3 table times their scales, in `dtype`. weight / weight_scale are the
-    bytes and scales as the CPU products hold them (CpuLinear: packed, scales in the kernel's
-    layout); a tied head's FP8Linear holds the same two tensors."""
+class PackedEmbedding(nn.Module):
+    """Rows of an 8-bit table (e4m3, or int8 codes: cpu.code) times their scales, in `dtype`.
+    weight / weight_scale are the bytes and scales as the CPU products hold them (CpuLinear:
+    packed, scales in the kernel's layout); a tied head's FP8Linear holds the same two tensors."""
 
     def __init__(self, cpu: CpuLinear, dtype: torch.dtype):
         super().__init__()
         self.num_embeddings, self.embedding_dim = cpu.shape
         self.dtype = dtype  # what a lookup returns (the model's compute dtype)
-        self.register_buffer("weight", cpu.packed.view(FP8))
+        self.register_buffer("weight", cpu.packed.view(torch.int8 if cpu.code == "i8" else FP8))
         self.register_buffer("weight_scale", cpu.scale)
         self.cpu = cpu
 
@@ -43,7 +47,7 @@ class FP8Embedding(nn.Module):
         return self.cpu.rows(input_ids).to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The whole table in fp32, e4m3 times its scales: for oracles that copy it into another model."""
+        """The whole table in fp32, codes times their scales: for oracles that copy it into another model."""
         return self.cpu.rows(torch.arange(self.num_embeddings))
 
 
@@ -60,28 +64,38 @@ def table_grouping(sd) -> str:
     return "channel"
 
 
-def load_embedding(model, sd, device: torch.device, dtype: torch.dtype) -> None:
-    """model.embed_tokens (and a tied head) from sd. Where the recipe quantized the head (+head:
-    the converter's MSE search wrote lm_head.weight in e4m3) and ridge's e4m3 products run here
-    (ops.resident_e4m3), the lookup is e4m3 too: a tied model's table is the head's bytes (the
-    table exists once), an untied one's quantized at load in the layers' grouping. Otherwise the
-    table stays as it is, in dtype, and a tied head is that table: the default recipes keep the
-    head wide because e4m3 there costs more than the accuracy budget (SmolLM2, g16+act: KL 0.0042
-    -> 0.0080 on the prose text, docs/benchmarks.md), so holding ~1.1 bytes a parameter with the
-    table in e4m3 is the +head recipe's choice, not the default's."""
+def table_format(sd, device: torch.device) -> str:
+    """How the table and head are held: "e4m3" (+head, where ridge's CPU products run), "i8"
+    (an FP8 model's table there otherwise), "wide" (as stored, in the compute dtype)."""
     table = sd["embed_tokens.weight"]
+    if not ops.resident_e4m3(device, tuple(table.shape)):
+        return "wide"
     head = sd.get("lm_head.weight")
-    tied = model.cfg.tie_word_embeddings
-    if not (head is not None and head.dtype == FP8 and ops.resident_e4m3(device, tuple(table.shape))):
-        model.embed_tokens.weight = nn.Parameter(table.to(device=device, dtype=dtype), requires_grad=False)
-        if head is None:  # one table serves both ends
-            model.lm_head.weight = model.embed_tokens.weight.data
+    if head is not None and head.dtype == FP8:
+        return "e4m3"
+    return "i8" if any(t.dtype == FP8 for t in sd.values()) else "wide"
+
+
+def load_table_and_head(model, sd, device: torch.device, dtype: torch.dtype) -> None:
+    """model.embed_tokens and model.lm_head from sd, in the format table_format picks; a tied
+    head (no lm_head.weight in sd) is the table's storage in every format."""
+    table, head = sd["embed_tokens.weight"], sd.get("lm_head.weight")
+    tied = model.cfg.tie_word_embeddings  # +head writes a tied model's head too: the table's e4m3 copy
+    fmt = table_format(sd, device)
+    if fmt == "i8":
+        cpu = CpuLinear.from_q8(table)
+        model.embed_tokens = PackedEmbedding(cpu, dtype)
+        model.lm_head.hold(cpu if tied or head is None else CpuLinear.from_q8(head))
         return
-    if tied:  # the head (loaded by _load_modules) holds the e4m3 table: the lookup reads its rows
-        cpu = model.lm_head.cpu
-    else:
-        cpu = CpuLinear.from_fp8(*_e4m3(table, None, table_grouping(sd)))
-    model.embed_tokens = FP8Embedding(cpu, dtype)
+    if head is not None:
+        model.lm_head.load(head, sd.get("lm_head.weight_scale"), sd.get("lm_head.bias"), device, dtype)
+    if fmt == "e4m3":
+        cpu = model.lm_head.cpu if tied else CpuLinear.from_fp8(*_e4m3(table, None, table_grouping(sd)))
+        model.embed_tokens = PackedEmbedding(cpu, dtype)
+        return
+    model.embed_tokens.weight = nn.Parameter(table.to(device=device, dtype=dtype), requires_grad=False)
+    if head is None:  # one table serves both ends
+        model.lm_head.weight = model.embed_tokens.weight.data
 
 
 def _e4m3(w: torch.Tensor, scale: torch.Tensor | None, grouping: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,14 @@ class FP8Linear(nn.Module):
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
 
+    def hold(self, cpu: CpuLinear) -> None:
+        """A weight packed for the CPU products already (quant/embedding.py: an 8-bit head, a tied
+        one the table's own bytes): weight and weight_scale are its two tensors."""
+        if cpu.shape != (self.out_features, self.in_features) or self.has_bias:
+            raise ValueError(f"weight {cpu.shape}, the layer is {self.out_features} x {self.in_features}")
+        self.cpu, self.fp8_device, self.bias = cpu, False, None
+        self.weight, self.weight_scale = cpu.packed.view(torch.int8 if cpu.code == "i8" else FP8), cpu.scale
+
     @property
     def is_fp8(self) -> bool:
         return self.weight.dtype == FP8
@@ -62,7 +70,7 @@ class FP8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The [out, in] weight the layer computes with, in fp32 (e4m3 times its scales, exact):
         for oracles that copy it into another model."""
-        if self.cpu is not None and self.cpu.is_e4m3:
+        if self.cpu is not None and self.cpu.is_packed:
             return self.cpu.reference(torch.eye(self.in_features)).T.contiguous()
         if self.weight.dtype == FP8:
             return dequantize(self.weight, self.weight_scale, torch.float32)
@@ -71,7 +79,7 @@ class FP8Linear(nn.Module):
     def cpu_weights(self) -> CpuLinear:
         """The weight as kernels' CPU products see it (made here for a weight never quantized,
         or one assigned rather than loaded: a tied head in the compute dtype)."""
-        if self.cpu is None or (not self.cpu.is_e4m3 and self.cpu.weight is not self.weight):
+        if self.cpu is None or (not self.cpu.is_packed and self.cpu.weight is not self.weight):
             self.cpu = CpuLinear(self.weight)
         return self.cpu
 

@@ -1,8 +1,9 @@
 """FP8 stays FP8 on a CPU (issue 39): every FP8 weight is held as e4m3 bytes plus scales, one
-copy; under +head the embedding table and a tied head too, at most 1.15 bytes a parameter under
-the 1 x 16 recipe (the default recipes keep the table and head wide: their accuracy budget,
-quant/embedding.py); no fp32 or bf16 copy of a linear weight is made by any start-up choice; and
-the model computes what the torch upcast of the same numbers computes."""
+copy; the embedding table and head in 8 bits too (e4m3 under +head, int8 codes in 1 x 32 groups
+under the default recipes, whose accuracy budget e4m3 misses there: quant/embedding.py), a tied
+head the table's bytes, at most 1.15 bytes a parameter for every recipe; no fp32 or bf16 copy of
+a linear weight is made by any start-up choice; and the model computes what the torch upcast of
+the same numbers computes."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,10 @@ import torch
 from ridge.engine import cpu_format
 from ridge.kernels import cpu_linear_plan as plans
 from ridge.kernels import native
-from ridge.kernels.cpu_linear import tiles_offered
+from ridge.kernels.cpu_linear import pack_q8, quantize_q8, tiles_offered, unpack_fp8
 from ridge.kernels.fp8_scales import dequantize
 from ridge.models.layers.decoder import CausalLM
-from ridge.quant.embedding import FP8Embedding
+from ridge.quant.embedding import PackedEmbedding
 from ridge.quant.fp8 import FP8
 from ridge.quant.linear import FP8Linear
 from ridge.quant.recipe import Recipe
@@ -57,7 +58,7 @@ def _params(sd) -> int:
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_weights_stay_e4m3_at_most_1_15_bytes_a_parameter(tied):
     m, sd, q = _model(tied)
-    assert isinstance(m.embed_tokens, FP8Embedding) and m.embed_tokens.weight.dtype == FP8
+    assert isinstance(m.embed_tokens, PackedEmbedding) and m.embed_tokens.weight.dtype == FP8
     assert m.dtype == torch.float32  # the lookup's output, the compute dtype
     linears = [mod for mod in m.modules() if isinstance(mod, FP8Linear)]
     assert all(mod.weight.dtype == FP8 and mod.cpu.weight is None for mod in linears)
@@ -74,18 +75,62 @@ def test_the_weights_stay_e4m3_at_most_1_15_bytes_a_parameter(tied):
     assert all(not layer.copies for layer in cpu_format.cpu_layers(m))
 
 
+@pytest.mark.parametrize("recipe", ["g16", "channel", "b128"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_the_default_recipes_keep_the_table_and_head_wide(tied):
-    """Without +head the lookup is the table as stored (compute dtype) and a tied head that same
-    tensor; the decoder's linear weights stay e4m3 all the same."""
-    m, sd, q = _model(tied, recipe="g16")
-    assert not isinstance(m.embed_tokens, FP8Embedding) and m.embed_tokens.weight.dtype == torch.float32
-    assert torch.equal(m.embed_tokens.weight, sd["embed_tokens.weight"])
+def test_the_default_recipes_hold_the_table_and_head_as_int8_codes(tied, recipe):
+    """Without +head the table (and an untied head) are int8 codes in 1 x 32 groups, made at load
+    from the wide table; a tied head is the table's bytes; at most 1.15 bytes a parameter; the
+    lookup and the logits are the torch upcast of those codes; the decoder stays e4m3."""
+    m, sd, q = _model(tied, recipe=recipe)
+    assert isinstance(m.embed_tokens, PackedEmbedding) and m.embed_tokens.weight.dtype == torch.int8
+    assert m.embed_tokens.cpu.code == "i8" and m.lm_head.cpu.code == "i8"
     if tied:
         assert m.lm_head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
-    else:
-        assert torch.equal(m.lm_head.weight, sd["lm_head.weight"])
     assert all(mod.weight.dtype == FP8 for mod in m.modules() if isinstance(mod, FP8Linear) and mod is not m.lm_head)
+    norms = sum(t.numel() * 4 for n, t in sd.items() if "norm" in n)
+    assert (m.weight_bytes() - norms) / (_params(sd) - norms // 4) <= 1.15
+    codes, scales = quantize_q8(sd["embed_tokens.weight"])  # the torch oracle of the C quantizer
+    table = codes.float() * scales.float().repeat_interleave(32, 1)[:, :64]
+    ids = torch.tensor([[0, 5, 999], [17, 17, 3]])
+    assert torch.equal(m.embed_tokens(ids), table[ids])
+    # int8 in 1 x 32 groups: within half a step of each group's amax / 127.
+    wide = sd["embed_tokens.weight"]
+    assert (table - wide).abs().max() <= wide.abs().max() / 127 / 2 * 1.01
+    head = table if tied else (lambda c, s: c.float() * s.float().repeat_interleave(32, 1)[:, :64])(
+        *quantize_q8(sd["lm_head.weight"]))
+    h = torch.randn(5, 64)
+    ref = h @ head.T
+    for rows in (1, 5):  # the streaming kernel and the blocked product
+        torch.testing.assert_close(m.compute_logits(h[:rows]), ref[:rows], atol=1e-5 * ref.abs().max().item(),
+                                   rtol=1e-4)
+    for mode in ("auto", "fp32", "bf16:64"):  # no start-up choice copies the 8-bit head
+        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode=mode, max_tokens=16, max_head_rows=4)
+        assert all(not layer.copies for layer in cpu_format.cpu_layers(m)), mode
+
+
+@pytest.mark.parametrize("shape", [(37, 100), (64, 576), (1000, 64), (5, 2), (16, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_packer_in_c_is_its_torch_form(shape, dtype):
+    """native.q8_pack (one pass from the wide table into the products' layout) against
+    quantize_q8 + pack_q8, bit for bit, an all-zero group, padded rows and a short last group
+    included; and the products over int8 codes against the upcast."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3).to(dtype)
+    w[0, : min(32, shape[1])] = 0
+    packed, scales = native.q8_pack(w, 32)
+    want_p, want_s = pack_q8(*quantize_q8(w))
+    assert torch.equal(packed, want_p) and torch.equal(scales.view(torch.int16), want_s.view(torch.int16))
+    n, k = shape
+    ref = unpack_fp8(packed, scales, n, "i8")
+    assert torch.equal(native.fp8_widen(packed, scales, i8=True)[:n], ref)
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(native.fp8_rows(packed, scales, ids, True), ref[ids])
+    for m in (1, 2, 3, 7, 40):
+        x = torch.randn(m, k, generator=g)
+        want = x @ ref.T
+        tol = dict(atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4)
+        torch.testing.assert_close(native.fp8_linear(x, packed, scales, 1, True)[:, :n], want, **tol)
+        torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True)[:, :n], want, **tol)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -110,7 +155,7 @@ def test_the_lookup_and_the_logits_are_the_upcast_numbers(tied):
 def test_a_recipes_bf16_exception_keeps_only_that_weight_wide():
     m, sd, q = _model(True, recipe="g16+head+bf16:0.down")
     down = m.layers[0].down_proj
-    assert down.weight.dtype == torch.float32 and not down.cpu_weights().is_e4m3  # the named exception
+    assert down.weight.dtype == torch.float32 and not down.cpu_weights().is_packed  # the named exception
     assert all(mod.weight.dtype == FP8 for mod in m.modules() if isinstance(mod, FP8Linear) and mod is not down)
 
 

@@ -330,7 +330,7 @@ def test_head_recipe_quantizes_the_lm_head_and_keeps_the_lookup(tmp_path):
     """+head: the LM head in FP8 (a tied model's from a copy of its embedding table, which the
     store keeps wide); the model runs it through the FP8 linear and its logits stay close. The
     lookup: where ridge's e4m3 products run on the CPU it reads the head's e4m3 bytes (the table
-    exists once, quant/embedding.py load_embedding); elsewhere it keeps the table as it was. The
+    exists once, quant/embedding.py load_table_and_head); elsewhere it keeps the table as it was. The
     default recipe keeps the table wide and a tied head is that same tensor."""
     from tiny_models import make_tiny
 

@@ -90,13 +90,18 @@ def test_fp32_logits_match_transformers(gemma):
 
 
 def _on_ridge_weights(hf, lm):
-    """transformers' model with the linear weights ridge runs (its e4m3 values times their scales,
-    FP8Linear.dequantized: on CPU the layers hold the packed e4m3 bytes), unfused."""
+    """transformers' model with the weights ridge runs (its e4m3 values times their scales,
+    FP8Linear.dequantized: on CPU the layers hold the packed e4m3 bytes; the table and head its
+    8-bit codes times their scales there), unfused."""
     import copy
 
     ref = copy.deepcopy(hf)
     cfg = lm.config
     with torch.no_grad():
+        emb = lm.model.embed_tokens
+        ref.get_input_embeddings().weight.copy_(emb.dequantized() if hasattr(emb, "dequantized") else emb.weight)
+        if not cfg.tie_word_embeddings:
+            ref.get_output_embeddings().weight.copy_(lm.model.lm_head.dequantized())
         for ours, theirs in zip(lm.model.layers, ref.model.layers):
             a, m = theirs.self_attn, theirs.mlp
             for w, t in zip(ours.qkv_proj.dequantized().split([cfg.q_size, cfg.kv_size, cfg.kv_size]),

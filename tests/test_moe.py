@@ -467,7 +467,7 @@ def test_cpu_format_measurement_sees_every_expert(variants):
     # 2 layers x (qkv, o) + the dense layer's gate_up and down + 6 experts x 2 products + the head
     assert len(layers) == 2 * 2 + 2 + 6 * 2 + 1
     assert {m.shape for m in layers} >= {(48, 64), (64, 24)}
-    assert all(m.is_e4m3 == bool(native.fp8_linear_isa()) for m in layers if m.shape in ((48, 64), (64, 24)))
+    assert all(m.is_packed == bool(native.fp8_linear_isa()) for m in layers if m.shape in ((48, 64), (64, 24)))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])

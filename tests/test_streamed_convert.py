@@ -177,13 +177,13 @@ def test_unquantized_weights_load_a_layer_at_a_time(sources, name):
 def test_an_untied_moe_model_under_head_loads_its_table_in_the_layers_grouping(sources, tmp_path, monkeypatch):
     """+head on an untied mixture of experts: the table takes the dense layers' grouping (1 x 16),
     not a stacked expert's per-channel scales, converted and from the cache alike."""
-    from ridge.quant.embedding import FP8Embedding
+    from ridge.quant.embedding import PackedEmbedding
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = sources["qwen3_moe-hf-bf16"]
     for _ in range(2):  # converted, then from the cache (where the experts' scales may come first)
         lm = load_model(path, device="cpu", recipe="g16+act+head", show_progress=False)
-        if isinstance(lm.model.embed_tokens, FP8Embedding):
+        if isinstance(lm.model.embed_tokens, PackedEmbedding):
             scale = lm.model.embed_tokens.weight_scale
             assert scale.dim() == 3 and scale.shape[-1] == 16, tuple(scale.shape)  # [N/16, K/16, 16]: g16
         assert torch.isfinite(prompt_logits(lm.model, [1, 40, 71, 5])).all()

@@ -17,7 +17,11 @@
    - AVX-512 BF16: weights widened to bf16 (exact: e4m3 has 3 mantissa bits), activations
      rounded to bf16, fp32 accumulation, as the bf16 paths and a GPU do; the same tiles run a
      bf16 weight laid out alike (bf16_linear: the CPU's bf16 format there, fp32 out);
-   - AVX2 + F16C + FMA: weights and activations in fp32. */
+   - AVX2 + F16C + FMA: weights and activations in fp32.
+
+   The same layout holds int8 codes (i8 set: a table or head as ridge holds it on a CPU where
+   the recipe keeps it out of e4m3, quant/embedding.py): a code widens to its own value and its
+   scale arrives as it is (not times 256). int8 runs the AVX2 tiles on an AVX-512 machine too. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,6 +190,17 @@ T256 static INL void e4m3_f32x32(const uint8_t *p, __m256 *v) {
     v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
 }
 
+/* The same 32 bytes as int8 codes, in the same order: v[c] is bytes 8c .. 8c + 7. */
+T256 static INL void i8_f32x32(const uint8_t *p, __m256 *v) {
+    for (int c = 0; c < 4; c++)
+        v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * c))));
+}
+
+T256 static INL void w8_f32x32(const uint8_t *p, __m256 *v, int i8) {
+    if (i8) i8_f32x32(p, v);
+    else e4m3_f32x32(p, v);
+}
+
 /* A 16-column block's 16 scales as four vectors in the accumulators' (column, k parity)
    order: each scale twice. */
 T256 static INL __m256 bf16x8(const uint16_t *s) {
@@ -205,8 +220,8 @@ T256 static INL void store8(float *y, __m256 a, __m256 b) {
     _mm256_storeu_ps(y, (__m256)_mm256_permute4x64_pd((__m256d)_mm256_hadd_ps(a, b), 0xd8));
 }
 
-/* MRC rows x 16 columns. CONV: e4m3 bytes converted as they are read; else fp32 already
-   converted, 4 vectors a k pair. A group's sums are scaled as it closes and added to the
+/* MRC rows x 16 columns. CONV: bytes converted as they are read (1 e4m3, 2 int8); else fp32
+   already converted, 4 vectors a k pair. A group's sums are scaled as it closes and added to the
    row's totals while still in (column, k parity) pairs, and the pairs are added once at the
    end: a group's close is a multiply-add a vector, not a reduction and a store. Every tile
    does the same operations in the same order for a row, whatever MRC, so a row's bits do not
@@ -223,7 +238,7 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
     for (int64_t p = p0; p < p1; p++) {                                                          \
         __m256 wv[4];                                                                            \
         if (CONV) {                                                                              \
-            e4m3_f32x32((const uint8_t *)w + p * 32, wv);                                        \
+            w8_f32x32((const uint8_t *)w + p * 32, wv, CONV == 2);                               \
         } else {                                                                                 \
             for (int c = 0; c < 4; c++) wv[c] = _mm256_loadu_ps((const float *)w + p * 32 + c * 8); \
         }                                                                                        \
@@ -243,7 +258,7 @@ T256 static void NAME(const float *x, int64_t K, int64_t gp, const void *w, cons
       store8(y + i * ldy + 8, tot[i][2], tot[i][3]);                                             \
   }                                                                                              \
 }
-TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
+TILE256(v1, 1, 1) TILE256(v2, 2, 1) TILE256(q1, 1, 2) TILE256(q2, 2, 2) TILE256(f1, 1, 0) TILE256(f2, 2, 0) TILE256(f3, 3, 0)
 typedef void (*tile256_fn)(const float *, int64_t, int64_t, const void *, const void *, int, int64_t, float *,
                            int64_t);
 static const tile256_fn F256[4] = {0, f1, f2, f3};
@@ -251,7 +266,7 @@ static const tile256_fn F256[4] = {0, f1, f2, f3};
 /* Up to 2 rows convert as they stream; more convert each 16-column block once into a
    per-thread fp32 buffer and run 3-row tiles over it. */
 T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                            int64_t N, int64_t gk, float *y, int nthreads) {
+                            int64_t N, int64_t gk, float *y, int i8, int nthreads) {
     const int64_t blk = K * 16, nblocks = N / 16, gp = gk / 2, sb = (K + gk - 1) / gk * 16;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -260,10 +275,11 @@ T256 static void linear_256(const float *x, int64_t M, int64_t K, const uint8_t 
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const uint8_t *wb = w + nb * blk;
             if (!buf) {
-                (M == 1 ? v1 : v2)(x, K, gp, wb, SAT(scale, sbf, nb * sb), sbf, 16, y + nb * 16, N);
+                (M == 1 ? (i8 ? q1 : v1) : (i8 ? q2 : v2))(x, K, gp, wb, SAT(scale, sbf, nb * sb), sbf, 16,
+                                                            y + nb * 16, N);
                 continue;
             }
-            for (int64_t q = 0; q < blk; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
+            for (int64_t q = 0; q < blk; q += 32) w8_f32x32(wb + q, (__m256 *)(buf + q), i8);
             for (int64_t m0 = 0; m0 < M; m0 += 3) {
                 int mr = M - m0 < 3 ? (int)(M - m0) : 3;
                 F256[mr](x + m0 * K, K, gp, buf, SAT(scale, sbf, nb * sb), sbf, 16, y + m0 * N + nb * 16, N);
@@ -285,7 +301,7 @@ typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, c
    the even k's 16 columns fill one half of the register and the odd k's the other; then the fp16
    trick of e4m3_f32x32. */
 T256 static void widen_256(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0,
-                           int64_t b1, float *out, int64_t ldo) {
+                           int64_t b1, float *out, int64_t ldo, int i8) {
     const int64_t kp = K / 2, gp = gk / 2, sblk = (K + gk - 1) / gk * 16;
     const __m256i shuf = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -301,9 +317,19 @@ T256 static void widen_256(const uint8_t *w, int64_t K, const void *scale, int s
             for (int64_t p = p0; p < p1; p++) {
                 __m256i r = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(wb + p * 32)), shuf);
                 r = _mm256_permute4x64_epi64(r, 0xd8);  /* low half: even k, columns 0-15; high: odd k */
+                float *o0 = ob + 2 * p * ldo, *o1 = o0 + ldo;
+                if (i8) {  /* int8 codes: their own values, times the scale as it is */
+                    const __m128i e = _mm256_castsi256_si128(r), o = _mm256_extracti128_si256(r, 1);
+                    _mm256_storeu_ps(o0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e)), s0));
+                    _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                               _mm_srli_si128(e, 8))), s1));
+                    _mm256_storeu_ps(o1, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(o)), s0));
+                    _mm256_storeu_ps(o1 + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                               _mm_srli_si128(o, 8))), s1));
+                    continue;
+                }
                 const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, r), 1), keep);
                 const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, r), 1), keep);
-                float *o0 = ob + 2 * p * ldo, *o1 = o0 + ldo;
                 _mm256_storeu_ps(o0, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(lo)), s0));
                 _mm256_storeu_ps(o0 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(hi)), s1));
                 _mm256_storeu_ps(o1, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)), s0));
@@ -319,7 +345,7 @@ T256 static void widen_256(const uint8_t *w, int64_t K, const void *scale, int s
    the same at any M and thread count, and the GEMM sees M only as its n: the reduction order of
    a column is the GEMM's for that n. */
 T256 static void tiles_256(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                           int64_t N, int64_t gk, float *y, int64_t tb, sgemm_fn gemm, int nthreads) {
+                           int64_t N, int64_t gk, float *y, int64_t tb, sgemm_fn gemm, int i8, int nthreads) {
     const int64_t nblocks = N / 16, ntiles = (nblocks + tb - 1) / tb;
     const int mi = (int)M, ki = (int)K, ldc = (int)N;
     const float one = 1.0f, zero = 0.0f;
@@ -330,7 +356,7 @@ T256 static void tiles_256(const float *x, int64_t M, int64_t K, const uint8_t *
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t b0 = t * tb, b1 = b0 + tb < nblocks ? b0 + tb : nblocks;
             const int nt = (int)((b1 - b0) * 16);
-            widen_256(w, K, scale, sbf, gk, b0, b1, buf, nt);
+            widen_256(w, K, scale, sbf, gk, b0, b1, buf, nt, i8);
             gemm("N", "N", &nt, &mi, &ki, &one, buf, &nt, x, &ki, &zero, y + b0 * 16, &ldc);
         }
         free(buf);
@@ -491,11 +517,11 @@ int fp8_linear_isa(void) {
    caller checks). isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not
    built here or a group size the layout cannot take. */
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                       int64_t N, int64_t gk, float *y, int isa, int nthreads) {
+                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads) {
     if (gk <= 0 || gk % 2) return -1;
     if (gk > K) gk = K;
-    if (isa == 2) linear_512(x, M, K, w, 0, scale, sbf, N, gk, y, nthreads);
-    else if (isa == 1) linear_256(x, M, K, w, scale, sbf, N, gk, y, nthreads);
+    if (isa == 2 && !i8) linear_512(x, M, K, w, 0, scale, sbf, N, gk, y, nthreads);
+    else if (isa >= 1) linear_256(x, M, K, w, scale, sbf, N, gk, y, i8, nthreads);
     else return -1;
     return 0;
 }
@@ -503,20 +529,20 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
    gk even, tb > 0, gemm the Fortran sgemm (the caller checks). Returns 0, or -1 where AVX2 is
    not here or an argument is out of range. */
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
-                     int64_t gk, float *y, int64_t tb, void *gemm, int nthreads) {
+                     int64_t gk, float *y, int64_t tb, void *gemm, int i8, int nthreads) {
     __builtin_cpu_init();
     if (!gemm || gk <= 0 || gk % 2 || tb <= 0 || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
         return -1;
-    tiles_256(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (sgemm_fn)gemm, nthreads);
+    tiles_256(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (sgemm_fn)gemm, i8, nthreads);
     return 0;
 }
 
 /* widen_256 on its own (tests hold it to the torch upcast): blocks [b0, b1) into out, ldo apart. */
 int fp8_widen(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0, int64_t b1,
-              float *out, int64_t ldo) {
+              float *out, int64_t ldo, int i8) {
     __builtin_cpu_init();
     if (gk <= 0 || gk % 2 || !__builtin_cpu_supports("avx2")) return -1;
-    widen_256(w, K, scale, sbf, gk > K ? K : gk, b0, b1, out, ldo);
+    widen_256(w, K, scale, sbf, gk > K ? K : gk, b0, b1, out, ldo, i8);
     return 0;
 }
 /* y [M][N] fp32 = x [M][K] (rounded to bf16) . w^T for a bf16 weight in the e4m3 weights'
@@ -543,20 +569,20 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 #else
 int fp8_linear_isa(void) { return 0; }
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                       int64_t N, int64_t gk, float *y, int isa, int nthreads) {
-    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)isa;
+                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads) {
+    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)isa; (void)i8;
     (void)nthreads;
     return -1;
 }
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
-                     int64_t gk, float *y, int64_t tb, void *gemm, int nthreads) {
-    (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)tb; (void)gemm;
+                     int64_t gk, float *y, int64_t tb, void *gemm, int i8, int nthreads) {
+    (void)i8; (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)tb; (void)gemm;
     (void)nthreads;
     return -1;
 }
 int fp8_widen(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0, int64_t b1,
-              float *out, int64_t ldo) {
-    (void)w; (void)K; (void)scale; (void)sbf; (void)gk; (void)b0; (void)b1; (void)out; (void)ldo;
+              float *out, int64_t ldo, int i8) {
+    (void)i8; (void)w; (void)K; (void)scale; (void)sbf; (void)gk; (void)b0; (void)b1; (void)out; (void)ldo;
     return -1;
 }
 int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
@@ -578,14 +604,15 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 
 /* out [T][K] fp32: row ids[i] of a packed [N/16][K/2][16][2] weight times its scales (fp32 or
    bf16, times 256, in the kernels' block layout; groups of gk along K), e4m3 * scale rounded
-   once as a torch upcast does. Only the gathered rows are read. Plain C: a lookup is a few rows. */
+   once as a torch upcast does; int8 codes (i8) times their scales as they are. Only the
+   gathered rows are read. Plain C: a lookup is a few rows. */
 void fp8_rows(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, const int64_t *ids, int64_t T,
-              float *out, int nthreads) {
-    float lut[256];  /* e4m3 / 256, as the fp16 trick gives it */
+              float *out, int i8, int nthreads) {
+    float lut[256];  /* e4m3 / 256, as the fp16 trick gives it; an int8 code's own value */
     for (int v = 0; v < 256; v++) {
         int e = (v >> 3) & 15, m = v & 7;
         float mag = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
-        lut[v] = (v & 0x80 ? -mag : mag) / 256.0f;
+        lut[v] = i8 ? (float)(int8_t)v : (v & 0x80 ? -mag : mag) / 256.0f;
     }
     if (gk > K) gk = K;
     const int64_t kp = K / 2, sblk = (K + gk - 1) / gk * 16;

@@ -113,3 +113,46 @@ CLONES int fp8_search_scale(const float *tiles, const float *weights, int64_t n,
     }
     return 0;
 }
+
+/* ---- int8 codes in 1 x gk groups, straight into the e4m3 products' layout --------------------
+
+   A table or head that ridge holds in 8 bits outside e4m3 (quant/embedding.py: llama.cpp's
+   Q8_0 grid, whose 8 bits of precision keep the head inside the accuracy budget where e4m3's 3
+   mantissa bits do not). Made at every CPU start from the stored wide table, so it is one pass:
+   each group's scale is amax / 127 rounded up to bf16 (so no code passes 127), each code
+   rint(x / scale) (ties to even), written in the packed [ceil(N/16)][K/2][16][2] layout with the
+   scales in their [ceil(N/16)][ceil(K/gk)][16] one. Rows past N (to a whole block) are zero codes
+   and zero scales. w: [N][K] fp32 (wbf16 0) or bf16 (wbf16 1), rows ld elements apart. The torch
+   form (quant/embedding.py quantize_q8) is the oracle: the same operations, the same bits. */
+static inline float bf16_value(const void *w, int wbf16, int64_t i) {
+    if (!wbf16) return ((const float *)w)[i];
+    return bits_f((uint32_t)((const uint16_t *)w)[i] << 16);
+}
+
+void q8_pack(const void *w, int wbf16, int64_t N, int64_t K, int64_t ld, int64_t gk, uint8_t *packed,
+             uint16_t *scales, int nthreads) {
+    const int64_t nb = (N + 15) / 16, kp = K / 2, groups = (K + gk - 1) / gk;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *pb = packed + b * kp * 32;
+        uint16_t *sb = scales + b * groups * 16;
+        for (int j = 0; j < 16; j++) {
+            const int64_t n = b * 16 + j;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t k0 = g * gk, k1 = k0 + gk < K ? k0 + gk : K;
+                float amax = 0.0f;
+                if (n < N)
+                    for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(bf16_value(w, wbf16, n * ld + k)));
+                uint32_t u = f_bits(amax / 127.0f);
+                u = (u + 0xFFFFu) & 0xFFFF0000u;  /* up to the next bf16: |x| / scale <= 127 */
+                const float s = bits_f(u);
+                sb[g * 16 + j] = (uint16_t)(u >> 16);
+                for (int64_t k = k0; k < k1; k++) {
+                    float c = 0.0f;
+                    if (n < N && s > 0.0f) c = fminf(fmaxf(rintf(bf16_value(w, wbf16, n * ld + k) / s), -127.0f), 127.0f);
+                    pb[(k / 2) * 32 + j * 2 + (k & 1)] = (uint8_t)(int8_t)c;
+                }
+            }
+        }
+    }
+}

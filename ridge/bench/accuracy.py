@@ -4,8 +4,8 @@ tests/data/eval_code.txt, code, or --text FILE ...): the FP8 recipe the
 conversion chose or was given (--fp8-recipe) with its weight bytes, any recipes
 listed with --recipes, FP8 weight scaling rules and the output head, KV cache
 scaling, the CPU streaming e4m3 kernel against the blocked fp32 product, and the self-draft's
-agreement per depth. On a CPU the FP8 models hold the embedding table and head in e4m3 too
-(quant/embedding.py), as the engine does.
+agreement per depth. On a CPU the FP8 models hold the embedding table and head in 8 bits too
+(int8 codes, or e4m3 under +head: quant/embedding.py), as the engine does.
 No text scored here is one the recipes were tuned or calibrated on."""
 from __future__ import annotations
 

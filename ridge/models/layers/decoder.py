@@ -14,7 +14,7 @@ from ridge.config import ModelConfig
 from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
-from ridge.quant.embedding import load_embedding
+from ridge.quant.embedding import load_table_and_head
 from ridge.quant.linear import FP8Linear
 
 from .rope import rope_cos_sin
@@ -133,7 +133,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(self.embed_tokens, "dtype", self.embed_tokens.weight.dtype)  # FP8Embedding's: its output's
+        return getattr(self.embed_tokens, "dtype", self.embed_tokens.weight.dtype)  # PackedEmbedding's: its output's
 
     def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                      freq_factors: torch.Tensor | None = None) -> None:
@@ -159,8 +159,8 @@ class CausalLM(nn.Module):
                      freq_factors: torch.Tensor | None = None) -> None:
         """Everything but the decoder layers: the embedding, final norm, head and RoPE tables."""
         mods = [(n, m) for n, m in self.named_modules() if n and not n.startswith("layers")]
-        self._load_modules([(n, m) for n, m in mods if n != "lm_head" or "lm_head.weight" in sd], sd, device, dtype)
-        load_embedding(self, sd, device, dtype)  # e4m3 on a CPU, a tied head the same bytes
+        self._load_modules([(n, m) for n, m in mods if n != "lm_head"], sd, device, dtype)
+        load_table_and_head(self, sd, device, dtype)  # 8 bits on a CPU, a tied head the table's bytes
         cfg = self.cfg
         self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
                                     freq_factors=freq_factors, rotary_dim=cfg.rotary_dim).to(device)
