@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .fp8_scales import column_groups, dequantize
+from .fp8_scales import column_groups, dequantize, scale_block
 
 FP8 = torch.float8_e4m3fn
 
@@ -83,7 +83,10 @@ def pack_fp8(w: torch.Tensor) -> torch.Tensor:
     w = w.view(torch.uint8)
     if n % 16:
         w = torch.cat((w, w.new_zeros(16 - n % 16, k)))
-    return w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    # A k pair moves as one 16-bit word: torch's strided copy then moves half as many elements
+    # (about 3x faster than permuting the bytes; this copy is most of a cached start's load).
+    pairs = w.contiguous().view(torch.int16).view(-1, 16, k // 2).transpose(1, 2).contiguous()
+    return pairs.view(torch.uint8).view(-1, k // 2, 16, 2)
 
 
 def kernel_scales(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -91,9 +94,14 @@ def kernel_scales(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     times 256 (exact): one fp32 a row ([N padded to 16]) per channel; else per row and group
     along K, by block of 16 rows ([N/16, groups, 16]), in the stored dtype (bf16 for groups:
     2 bytes per G weights, where fp32 would be 4)."""
-    groups, _ = column_groups(scale, shape)
     n = shape[0]
     pad = -n % 16
+    if scale.dim() == 2 and scale_block(scale, shape)[0] == 1 and scale.shape[1] > 1:
+        # 1 x G groups, [N, G] as stored: one pass into [N/16, G, 16] (times 256 is exact in bf16)
+        s = torch.cat((scale, scale.new_zeros(pad, scale.shape[1]))) if pad else scale
+        s = s.view(-1, 16, s.shape[1]).transpose(1, 2)
+        return torch.mul(s, 256, out=torch.empty(s.shape, dtype=scale.dtype))
+    groups, _ = column_groups(scale, shape)
     s = groups.to(scale.dtype if scale.dim() == 2 else torch.float32) * 256
     if pad:
         s = torch.cat((s, s.new_zeros(s.shape[0], pad)), 1)

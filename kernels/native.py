@@ -323,7 +323,8 @@ def q8_pack(w: torch.Tensor, gk: int) -> tuple[torch.Tensor, torch.Tensor]:
     ceil(K/gk), 16]) in one pass: 1 x gk groups, scale amax / 127 rounded up to bf16
     (kernels/cpu_linear.py quantize_q8 is its torch form)."""
     n, k = w.shape
-    assert w.dtype in (torch.float32, torch.bfloat16) and k % 2 == 0 and gk % 2 == 0 and w.stride(1) == 1, \
+    assert w.dtype in (torch.float32, torch.bfloat16) and k % 2 == 0 and 0 < gk <= 256 and gk % 2 == 0 \
+        and w.stride(1) == 1, \
         (w.dtype, w.shape, gk)
     nb, groups = -(-n // 16), -(-k // gk)
     packed = torch.empty((nb, k // 2, 16, 2), dtype=torch.uint8)

@@ -124,33 +124,50 @@ CLONES int fp8_search_scale(const float *tiles, const float *weights, int64_t n,
    scales in their [ceil(N/16)][ceil(K/gk)][16] one. Rows past N (to a whole block) are zero codes
    and zero scales. w: [N][K] fp32 (wbf16 0) or bf16 (wbf16 1), rows ld elements apart. The torch
    form (quant/embedding.py quantize_q8) is the oracle: the same operations, the same bits. */
-static inline float bf16_value(const void *w, int wbf16, int64_t i) {
-    if (!wbf16) return ((const float *)w)[i];
-    return bits_f((uint32_t)((const uint16_t *)w)[i] << 16);
-}
+#define Q8_MAX_GROUP 256
 
-void q8_pack(const void *w, int wbf16, int64_t N, int64_t K, int64_t ld, int64_t gk, uint8_t *packed,
-             uint16_t *scales, int nthreads) {
+/* gk <= Q8_MAX_GROUP (the caller checks). A group is widened into a buffer, its amax and codes
+   computed in vector loops (rintf is one instruction where the clone has SSE4.1), and its codes
+   stored a k pair (two bytes) at a time. */
+CLONES void q8_pack(const void *w, int wbf16, int64_t N, int64_t K, int64_t ld, int64_t gk, uint8_t *packed,
+                    uint16_t *scales, int nthreads) {
     const int64_t nb = (N + 15) / 16, kp = K / 2, groups = (K + gk - 1) / gk;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nb; b++) {
+        float x[Q8_MAX_GROUP];
+        int8_t q[Q8_MAX_GROUP];
         uint8_t *pb = packed + b * kp * 32;
         uint16_t *sb = scales + b * groups * 16;
         for (int j = 0; j < 16; j++) {
             const int64_t n = b * 16 + j;
             for (int64_t g = 0; g < groups; g++) {
-                const int64_t k0 = g * gk, k1 = k0 + gk < K ? k0 + gk : K;
+                const int64_t k0 = g * gk, len = k0 + gk < K ? gk : K - k0;
                 float amax = 0.0f;
-                if (n < N)
-                    for (int64_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(bf16_value(w, wbf16, n * ld + k)));
+                if (n < N) {
+                    if (wbf16) {
+                        const uint16_t *src = (const uint16_t *)w + n * ld + k0;
+                        for (int64_t i = 0; i < len; i++) x[i] = bits_f((uint32_t)src[i] << 16);
+                    } else {
+                        const float *src = (const float *)w + n * ld + k0;
+                        for (int64_t i = 0; i < len; i++) x[i] = src[i];
+                    }
+#pragma omp simd reduction(max : amax)
+                    for (int64_t i = 0; i < len; i++) amax = fmaxf(amax, fabsf(x[i]));
+                }
                 uint32_t u = f_bits(amax / 127.0f);
                 u = (u + 0xFFFFu) & 0xFFFF0000u;  /* up to the next bf16: |x| / scale <= 127 */
                 const float s = bits_f(u);
                 sb[g * 16 + j] = (uint16_t)(u >> 16);
-                for (int64_t k = k0; k < k1; k++) {
-                    float c = 0.0f;
-                    if (n < N && s > 0.0f) c = fminf(fmaxf(rintf(bf16_value(w, wbf16, n * ld + k) / s), -127.0f), 127.0f);
-                    pb[(k / 2) * 32 + j * 2 + (k & 1)] = (uint8_t)(int8_t)c;
+                if (s > 0.0f) {
+#pragma omp simd
+                    for (int64_t i = 0; i < len; i++) q[i] = (int8_t)fminf(fmaxf(rintf(x[i] / s), -127.0f), 127.0f);
+                } else {
+                    for (int64_t i = 0; i < len; i++) q[i] = 0;
+                }
+                for (int64_t i = 0; i < len; i += 2) {  /* k0 is even: a pair is one 16-bit store */
+                    uint16_t pair;
+                    __builtin_memcpy(&pair, q + i, 2);
+                    __builtin_memcpy(pb + ((k0 + i) / 2) * 32 + j * 2, &pair, 2);
                 }
             }
         }
