@@ -268,7 +268,7 @@ def shape_class(layer: CpuLinear) -> tuple:
         return tuple(layer.shape), None
     s = layer.scale
     layout = "" if s.dim() == 1 else f" {s.shape[1]} groups {str(s.dtype).removeprefix('torch.')}"
-    return tuple(layer.shape), f"e4m3{layout} {native.source_digest()}"
+    return tuple(layer.shape), f"{layer.code}{layout} {native.source_digest()}"  # e4m3, or i8 (int8 codes)
 
 
 def _had_the_cores(wall: float, cpu: float) -> bool:
