@@ -26,6 +26,7 @@ from ridge.kernels.cpu_linear import CpuLinear
 from ridge.kernels.fp8_scales import scale_block
 
 from .fp8 import FP8, quantize_fp8
+from .linear import packed_image
 
 log = logging.getLogger("ridge.quant")
 
@@ -81,6 +82,13 @@ def load_table_and_head(model, sd, device: torch.device, dtype: torch.dtype) -> 
     head (no lm_head.weight in sd) is the table's storage in every format."""
     table, head = sd["embed_tokens.weight"], sd.get("lm_head.weight")
     tied = model.cfg.tie_word_embeddings  # +head writes a tied model's head too: the table's e4m3 copy
+    if device.type == "cpu" and (image := packed_image(sd, "lm_head", tuple(table.shape))) is not None:
+        # A CPU image (ridge/models/cpu_image.py): the head's bytes mapped, the table's its own or the head's
+        own = packed_image(sd, "embed_tokens", tuple(table.shape))
+        if own is not None or tied:
+            model.lm_head.hold(image, sd.get("lm_head.bias"), dtype)
+            model.embed_tokens = PackedEmbedding(own or image, dtype)
+            return
     fmt = table_format(sd, device)
     if fmt == "i8":
         cpu = CpuLinear.from_q8(table)

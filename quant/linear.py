@@ -17,6 +17,20 @@ from ridge.kernels.cpu_linear import CpuLinear
 from ridge.kernels.fp8_scales import dequantize
 
 FP8 = torch.float8_e4m3fn
+IMAGE_CODES = ("e4m3", "i8")  # what a CPU image's packed bytes are (ridge/models/cpu_image.py)
+
+
+def packed_image(sd, name: str, shape: tuple[int, int]) -> CpuLinear | None:
+    """The weight `name` as a CPU image holds it (ridge/models/cpu_image.py: name.cpu_<code>, the
+    bytes packed for the CPU products, and name.cpu_scale in their scale layout), else None."""
+    for code in IMAGE_CODES:
+        packed = sd.get(f"{name}.cpu_{code}")
+        if packed is not None:
+            nb, kp = packed.shape[:2]
+            if packed.dtype != torch.uint8 or nb != -(-shape[0] // 16) or 2 * kp != shape[1]:
+                raise ValueError(f"{name}: a CPU image of {tuple(packed.shape)} for a {shape[0]} x {shape[1]} layer")
+            return CpuLinear(packed=packed, scale=sd[f"{name}.cpu_scale"], shape=tuple(shape), code=code)
+    return None
 
 
 class FP8Linear(nn.Module):
@@ -55,13 +69,17 @@ class FP8Linear(nn.Module):
             self.weight = weight.to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
 
-    def hold(self, cpu: CpuLinear) -> None:
+    def hold(self, cpu: CpuLinear, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         """A weight packed for the CPU products already (quant/embedding.py: an 8-bit head, a tied
-        one the table's own bytes): weight and weight_scale are its two tensors."""
-        if cpu.shape != (self.out_features, self.in_features) or self.has_bias:
+        one the table's own bytes; a CPU image's mapped bytes): weight and weight_scale are its
+        two tensors."""
+        if cpu.shape != (self.out_features, self.in_features):
             raise ValueError(f"weight {cpu.shape}, the layer is {self.out_features} x {self.in_features}")
-        self.cpu, self.fp8_device, self.bias = cpu, False, None
+        if (bias is not None) != self.has_bias:
+            raise ValueError("a bias for a layer without one" if bias is not None else "no bias for a layer with one")
+        self.cpu, self.fp8_device = cpu, False
         self.weight, self.weight_scale = cpu.packed.view(torch.int8 if cpu.code == "i8" else FP8), cpu.scale
+        self.bias = None if bias is None else bias.to(dtype=dtype)
 
     @property
     def is_fp8(self) -> bool:

@@ -14,8 +14,10 @@ from ridge.quant.errors import ModelLoadError
 from ridge.quant.experts import FP8Experts
 from ridge.quant.fp8 import FP8
 from ridge.quant.linear import FP8Linear
+from ridge.quant import store
 from ridge.quant.source import resolve_model_path
 
+from .cpu_image import load_image, save_image
 from .fp8_calibrate import STREAMED, calibrate
 from .layers.decoder import CausalLM
 from .registry import convert, model_class
@@ -61,6 +63,10 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     with torch.device("meta"):  # no memory until load_weights places each tensor on the device
         model = model_class(conv.config)(conv.config, max_model_len)
     sd = conv.state_dict
+    imaged = _wants_image(conv, device, weights, use_cache)
+    image = load_image(conv.identity) if imaged else None
+    if image is not None:  # the packed weights mapped: decoder.py and quant/embedding.py take them as they are
+        sd.update(image)
     model.load_globals(sd, device, dtype, conv.freq_factors)
     for i in range(conv.config.num_layers):
         # Consumed a layer at a time: once the model holds its own copy, the cache's mapping of
@@ -73,9 +79,18 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
             del sd[k]
     if weights == "bf16" and dtype != torch.bfloat16:
         _round_to_bf16(model)
+    if imaged and image is None:
+        save_image(conv.identity, model, str(resolve_model_path(path)))
     model.eval()
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
                        time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}")
+
+
+def _wants_image(conv, device: torch.device, weights: str, use_cache: bool) -> bool:
+    """Whether this start reads (or, the first time, writes) a CPU image of the converted cache
+    (cpu_image.py): FP8 weights from a cached entry, on a CPU where ridge's products read them packed."""
+    return (device.type == "cpu" and weights == "fp8" and use_cache and bool(conv.identity)
+            and ops.resident_e4m3(device, (16, 2)) and (store.cache_root() / conv.identity).is_dir())
 
 
 def _refuse_fp8_source(sd: dict, weights: str, path) -> None:

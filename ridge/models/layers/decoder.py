@@ -15,7 +15,7 @@ from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 from ridge.quant.embedding import load_table_and_head
-from ridge.quant.linear import FP8Linear
+from ridge.quant.linear import FP8Linear, packed_image
 
 from .rope import rope_cos_sin
 
@@ -146,6 +146,10 @@ class CausalLM(nn.Module):
     def _load_modules(modules, sd, device: torch.device, dtype: torch.dtype) -> None:
         for name, mod in modules:
             if isinstance(mod, FP8Linear):
+                image = packed_image(sd, name, (mod.out_features, mod.in_features)) if device.type == "cpu" else None
+                if image is not None:  # mapped from a CPU image (ridge/models/cpu_image.py): no copy
+                    mod.hold(image, sd.get(name + ".bias"), dtype)
+                    continue
                 mod.load(sd[name + ".weight"], sd.get(name + ".weight_scale"), sd.get(name + ".bias"), device, dtype)
             elif isinstance(mod, RMSNorm):
                 mod.weight = sd[name + ".weight"].float().to(device)
