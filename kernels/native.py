@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger("ridge.kernels")
 SRC = Path(__file__).with_name("csrc")
-SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c", "fp8_quant.c")
+SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c", "fp8_quant.c", "recurrent.c")
 FLAGS = ("-O3", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-psabi")
 
 _lock = threading.Lock()
@@ -69,7 +69,7 @@ def _digest(cc: str) -> str:
         compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         compiler = cc
-    h.update(f"{compiler}|{_flags()}|{platform.machine()}".encode())
+    h.update(f"{compiler}|{_flags()}|{platform.machine()}|{SOURCES}".encode())  # SOURCES: which files link
     return h.hexdigest()[:16]
 
 
@@ -133,6 +133,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_search_scale.argtypes = [p, p, i64, i64, p, i32, i32, i32, i32, p, i32]
     lib.fp8_search_scale.restype = i32
     for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
+        fn.restype = i32
+    # recurrent.c: the gated delta rule, the causal conv and the Mamba2 state update (issue 41)
+    lib.gdn_recurrent.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, p, p, p, p, i64, i64, i64, i64, i64, f32,
+                                  i32, i32]
+    lib.conv1d_varlen.argtypes = [p, i64, p, p, p, p, p, p, p, p, i64, i64, i64, i32, i32]
+    lib.ssd_update.argtypes = [p, i64, p, i64, p, p, i64, p, i64, p, p, i32, f32, f32, p, p, p, p, p, p, i64, i64,
+                               i64, i64, i64, i32]
+    for fn in (lib.gdn_recurrent, lib.conv1d_varlen, lib.ssd_update):
         fn.restype = i32
 
 

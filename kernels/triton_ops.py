@@ -16,6 +16,9 @@ from .linear import fp8_linear_triton  # noqa: E402
 from .moe_triton import fused_moe_triton  # noqa: E402
 from .norm import rms_norm_triton  # noqa: E402
 from .rope import rope_triton  # noqa: E402
+from .causal_conv import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
+from .gated_delta import gated_delta_rule_chunk_triton, gated_delta_rule_recurrent_triton  # noqa: E402
+from .ssd_scan import ssd_chunk_scan_triton, ssd_state_update_triton  # noqa: E402
 
 KERNELS = {
     "rms_norm": rms_norm_triton,
@@ -27,6 +30,12 @@ KERNELS = {
     "write_kv": write_kv_triton,
     "paged_attention": paged_attention_triton,
     "fused_moe": fused_moe_triton,
+    "gated_delta_rule_chunk": gated_delta_rule_chunk_triton,
+    "gated_delta_rule_recurrent": gated_delta_rule_recurrent_triton,
+    "causal_conv1d": causal_conv1d_triton,
+    "causal_conv1d_update": causal_conv1d_update_triton,
+    "ssd_chunk_scan": ssd_chunk_scan_triton,
+    "ssd_state_update": ssd_state_update_triton,
 }
 
 for _name, _fn in KERNELS.items():

@@ -236,3 +236,20 @@ def test_bench_hashing_end_to_end(tmp_path):
     assert [(r["tokens"], r["blocks"]) for r in res["lookup"]] == [(64, 4), (256, 16)]
     assert all(r[k] > 0 for r in res["lookup"] for k in ("chain_ms", "lookup_ms", "again_ms", "former_lookup_ms"))
     assert res["decode"]["keyed_ms"] > 0 and res["decode"]["python_hash_ms"] > 0
+
+
+def test_bench_recurrent_end_to_end(tmp_path):
+    """`ridge bench recurrent`: every op timed by each backend the CPU has (the reference, and the C
+    kernels where built), at decode and in a prefill chunk, with tiny shapes."""
+    from ridge.cli import main
+    from ridge.kernels import native
+
+    out = tmp_path / "recurrent.json"
+    rc = main(["bench", "recurrent", "--batches", "1,3", "--prefill", "20", "--steps", "2", "--k-heads", "2",
+               "--v-heads", "4", "--k-dim", "16", "--v-dim", "16", "--ssd-heads", "4", "--ssd-head-dim", "8",
+               "--ssd-state", "16", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]["recurrent"]["rows"]
+    assert [(r["requests"], r["tokens_each"]) for r in rows] == [(1, 1)] * 3 + [(3, 1)] * 3 + [(1, 20)] * 3
+    backends = ["torch reference"] + (["C (ops)"] if native.library() is not None else [])
+    assert all(r[b] > 0 for r in rows for b in backends)

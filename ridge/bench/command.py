@@ -15,6 +15,7 @@
     ridge bench determinism a request's tokens alone, batched and speculated; --deterministic's cost
     ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
     ridge bench embeddings embedding throughput at batch 1 and 64 against transformers on the same model
+    ridge bench recurrent  one layer's recurrent ops (gated delta rule, conv, Mamba2) per backend
     ridge bench loading    time to first token while a model loads on request (host RAM, cache, cold)
     ridge bench all        the set, into one JSON
 
@@ -125,6 +126,8 @@ def add_bench_parser(subparsers) -> None:
     add_determinism_parser(sub, _common)
     add_moe_parser(sub, _common)
     add_embeddings_parser(sub, _common)
+    from .recurrent import add_recurrent_parser
+    add_recurrent_parser(sub, _common)
     from .loading import add_loading_parser
     add_loading_parser(sub)
 
@@ -365,6 +368,11 @@ def run_bench(args) -> int:
     if name == "moe":
         from .moe import run_moe
         run_moe(args, rep)
+        _write_json(rep, args)
+        return 0
+    if name == "recurrent":
+        from .recurrent import run_recurrent
+        run_recurrent(args, rep)
         _write_json(rep, args)
         return 0
     if name == "embeddings":

@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 
 TINY = "--tiny" in sys.argv
-# --only=moe,attn: just these sections (small, attn, linear, moe, tiers, e2e), after the ceilings.
+# --only=moe,attn: just these sections (small, attn, linear, moe, recurrent, tiers, e2e), after the ceilings.
 ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
 if TINY:
     os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
@@ -497,6 +497,63 @@ def check_linears(ceil: dict) -> None:
         check_linear("fp8 down", M, H, I, ceil)
 
 
+def check_recurrent(ceil: dict) -> None:
+    """Issue 41's recurrent layers, Qwen3-Next's gated delta rule (16 key / 32 value heads of 128, a
+    conv of 4 taps over q/k/v) and a Mamba2 layer (64 heads x 64, state 128, 1 group): decode
+    (32 requests, a token each: bound by the states' bytes, read and written once) and a prefill
+    chunk (4 requests x 1024 tokens, the chunked forms), fp32 state pools, against the references."""
+    from ridge.kernels import causal_conv as cc, gated_delta as gd, ssd_scan as ss
+    hk, hv, dk, dv, taps = (2, 4, 32, 32, 4) if TINY else (16, 32, 128, 128, 4)
+    sh, sp, sn = (4, 16, 16) if TINY else (64, 64, 128)
+    bw = ceil["copy_GBps"]
+    for n, length in (((3, 1), (2, 70)) if TINY else ((32, 1), (4, 1024))):
+        t = n * length
+        cu = torch.arange(n + 1, device=DEV) * length
+        slots = torch.randperm(4 * n, device=DEV)[:n]
+        q, k = torch.randn(t, hk, dk, device=DEV).to(DT), torch.randn(t, hk, dk, device=DEV).to(DT)
+        v = torch.randn(t, hv, dv, device=DEV).to(DT)
+        g = -torch.nn.functional.softplus(torch.randn(t, hv, device=DEV)) * 0.5
+        beta = torch.rand(t, hv, device=DEV).to(DT)
+        pool = torch.randn(4 * n, hv, dk, dv, device=DEV) * 0.1
+        pools = [pool.clone(), pool.clone()]
+        ref_fn, fn = ((gd.gated_delta_rule_recurrent_ref, gd.gated_delta_rule_recurrent_triton) if length == 1 else
+                      (gd.gated_delta_rule_chunk_ref, gd.gated_delta_rule_chunk_triton))
+        exp = ref_fn(q, k, v, g, beta, pools[0], cu, slots, use_qk_l2norm=True)
+        got = fn(q, k, v, g, beta, pools[1], cu, slots, use_qk_l2norm=True)
+        err = max(rel_err(got, exp), rel_err(pools[1][slots], pools[0][slots]))
+        ms = bench([lambda: fn(q, k, v, g, beta, pools[1], cu, slots, use_qk_l2norm=True)])
+        moved = 2 * n * hv * dk * dv * 4 + t * (2 * hk * dk + 2 * hv * dv) * 2
+        record(f"gated delta rule {'decode' if length == 1 else 'chunk'}", f"{n}x{length}x({hk},{hv})x{dk}", err,
+               1e-2, ms, moved / ms / 1e6, "GB/s", bw)
+
+        c = 2 * hk * dk + hv * dv
+        x, w = torch.randn(t, c, device=DEV).to(DT), torch.randn(c, taps, device=DEV) * 0.5
+        cpool = torch.randn(4 * n, taps - 1, c, device=DEV).to(DT)
+        cpools = [cpool.clone(), cpool.clone()]
+        exp = cc.causal_conv1d_ref(x, w, None, cpools[0], cu, slots, activation="silu")
+        got = cc.causal_conv1d_triton(x, w, None, cpools[1], cu, slots, activation="silu")
+        err = max(rel_err(got, exp), rel_err(cpools[1][slots], cpools[0][slots]))
+        ms = bench([lambda: cc.causal_conv1d_triton(x, w, None, cpools[1], cu, slots, activation="silu")])
+        record(f"causal conv {'decode' if length == 1 else 'chunk'}", f"{n}x{length}x{c}", err, 1e-2, ms,
+               (2 * t * c + 2 * n * (taps - 1) * c) * 2 / ms / 1e6, "GB/s", bw)
+
+        sx, sdt = torch.randn(t, sh, sp, device=DEV).to(DT), torch.randn(t, sh, device=DEV).to(DT)
+        sB, sC = (torch.randn(t, 1, sn, device=DEV) * sn ** -0.5).to(DT), torch.randn(t, 1, sn, device=DEV).to(DT)
+        sA, sD, sbias = -torch.rand(sh, device=DEV), torch.randn(sh, device=DEV), torch.randn(sh, device=DEV) * 0.5
+        spool = torch.randn(4 * n, sh, sp, sn, device=DEV) * 0.1
+        spools = [spool.clone(), spool.clone()]
+        ref_fn, fn = ((ss.ssd_state_update_ref, ss.ssd_state_update_triton) if length == 1 else
+                      (ss.ssd_chunk_scan_ref, ss.ssd_chunk_scan_triton))
+        kw = dict(D=sD, dt_bias=sbias, dt_softplus=True)
+        exp = ref_fn(sx, sdt, sA, sB, sC, spools[0], cu, slots, **kw)
+        got = fn(sx, sdt, sA, sB, sC, spools[1], cu, slots, **kw)
+        err = max(rel_err(got, exp), rel_err(spools[1][slots], spools[0][slots]))
+        ms = bench([lambda: fn(sx, sdt, sA, sB, sC, spools[1], cu, slots, **kw)])
+        moved = 2 * n * sh * sp * sn * 4 + t * (2 * sh * sp + 2 * sn) * 2
+        record(f"mamba2 {'decode' if length == 1 else 'chunk'}", f"{n}x{length}x{sh}x{sp}x{sn}", err, 1e-2, ms,
+               moved / ms / 1e6, "GB/s", bw)
+
+
 def check_moes(ceil: dict) -> None:
     """Qwen3-30B-A3B's experts (128, top-8, hidden 2048, 768 each) and gpt-oss-20b's (32, top-4,
     2880 and 2880, clamped SwiGLU with biases); toy ones under the interpreter."""
@@ -525,6 +582,8 @@ def main() -> int:
             check_linears(ceil)
         if wanted("moe"):
             check_moes(ceil)
+        if wanted("recurrent"):
+            check_recurrent(ceil)
         if wanted("tiers"):
             check_kv_tiers()
     print_table()
