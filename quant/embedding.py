@@ -82,7 +82,7 @@ def load_table_and_head(model, sd, device: torch.device, dtype: torch.dtype) -> 
     head (no lm_head.weight in sd) is the table's storage in every format."""
     table, head = sd["embed_tokens.weight"], sd.get("lm_head.weight")
     tied = model.cfg.tie_word_embeddings  # +head writes a tied model's head too: the table's e4m3 copy
-    if device.type == "cpu" and (image := packed_image(sd, "lm_head", tuple(table.shape))) is not None:
+    if ops.resident_e4m3(device, tuple(table.shape)) and (image := packed_image(sd, "lm_head", tuple(table.shape))):
         # A CPU image (ridge/models/cpu_image.py): the head's bytes mapped, the table's its own or the head's
         own = packed_image(sd, "embed_tokens", tuple(table.shape))
         if own is not None or tied:

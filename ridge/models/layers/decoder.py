@@ -146,7 +146,8 @@ class CausalLM(nn.Module):
     def _load_modules(modules, sd, device: torch.device, dtype: torch.dtype) -> None:
         for name, mod in modules:
             if isinstance(mod, FP8Linear):
-                image = packed_image(sd, name, (mod.out_features, mod.in_features)) if device.type == "cpu" else None
+                shape = (mod.out_features, mod.in_features)
+                image = packed_image(sd, name, shape) if ops.resident_e4m3(device, shape) else None
                 if image is not None:  # mapped from a CPU image (ridge/models/cpu_image.py): no copy
                     mod.hold(image, sd.get(name + ".bias"), dtype)
                     continue
