@@ -222,7 +222,10 @@ def read_seconds(entry: Path) -> float:
 
 
 def measure_starts(path: Path, cold_rounds: int, rounds: int, threads: int) -> dict:
-    """-> {"cold": [start, ...], "cached": [start with "read": seconds, ...], "params": n, "cache_bytes": n}."""
+    """-> {"cold": [start, ...], "cached": [start with "read": seconds, ...], "params": n, "cache_bytes": n,
+    "image_bytes": n}."""
+    from ridge.models.cpu_image import image_key
+
     work = Path(tempfile.mkdtemp(prefix="ridge-bench-starts-"))
     cache = work / "cache"
     real = cache_home() / "ridge"
@@ -236,10 +239,15 @@ def measure_starts(path: Path, cold_rounds: int, rounds: int, threads: int) -> d
             shutil.rmtree(cache / "ridge" / "models", ignore_errors=True)
             out["cold"].append(_start(path, cache, threads))
         entries = [d for d in (cache / "ridge" / "models").iterdir() if (d / "meta.json").is_file()]
-        out["cache_bytes"] = sum(f.stat().st_size for d in entries for f in d.iterdir())
+        images = [d for d in entries if d.name.endswith(image_key(""))]
+        out["cache_bytes"] = sum(f.stat().st_size for d in entries if d not in images for f in d.iterdir())
+        out["image_bytes"] = sum(f.stat().st_size for d in images for f in d.iterdir())
+        # What a cached start reads: on a CPU the image (its weights mapped; the converted entry's
+        # weights are not read), else the converted entry.
+        read = images or entries
         for _ in range(rounds):
             start = _start(path, cache, threads)
-            start["read"] = sum(read_seconds(d) for d in entries)
+            start["read"] = sum(read_seconds(d) for d in read)
             out["cached"].append(start)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -248,7 +256,8 @@ def measure_starts(path: Path, cold_rounds: int, rounds: int, threads: int) -> d
 
 def report_starts(path: Path, r: dict) -> str:
     gib, n = 1 << 30, r["params"]
-    lines = [f"{path.name}: {n / 1e9:.2f}B parameters, converted cache {r['cache_bytes'] / gib:.2f} GiB",
+    lines = [f"{path.name}: {n / 1e9:.2f}B parameters, converted cache {r['cache_bytes'] / gib:.2f} GiB, "
+             f"CPU image {r.get('image_bytes', 0) / gib:.2f} GiB (a cached start reads the image where there is one)",
              "", "| start | wall (median) | peak RSS | resident weights | bytes/param | RSS - weights | "
              "weights load | reading the cache | load / read | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for kind in ("cold", "cached"):
