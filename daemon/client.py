@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
+from ridge.request import GENERATE
+
 from .transport.endpoint import find_daemon, ipc_path, probe
 
 VERSION = 4  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
@@ -196,8 +198,8 @@ def resolve_endpoint(endpoint: str | None = None, environ=os.environ) -> str:
     return found
 
 
-BESIDE_PARAMS = ("cache_salt", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "model",
-                 "keep_alive")
+# The generate fields beside params, as the request declares them (ridge/request.GENERATE).
+BESIDE_PARAMS = tuple(k for k in GENERATE if k != "stream")
 
 
 def generate_message(rid: str, prompt=None, messages=None, token_ids=None, stream=True, params=None) -> dict:

@@ -4,10 +4,11 @@ Everything here is plain data in, plain data out: decoding a frame into a
 checked message, and building the daemon's replies. No sockets, no engine."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import msgpack
+
+from ridge.request import is_int, is_num  # noqa: F401 (the wire's number rules, the declaration's)
 
 VERSION = 4  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
 SUPPORTED = (1, 2, 3, 4)
@@ -200,14 +201,6 @@ def reply_id_of(msg: dict) -> str | None:
 
 
 # -- field checks ----------------------------------------------------------------
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def is_num(x) -> bool:
-    return (is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
 def fail(name: str, want: str, rid: str | None) -> ProtocolError:
     return ProtocolError(INVALID_FIELD, f"{name} must be {want}", rid)
 

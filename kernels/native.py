@@ -116,10 +116,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear_tiles.restype = i32
     lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64, i32]
     lib.fp8_widen.restype = i32
-    lib.fp8_rows.argtypes = [p, i64, p, i32, i64, p, i64, p, i32, i32]
+    lib.fp8_rows.argtypes = [p, i64, i64, p, i32, i64, p, i64, p, i32, i32]
     lib.q8_pack.argtypes = [p, i32, i64, i64, i64, i64, p, p, i32]
     lib.q8_pack.restype = None
-    lib.fp8_rows.restype = None
+    lib.fp8_rows.restype = i32
     lib.bf16_linear.argtypes, lib.bf16_linear.restype = [p, i64, i64, p, i64, p, i32], i32
     lib.fp8_moe.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, p, p, i32, f32, f32, p, i32, i32]
     lib.fp8_moe.restype = i32
@@ -318,10 +318,10 @@ def fp8_rows(packed: torch.Tensor, scale256: torch.Tensor, ids: torch.Tensor, i8
     nb, kp = packed.shape[:2]
     scale256, gk, sbf = _scales(packed, scale256)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    assert ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < nb * 16), "token id out of range"
     out = torch.empty((ids.numel(), 2 * kp), dtype=torch.float32)
-    library().fp8_rows(packed.data_ptr(), 2 * kp, scale256.data_ptr(), sbf, gk, ids.data_ptr(), ids.numel(),
-                       out.data_ptr(), int(i8), torch.get_num_threads())
+    rc = library().fp8_rows(packed.data_ptr(), nb * 16, 2 * kp, scale256.data_ptr(), sbf, gk, ids.data_ptr(),
+                            ids.numel(), out.data_ptr(), int(i8), torch.get_num_threads())
+    assert rc == 0, "token id out of range"
     return out
 
 

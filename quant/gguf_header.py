@@ -15,10 +15,12 @@ checked with fstat before a byte is read."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MAX_KV = 4096  # metadata keys; real models hold 20-60
 MAX_TENSORS = 1 << 16  # a 671B MoE holds ~1,100 (its experts are stacked)
@@ -29,6 +31,9 @@ MAX_HEADER_BYTES = 256 << 20  # the whole header: metadata and tensor records
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_SECONDS = 10.0  # the walk's wall time; a header within the bounds above takes well under a second
 KEEP_STRING = 4096  # scalar strings longer than this are skipped, not kept
+MAX_SPLITS = 1024  # parts of a split GGUF; the largest models ship in tens
+# llama.cpp's gguf-split names: PREFIX-00001-of-00003.gguf (llama_split_path's "%s-%05d-of-%05d.gguf")
+SPLIT_NAME = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
 _FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -187,3 +192,24 @@ class _Walk:
                 self.fail(f"a tensor of {dims} dimensions (the bound is {MAX_DIMS})")
             self.take(8 * dims + 4 + 8)
         return Header(version, tensors, kvs, self.at, values)
+
+
+def split_parts(path, header: Header | None = None) -> list[Path]:
+    """The files of the model whose first part `path` is, in order: llama.cpp's gguf-split layout,
+    split.count parts named PREFIX-0000k-of-0000n.gguf side by side, the metadata in the first and
+    the tensors spread over all. [path] for a GGUF that is not split. A later part given alone, or
+    a name that disagrees with the count, is a HeaderError that names the first part."""
+    values = (header or read_header(path)).values
+    count, no = values.get("split.count", 1), values.get("split.no", 0)
+    if not isinstance(count, int) or count <= 1:
+        return [Path(path)]
+    if count > MAX_SPLITS:
+        raise HeaderError(f"{path}: split in {count} parts (the bound is {MAX_SPLITS})")
+    m = SPLIT_NAME.match(Path(path).name)
+    if not m or int(m[3]) != count:
+        raise HeaderError(f"{path}: part of a GGUF split in {count}, not named as llama.cpp names the parts "
+                          f"(PREFIX-00001-of-{count:05d}.gguf)")
+    if no != 0 or int(m[2]) != 1:
+        raise HeaderError(f"{path}: part {no + 1} of a GGUF split in {count}; give its first part, "
+                          f"{m[1]}-00001-of-{count:05d}.gguf")
+    return [Path(path).with_name(f"{m[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]

@@ -89,22 +89,62 @@ def _dequantize(t) -> torch.Tensor:
 
 
 def open_gguf(path):
-    import gguf
-
-    from .gguf_header import HeaderError, read_header
+    """A GGUF file's reader; for the first part of a split GGUF, a SplitReader over all its parts."""
+    from .gguf_header import HeaderError, read_header, split_parts
     try:
         # Bounded first: the reader allocates what the header declares, and blocks on a FIFO.
-        read_header(path)
+        header = read_header(path)
+        parts = split_parts(path, header)
     except FileNotFoundError:
         raise ModelLoadError(path, "no such file") from None
     except (OSError, HeaderError) as e:
         raise ModelLoadError(path, f"not a readable GGUF file ({e})") from None
+    if len(parts) == 1:
+        return _reader(path)
+    readers = [_reader(path)]
+    for i, part in enumerate(parts[1:], 1):
+        try:
+            values = read_header(part).values
+        except FileNotFoundError:
+            raise ModelLoadError(part, f"no such file: part {i + 1} of {len(parts)} of {path}") from None
+        except (OSError, HeaderError) as e:
+            raise ModelLoadError(part, f"not a readable GGUF file ({e})") from None
+        if (values.get("split.no"), values.get("split.count")) != (i, len(parts)):
+            raise ModelLoadError(part, f"says it is part {values.get('split.no', 0) + 1} of "
+                                 f"{values.get('split.count', 1)}, not part {i + 1} of {len(parts)} of {path}")
+        readers.append(_reader(part))
+    return SplitReader(readers, parts, header.values.get("split.tensors.count"))
+
+
+def _reader(path):
+    import gguf
     try:
         return gguf.GGUFReader(str(path), "r")
     except FileNotFoundError:
         raise ModelLoadError(path, "no such file") from None
     except Exception as e:  # the reader raises many kinds on a bad file
-        raise ModelLoadError(path, f"not a readable GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(path, "not a readable GGUF file, corrupt or truncated "
+                             f"({type(e).__name__}: {e})") from None
+
+
+class SplitReader:
+    """The parts of a split GGUF read as one file, as llama.cpp loads them: the first part's
+    metadata, every part's tensors, each exactly once, as many as split.tensors.count says."""
+
+    def __init__(self, readers: list, parts: list, tensor_count):
+        self.readers, self.parts = readers, parts
+        self.fields, self.data = readers[0].fields, readers[0].data
+        self.tensors = [t for r in readers for t in r.tensors]
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ModelLoadError(parts[0], f"tensor {twice[0]} is in more than one part of the split GGUF")
+        if tensor_count != len(names):
+            raise ModelLoadError(parts[0], f"split.tensors.count says {tensor_count} tensors; its {len(parts)} "
+                                 f"parts hold {len(names)}")
+
+    def get_field(self, key):
+        return self.fields.get(key)
 
 
 class GGUFTensors:
@@ -166,12 +206,13 @@ class GGUFTensors:
             sd[hf_name(t.name, family.names)] = w
         # The values are copies now: the file's pages just read leave the process (they stay in
         # the page cache), else every layer's would count in its resident memory to the end.
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
+        for reader in getattr(self.reader, "readers", [self.reader]):
+            mm = getattr(reader.data, "_mmap", None)
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
         return sd
 
     def globals(self) -> dict[str, torch.Tensor]:

@@ -40,8 +40,19 @@ def cache_root() -> Path:
 
 
 def _fingerprint(src: Path) -> list:
-    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
+    files = _files(src) if src.is_file() else sorted(p for p in src.iterdir() if p.is_file())
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _files(src: Path) -> list[Path]:
+    """A file and, for the first part of a split GGUF, its other parts: a change to any is a new model."""
+    if src.suffix.lower() != ".gguf":
+        return [src]
+    from .gguf_header import HeaderError, split_parts
+    try:
+        return [p for p in split_parts(src) if p.exists()]  # a missing part: the loader names it
+    except (OSError, HeaderError):
+        return [src]  # the loader refuses it, with the reason
 
 
 def cache_key(src: Path, options: dict) -> str:

@@ -5,8 +5,11 @@ from dataclasses import asdict, dataclass, field
 
 # How a mixture-of-experts router turns its logits into the k experts' weights: softmax over
 # all experts then the top k (renormalised over them where norm_topk_prob: qwen3_moe, mixtral),
-# or the top k logits then a softmax over those (gpt-oss).
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+# or the top k logits then a softmax over those (gpt-oss), or sigmoids chosen among by the
+# sigmoids plus a correction bias within the best groups, then renormalised where norm_topk_prob
+# and scaled (GLM-4.5, DeepSeek-V3's rule: moe_n_group, moe_topk_group, routed_scaling_factor), or
+# the top k logits then a sigmoid of each (Llama 4, whose experts take their weight on their input).
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "topk_sigmoid")
 
 
 @dataclass(slots=True)
@@ -59,12 +62,25 @@ class ModelConfig:
     norm_topk_prob: bool = False  # softmax_topk: the k weights divided by their sum
     moe_layers: list[int] | None = None
     moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
+    moe_n_group: int = 1  # sigmoid_group_topk: the experts' groups, of which moe_topk_group are chosen from
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_group_topk: multiplies the k weights
+    # A dense gated MLP beside the experts in each sparse layer, added to their output (GLM-4.5's
+    # shared experts); 0: none.
+    shared_expert_intermediate_size: int = 0
     # The experts' activation (kernels/moe.py ACTIVATIONS); None: hidden_act. gpt-oss's
     # "swigluoai" clamps at swiglu_limit and gates with sigmoid(swiglu_alpha * gate).
     moe_act: str | None = None
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    # Layers whose q and k enter attention unrotated (NoPE): SmolLM3's every fourth, EXAONE 4's
+    # global layers. None: every layer applies RoPE.
+    nope_layers: list[int] | None = None
+    # q times 1 + beta * log(1 + floor((p + offset) / period)) at position p, after RoPE (Ministral 3's
+    # llama_4_scaling_beta over original_max_position_embeddings; Llama 4's attn_scale over
+    # floor_scale, offset 1, on its NoPE layers only): {"beta", "period"[, "offset"]}; None: 1.
+    query_scale: dict | None = None
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -122,6 +138,7 @@ class ModelConfig:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None)
         mlps = (self.num_layers - moe) * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
+        mlps += moe * 3 * self.hidden_size * self.shared_expert_intermediate_size
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
                           self.num_layers * attn + mlps + embeddings, self.sliding_window if sliding else None,
                           sliding, self.num_experts if moe else 0, self.num_experts_per_tok if moe else 0,

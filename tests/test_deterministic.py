@@ -121,9 +121,9 @@ def test_invariant_formats_give_a_row_the_same_bits_at_every_row_count(loaded):
         if m is not head:
             kinds |= set(m.kinds)
     # Every decoder layer is e4m3 on a CPU: the streaming kernel where it is invariant here, else
-    # the blocked product padded as MKL's fp32 is. The head is the default recipe's wide table
-    # (quant/embedding.py), run in fp32.
-    assert kinds and kinds <= {"fp8", "tiles"} and head.kinds == ["fp32"]
+    # the blocked product padded as MKL's fp32 is. The head is the default recipe's table as
+    # int8 codes (quant/embedding.py), run by the same two products.
+    assert kinds and kinds <= {"fp8", "tiles"} and head.code == "i8" and set(head.kinds) <= {"fp8", "tiles"}
     w = torch.randn(96, 64)
     assert not cpu_linear_plan.is_invariant(lambda x: x @ w.T * (1 + 1e-6 * len(x)), 64, 40)
 

@@ -332,7 +332,7 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused(tmp_path):
 @pytest.mark.parametrize("key,value,named", [
     ("llama.expert_shared_count", 1, "llama.expert_shared_count"),
     ("llama.rope.dimension_count", 8, "llama.rope.dimension_count=8"),
-    ("olmo2.attention.sliding_window", 16, "olmo2.attention.sliding_window=16"),
+    ("olmo2.attention.sliding_window", 0, "olmo2.attention.sliding_window=0"),  # Olmo 3's (ridge/models/olmo3/)
     ("gemma2.expert_count", 8, "gemma2.expert_count"),
     ("gemma3.attn_logit_softcapping", 50, "gemma3.attn_logit_softcapping"),
     ("gemma3.attention.sliding_window_pattern", 3, "gemma3.attention.sliding_window_pattern=3"),

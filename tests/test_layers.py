@@ -2,7 +2,7 @@
 
 Low to high: kernels < quant, cache < models < engine < daemon < bench, tui < cli.
 A package imports only from layers below it; ridge/config.py, tokenizer.py,
-plan.py, options.py, errors.py and durations.py are shared low-level modules that import only each
+plan.py, options.py, errors.py, durations.py and request.py are shared low-level modules that import only each
 other. So no package imports one above it and the package graph has no cycle;
 only the CLI imports ridge.bench. tui talks to the daemon's protocol and never
 reaches torch; nothing outside tui imports textual. The HTTP gateway
@@ -24,6 +24,7 @@ SHARED = 0
 LAYERS = {
     "ridge.config": SHARED, "ridge.tokenizer": SHARED, "ridge.plan": SHARED, "ridge.options": SHARED,
     "ridge.errors": SHARED, "ridge.spawn": SHARED, "ridge.template_sandbox": SHARED, "ridge.durations": SHARED,
+    "ridge.request": SHARED,
     "ridge.kernels": 1,
     "ridge.quant": 2, "ridge.cache": 2,
     "ridge.models": 3,

@@ -127,13 +127,90 @@ def ref_dry(tokens, mult, base, allowed, breakers):
     ([1, 2, 3, 4, 5], set()),
 ])
 def test_dry_is_its_definition(tokens, breakers):
-    p = SamplingParams(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_breaker_ids=frozenset(breakers))
+    p = SamplingParams(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_breaker_ids=frozenset((b,) for b in breakers))
     x = logits(6)
     got = adjust_logits(x.clone(), [req(p, prompt=tokens)])
     want = x.clone()
     for t, pen in ref_dry(tokens, 0.8, 1.75, 2, breakers).items():
         want[0, t] -= pen
     torch.testing.assert_close(got, want)
+
+
+def ref_dry_sequences(tokens, mult, base, allowed, sequences):
+    """llama.cpp's DRY (llama_sampler_dry_apply) with breakers as token sequences (head, *tail),
+    naive: the newest head followed by one of its tails ends the repeat's room (rep_limit); each
+    earlier end's match with the newest tokens, capped there, scores the token after it; a token
+    that is a breaker by itself is spared; the exponent is capped at int(log(FLT_MAX) / log(base))."""
+    L = len(tokens)
+    if L < 2 or L <= allowed:
+        return {}
+    limit = L
+    for i in range(L):  # i tokens after the head
+        head = tokens[L - 1 - i]
+        fits = [len(seq) - 1 for seq in sequences
+                if seq[0] == head and len(seq) - 1 <= i and list(seq[1:]) == tokens[L - i:L - i + len(seq) - 1]]
+        if fits:
+            limit = i - max(fits)
+            break
+    if limit < allowed:
+        return {}
+    best = {}
+    for end in range(L - 1):
+        m = 0
+        while m < limit and end - m >= 0 and tokens[end - m] == tokens[L - 1 - m]:
+            m += 1
+        if m >= allowed:
+            best[tokens[end + 1]] = max(best.get(tokens[end + 1], 0), m)
+    cap = int(88.7228391 / math.log(base)) if base > 1.000001 else 0
+    single = {seq[0] for seq in sequences if len(seq) == 1}
+    return {t: mult * base ** (min(n - allowed, cap) if cap > 0 else n - allowed)
+            for t, n in best.items() if t not in single}
+
+
+@pytest.mark.parametrize("tokens,sequences,base", [
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3], {(5, 6)}, 1.75),  # a breaker before the repeat: no cut
+    ([1, 2, 5, 7, 1, 2, 5], {(5, 6)}, 1.75),  # 5 without its 6 breaks nothing
+    ([1, 2, 5, 6, 9, 1, 2, 5, 6], {(5, 6)}, 1.75),  # the newest tokens spell the breaker
+    ([3, 4, 5, 6, 3, 4, 8, 3, 4], {(5, 6)}, 1.75),
+    ([1, 2, 5, 6, 7, 1, 2, 5, 6, 7, 1, 2], {(5,), (5, 6, 7)}, 1.75),  # the longest tail that fits
+    ([1, 2, 9, 4, 1, 2], {(9,)}, 1.75),  # 9 extends the repeat but is a breaker: spared
+    ([4, 4, 4, 4, 4, 4], set(), 1e30),  # the exponent's cap
+])
+def test_dry_with_breakers_of_several_tokens_is_llama_cpps(tokens, sequences, base):
+    p = SamplingParams(dry_multiplier=0.8, dry_base=base, dry_allowed_length=2, dry_breaker_ids=frozenset(sequences))
+    x = logits(6).double()
+    got = adjust_logits(x.clone(), [req(p, prompt=tokens)])
+    want = x.clone()
+    for t, pen in ref_dry_sequences(tokens, 0.8, base, 2, sequences).items():
+        want[0, t] -= pen
+    torch.testing.assert_close(got, want)
+
+
+def test_a_breaker_spanning_tokens_is_found_as_llama_cpp_finds_it(tmp_path):
+    """get_overlapping_token_sequences: "am:" is in no token of the tiny byte-level vocabulary; a token
+    ending in its start ("a", " a") heads it, followed by the tokens of the rest ("m", ":")."""
+    from ridge.daemon import protocol as P
+    from ridge.daemon.cli.config import defaults
+    from ridge.daemon.cli.serve import limits
+    from ridge.daemon.frontend.validate import Validator
+    from ridge.tokenizer import Tokenizer
+    from tiny_models import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    v = Validator(tok, tok.vocab_size, 256, 16, 64, limits(defaults(), 256))
+    one = {text: ids[0] for text in ("a", " a", "m", ":", "an", "\n") if len(ids := tok.encode(text, False)) == 1}
+    assert len(one) == 6
+    body = {"prompt": "x", "params": {"max_tokens": 1, "dry_multiplier": 0.8, "dry_sequence_breakers": ["am:", "\n"]}}
+    seqs = v.generate(P.Envelope("generate", "g", body, 2)).params.dry_breaker_ids
+    assert {(one["a"], one["m"], one[":"]), (one[" a"], one["m"], one[":"]), (one["\n"],)} <= seqs
+    heads = {s[0] for s in seqs}
+    assert one[":"] not in heads and one["an"] not in heads and one["m"] not in heads
+    # every sequence spells the breaker across its tokens' texts, from a token's end
+    for head, *tail in seqs:
+        text, rest = tok.decode([head], False), tok.decode(tail, False)
+        assert "\n" in text if not tail else any(text.endswith(b[:len(b) - len(rest)]) and b.endswith(rest)
+                                                for b in ("am:",))
 
 
 def test_top_n_sigma_is_its_definition():

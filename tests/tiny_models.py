@@ -100,8 +100,11 @@ _FAMILY_GGUF_NAMES = {
     "phi3": {**_GGUF_NAMES, "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
     "olmo2": {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "seed_oss": {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight"},
 }
-_PERMUTED = ("llama", "granite", "mixtral")  # the converter interleaves Q and K rows for llama.cpp's NORM rope
+_FAMILY_GGUF_NAMES["olmo3"] = _FAMILY_GGUF_NAMES["olmo2"]  # llama.cpp writes Olmo 3 as olmo2
+_FAMILY_GGUF_NAMES["exaone4"] = _FAMILY_GGUF_NAMES["olmo2"]
+_PERMUTED = ("llama", "granite", "mixtral", "smollm3")  # the converter interleaves Q and K rows for llama.cpp's NORM rope
 
 
 # Gemma's four norms a layer, as llama.cpp's converter names them.
@@ -109,7 +112,7 @@ _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm.weight": "post_att
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GEMMA = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # ModelConfig.arch -> general.architecture
-_GGUF_ARCH = {**_GEMMA, "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # llama.cpp writes Mixtral as llama
+_GGUF_ARCH = {**_GEMMA, "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmo3": "olmo2"}  # llama.cpp writes Mixtral as llama
 
 
 def _moe_metadata(w, cfg: ModelConfig) -> None:
@@ -173,6 +176,9 @@ def _family_metadata(w, cfg: ModelConfig) -> None:
             w.add_rope_scaling_orig_ctx_len(old)
             scale = cfg.max_position / old
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1.0 else 1.0)
+    elif cfg.arch in ("olmo3", "exaone4") and cfg.sliding_window:  # the window and a flag a layer
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     elif cfg.arch == "granite":
         if cfg.softmax_scale:
             w.add_attention_scale(cfg.softmax_scale)
@@ -182,15 +188,17 @@ def _family_metadata(w, cfg: ModelConfig) -> None:
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
-               tokenizer: bool = True, raw: dict | None = None) -> Path:
+               tokenizer: bool = True, raw: dict | None = None, split_max_tensors: int = 0) -> Path:
     """Matrices in `qtype` (norms and biases stay F32), llama's Q/K rows permuted
     as llama.cpp's converter does. raw: GGUF tensor name -> (bytes array, type
-    name), written as given instead (types gguf-py can read but not write)."""
+    name), written as given instead (types gguf-py can read but not write). split_max_tensors: as
+    llama.cpp's gguf-split --split-max-tensors, parts PATH.stem-0000k-of-0000n.gguf beside PATH;
+    the first part's path is returned."""
     import gguf
     from gguf.quants import quantize
 
     qt = gguf.GGMLQuantizationType[qtype]
-    w = gguf.GGUFWriter(str(path), _GGUF_ARCH.get(cfg.arch, cfg.arch))
+    w = gguf.GGUFWriter(str(path), _GGUF_ARCH.get(cfg.arch, cfg.arch), split_max_tensors=split_max_tensors)
     w.add_name(cfg.name)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -246,7 +254,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0] if split_max_tensors else path
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:

@@ -16,22 +16,32 @@ def add_client_args(p) -> None:
                    help="daemon endpoint (default: $RIDGE_ENDPOINT, then the user socket, then the system socket)")
 
 
+def _flagged():
+    from ridge.request import specs
+
+    return [s for s in specs().values() if s.rule.flag]
+
+
 def add_sampling_args(p) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    """The request's sampling fields declared as flags (ridge/request.py): names, help and defaults."""
+    for s in _flagged():
+        flag = "--" + s.name.replace("_", "-")
+        if s.kind is list:  # a list of strings: the flag repeats
+            p.add_argument(flag, action="append", default=[], help=f"{s.rule.doc} (repeatable)")
+            continue
+        shown = "" if s.default_value is None else f" (default: {s.default_value})"
+        p.add_argument(flag, type=s.kind, default=s.default_value, help=s.rule.doc + shown)
 
 
 def sampling_fields(args) -> dict:
-    """The sampling flags as a request's fields (the protocol's and SamplingParams' names)."""
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-            "seed": args.seed, "stop": list(args.stop)}
+    """The sampling flags as a request's fields (the protocol's and SamplingParams' names): those
+    that differ from the declared defaults, and max_tokens (a command's own default may differ)."""
+    out = {}
+    for s in _flagged():
+        v = getattr(args, s.name)
+        if s.name == "max_tokens" or v != s.default_value:
+            out[s.name] = list(v) if s.kind is list else v
+    return out
 
 
 def add_daemon_parsers(sub) -> None:

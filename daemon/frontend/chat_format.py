@@ -129,3 +129,49 @@ def ridge_tool_messages(messages: list[dict], tools: list[dict] | None) -> list[
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+# -- system messages among the turns ---------------------------------------------------------------------
+def render_chat(apply, messages: list[dict], **kw) -> str:
+    """apply(messages, **kw) (a tokenizer's apply_chat_template): a system message after the first
+    is rendered where it stands; when the template refuses that ("System message must be at the
+    beginning", "roles must alternate") or drops it unread (its text is not in what it wrote), the
+    same chat again with each such message folded into a user turn (fold_system). Whatever the
+    second render raises is the template's answer."""
+    folded = fold_system(messages)
+    if folded is None:
+        return apply(messages, **kw)
+    try:
+        text = apply(messages, **kw)
+    except Exception:
+        return apply(folded, **kw)
+    late = (m["content"].strip() for m in messages[1:] if m["role"] == "system")  # templates may trim
+    return text if all(c in text for c in late) else apply(folded, **kw)
+
+
+def fold_system(messages: list[dict]) -> list[dict] | None:
+    """Each system message after the first as a note in a user turn, where it stands: joined to the
+    end of the user message before it, else to the start of the one after it, else a user message
+    of its own (between two assistant turns, or after a tool result). None: there is none to fold.
+    Not into the leading system message: that would change the prompt's head whenever a client adds
+    one (Claude Code sends them as a session goes on), and the whole conversation's cached prefix with it."""
+    if not any(m["role"] == "system" for m in messages[1:]):
+        return None
+    out: list[dict] = []
+    pending: list[str] = []  # notes waiting for the user message after them
+    for i, m in enumerate(messages):
+        if m["role"] != "system" or i == 0:
+            if m["role"] == "user" and pending:
+                m = {**m, "content": "\n\n".join(pending + [m["content"]])}
+                pending = []
+            elif pending:
+                out.append({"role": "user", "content": "\n\n".join(pending)})
+                pending = []
+            out.append(m)
+        elif out and out[-1]["role"] == "user" and not pending:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            pending.append(m["content"])
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out

@@ -108,10 +108,37 @@ def closed(schema):
     return out
 
 
+_KEY_SCHEMAS = ("items", "not", "additionalItems", "contains", "additionalProperties", "unevaluatedProperties",
+                "unevaluatedItems", "if", "then", "else")
+_KEY_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_KEY_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_vacuous(schema):
+    """The schema less the `propertyNames` every key meets ({"type": "string"}, {}, true: a JSON
+    key is a string), which the grammar engine does not implement; nothing it admits changes.
+    Claude Code's AskUserQuestion tool declares one."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if out.get("propertyNames") in ({"type": "string"}, {}, True):
+        del out["propertyNames"]
+    for k in _KEY_SCHEMAS:
+        if k in out:
+            out[k] = without_vacuous(out[k])
+    for k in _KEY_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [without_vacuous(x) for x in out[k]]
+    for k in _KEY_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: without_vacuous(x) for name, x in out[k].items()}
+    return out
+
+
 def _call_schema(tool: Tool, key: str) -> dict:
     """{"name": const, key: the tool's parameters, closed}; the parameters' $defs move to the root,
     where their "#/$defs/..." references point."""
-    params = closed(tool.parameters)
+    params = closed(without_vacuous(tool.parameters))
     root = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     return {"type": "object", "properties": {"name": {"const": tool.name}, key: params},
             "required": ["name", key], "additionalProperties": False,

@@ -99,13 +99,14 @@ class EngineLoop(threading.Thread):
         return self.engine
 
     # -- called from the socket thread ---------------------------------------------
-    def add(self, engine_id: str, prompt_token_ids: list[int], params, cache_salt: str = "") -> None:
-        """A request the daemon's Validator admitted: the engine does not check it again."""
-        self.inbox.append(("add", engine_id, prompt_token_ids, params, cache_salt))
+    def add(self, engine_id: str, prompt, params=None, cache_salt: str = "") -> None:
+        """prompt: what the daemon's Validator admitted (engine/admit.Admitted), which the engine takes
+        as it is; or token ids and their params, which the engine admits (engine.add_request)."""
+        self.inbox.append(("add", engine_id, prompt, params, cache_salt))
         self._wake.set()
 
-    def embed(self, engine_id: str, inputs: list[list[int]], dimensions: int | None) -> None:
-        """An embed request the Validator admitted (engine.add_embedding, checked)."""
+    def embed(self, engine_id: str, inputs: list, dimensions: int | None) -> None:
+        """An embed request whose inputs the Validator admitted (engine/admit.Admitted each)."""
         self.inbox.append(("embed", engine_id, inputs, dimensions))
         self._wake.set()
 
@@ -156,9 +157,9 @@ class EngineLoop(threading.Thread):
                 eid = cmd[1]
                 try:
                     if cmd[0] == "add":
-                        self.engine.add_request(eid, cmd[2], cmd[3], cmd[4], checked=True)
+                        self.engine.add_request(eid, cmd[2], cmd[3], cmd[4])
                     else:
-                        self.engine.add_embedding(eid, cmd[2], cmd[3], checked=True)
+                        self.engine.add_embedding(eid, cmd[2], cmd[3])
                 except InvalidRequest as e:
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop

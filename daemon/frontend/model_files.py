@@ -120,7 +120,18 @@ def read_facts(path: str) -> tuple[tuple | None, Facts]:
     arch = values.get("general.architecture")
     kind = values.get(f"{arch}.pooling_type")
     pooling = GGUF_POOLING.get(kind, "unknown") if isinstance(kind, int) else None
-    return key, Facts(st.st_size, st.st_mtime, fmt, pooling)
+    return key, Facts(_parts_size(path, values, st.st_size), st.st_mtime, fmt, pooling)
+
+
+def _parts_size(path: str, values: dict, size: int) -> int:
+    """A split GGUF's size is its parts' together (the first part holds the metadata only)."""
+    from ridge.quant.gguf_header import Header, HeaderError, split_parts
+
+    try:
+        parts = split_parts(path, Header(0, 0, 0, 0, values))
+    except HeaderError:
+        return size
+    return sum(p.stat().st_size for p in parts if p.is_file())
 
 
 def _tree(d: Path) -> tuple[int, float]:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ridge.durations import FOREVER, parse_duration, wire_duration
+from ridge.request import GENERATE
 
 from .. import protocol as P
 from ..protocol import ProtocolError, message
@@ -140,7 +141,7 @@ class Models:
         """A generate or embed: its `model` picks the slot (loaded now if it is not), its
         `keep_alive` how long the model stays once it is done."""
         body = env.body
-        if not P.speaks(env.v, "models") and (given := [k for k in ("model", "keep_alive") if k in body]):
+        if not P.speaks(env.v, "models") and (given := [k for k, f in GENERATE.items() if f.since == "models" and k in body]):
             raise ProtocolError(P.INVALID_FIELD, f"{given[0]} is a version {P.SINCE['models']} field; this message "
                                 f"is version {env.v}", env.id)
         name, keep = body.pop("model", None), body.pop("keep_alive", None)

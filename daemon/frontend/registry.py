@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ridge.durations import parse_duration
 from ridge.engine.config import engine_options
+from ridge.quant.gguf_header import SPLIT_NAME
 
 from ..pull import default_models_dir  # noqa: F401  where `ridge pull` puts models too: declared there, torch-free
 
@@ -35,7 +36,8 @@ def served_name(model: dict) -> str:
     135M 8k Lc100K Mix1 Ep2"). Other models keep the name the engine read."""
     path = Path(model.get("path") or "")
     if path.suffix.lower() == ".gguf":
-        return _QUANT_TAG.sub("", path.stem) or model["name"]
+        stem = m[1] if (m := SPLIT_NAME.match(path.name)) else path.stem  # a split GGUF: its parts' prefix
+        return _QUANT_TAG.sub("", stem) or model["name"]
     return model["name"]
 
 
@@ -58,6 +60,12 @@ class Entry:
                 return sum(f.stat().st_size for f in files), max((f.stat().st_mtime for f in files), default=0.0), \
                     "safetensors"
             st = p.stat()
+            if SPLIT_NAME.match(p.name):  # a split GGUF's first part: its parts' size together
+                from ridge.quant.gguf_header import HeaderError, split_parts
+                try:
+                    return sum(q.stat().st_size for q in split_parts(p) if q.is_file()), st.st_mtime, "gguf"
+                except HeaderError:
+                    pass
             return st.st_size, st.st_mtime, p.suffix.lstrip(".").lower() or "file"
         except (OSError, ValueError):
             return 0, 0.0, "missing"
@@ -71,6 +79,8 @@ def _model_name(p: Path) -> str | None:
     if p.is_dir():
         return p.name if (p / "config.json").is_file() else None
     if p.suffix.lower() == ".gguf":
+        if (m := SPLIT_NAME.match(p.name)) and int(m[2]) != 1:
+            return None  # a later part of a split GGUF: served as its first part
         return served_name({"path": str(p), "name": p.stem})
     return None
 

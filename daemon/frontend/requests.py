@@ -89,8 +89,7 @@ class RequestFlow:
         inf.owner = owner
         peer.requests[req.id] = self.inflight[eid] = inf
         loop = owner[0].loop
-        loop.add(eid, req.prompt_token_ids, req.params, engine_salt(peer.identity, req.cache_salt,
-                                                                   self.cfg.prefix_sharing))
+        loop.add(eid, req.admitted, cache_salt=engine_salt(peer.identity, req.cache_salt, self.cfg.prefix_sharing))
         self._abort_admitted(p, inf)
 
     def _abort_admitted(self, p, inf) -> None:
@@ -111,7 +110,7 @@ class RequestFlow:
         eid = f"r{next(self._ids)}"
         inf = peer.requests[req.id] = self.inflight[eid] = EmbedFlight(peer, req.id, eid, req.version, req.top_n)
         inf.owner = owner
-        owner[0].loop.embed(eid, req.inputs, req.dimensions)
+        owner[0].loop.embed(eid, req.admitted, req.dimensions)
         self._abort_admitted(p, inf)
 
     @staticmethod

@@ -12,6 +12,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from ridge.request import GENERATE
+
 from ..protocol import SINCE, ProtocolError, fail, speaks
 
 MAX_TOOLS = 128
@@ -20,7 +22,7 @@ CHOICES = ("auto", "none", "required")
 # What the renderer sets itself: a client's chat_template_kwargs cannot replace them.
 RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"})
-V2_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+V2_FIELDS = tuple(k for k, f in GENERATE.items() if f.since == "tools")  # declared in ridge/request.py
 ANY_OBJECT = {"type": "object"}
 
 

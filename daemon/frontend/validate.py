@@ -1,57 +1,37 @@
 """Client messages -> checked, tokenized requests, on the socket thread.
 
-Applies the engine's admission rules (engine._validate) so that a request the
-engine would refuse is refused here, with an error frame, before it is queued;
-what it admits (max_tokens fitted to the context, the response_format parsed
-and compiled) the engine takes as checked and does not check again."""
+The fields' types and ranges are the request's declaration (ridge/request.py);
+whether the engine can serve the request is its admission rules
+(engine/admit.py), asked here with the daemon's limits so that a request is
+refused with an error frame before it is queued. What they admit (max_tokens
+fitted to the context, the constraint compiled) the engine takes as it is."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 from ridge.engine import rerank as judging
-from ridge.errors import InvalidRequest
+from ridge.engine.admit import Admitted, Rules, Unconstrainable
+from ridge.engine.sampler_chain import breaker_sequences
 from ridge.engine.sampling_params import SamplingParams
 from ridge.engine.structured.grammar import GrammarCompiler
+from ridge.errors import InvalidRequest
+from ridge.request import (GENERATE, MAX_BIAS_ENTRIES, FieldError, body_problem, from_wire, refusal, specs,
+                           wire_specs)
 
 from ..protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
                         MAX_EMBED_INPUTS, Limits, ProtocolError, check_keys, fail, is_int, is_num, speaks,
                         token_list, too_old)
 from . import harmony
-from .chat_format import HARMONY, chat_format, ridge_tool_messages
+from .chat_format import HARMONY, chat_format, render_chat, ridge_tool_messages
 from .chat_grammar import closed, turn_grammar
 from .chat_output import OutputSpec
 from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
-_NUM, _INT, _BOOL = "a finite number", "an integer", "a boolean"
-PARAMS = {  # key -> (check, what it must be)
-    "max_tokens": (is_int, _INT), "temperature": (is_num, _NUM), "top_k": (is_int, _INT),
-    "top_p": (is_num, _NUM), "min_p": (is_num, _NUM), "repetition_penalty": (is_num, _NUM),
-    "seed": (lambda x: x is None or is_int(x), "an integer or nil"),
-    "stop": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of strings"),
-    "stop_token_ids": (lambda x: isinstance(x, list) and all(is_int(t) for t in x), "an array of integers"),
-    "ignore_eos": (lambda x: isinstance(x, bool), _BOOL), "logprobs": (is_int, _INT), "n": (is_int, _INT),
-    "speculative": (lambda x: isinstance(x, bool), _BOOL),
-    "deterministic": (lambda x: isinstance(x, bool), _BOOL),
-    "response_format": (lambda x: isinstance(x, dict), "a map with a type"),
-    # llama.cpp's samplers (SamplingParams; ranges checked there)
-    "repeat_last_n": (is_int, _INT), "presence_penalty": (is_num, _NUM), "frequency_penalty": (is_num, _NUM),
-    "logit_bias": (lambda x: isinstance(x, (dict, list)), "a map of token id to bias, or an array of "
-                   "[token id or string, bias] pairs"),
-    "typical_p": (is_num, _NUM), "top_n_sigma": (is_num, _NUM), "mirostat": (is_int, _INT),
-    "mirostat_tau": (is_num, _NUM), "mirostat_eta": (is_num, _NUM), "dry_multiplier": (is_num, _NUM),
-    "dry_base": (is_num, _NUM), "dry_allowed_length": (is_int, _INT), "dry_penalty_last_n": (is_int, _INT),
-    "dry_sequence_breakers": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of strings"),
-    "xtc_probability": (is_num, _NUM), "xtc_threshold": (is_num, _NUM),
-    "samplers": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of sampler names"),
-}
-_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "typical_p",
-           "top_n_sigma", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold"}
-MAX_BIAS_ENTRIES = 1024  # logit_bias: entries, and the tokens the strings among them spell
+_BOOL = "a boolean"
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-MAX_SALT_BYTES = 1024
 PRINCIPAL_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # hello's sub-principal (Server._subdivide)
-DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
+DEFAULT_MAX_TOKENS = specs()["max_tokens"].default
 MAX_CALLS = 128  # calls in one sample, parallel_tool_calls true
 # The prompts of one embed or rerank together: what one request may ask of the tokenizer and the
 # engine's prefill (256 prompts of a 1K context; a rerank's query is cut to the context first).
@@ -72,21 +52,32 @@ def _driven(steps):
 @dataclass(slots=True)
 class GenerateRequest:
     id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    admitted: Admitted  # its prompt and params, as the engine runs them
     stream: bool
     cache_salt: str | None = None  # the client's; the server joins it to the peer's identity (sharing.py)
     output: OutputSpec | harmony.HarmonySpec | None = None  # how its samples are read (chat_output.py)
     version: int = 2  # the protocol version it was sent in: its frames are in it
 
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.admitted.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.admitted.params
+
 
 @dataclass(slots=True)
 class EmbedRequest:
     id: str
-    inputs: list[list[int]]
+    admitted: list[Admitted]  # each input's prompt, as the engine runs it
     dimensions: int | None
     version: int
     top_n: int | None = None  # a rerank's: the best this many documents are answered; None: an embed
+
+    @property
+    def inputs(self) -> list[list[int]]:
+        return [a.prompt_token_ids for a in self.admitted]
 
 
 class Validator:
@@ -100,6 +91,8 @@ class Validator:
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
         # The engine's compiler, so that what compiles here is a cache hit on the engine's thread.
         self.grammars = grammars or GrammarCompiler(tokenizer, vocab_size)
+        self.rules = Rules(vocab_size, max_model_len, block_size, num_blocks, limits.max_prompt_tokens,
+                           limits.max_tokens, limits.max_n, self.grammars)
         self.chat = chat_format(tokenizer)  # what the chat template says about tools and reasoning
         self._grammar_tokens: frozenset[str] | None = None
         self._breakers: dict[tuple[str, ...], frozenset[int]] = {}  # dry_sequence_breakers -> token ids
@@ -111,13 +104,12 @@ class Validator:
             raise ProtocolError(INVALID_REQUEST, "this daemon serves an embedding model: it answers embed, not "
                                 "generate", rid)
         version_fields(body, env.v, rid)
-        check_keys(body, {*PROMPT_KEYS, "params", "stream", "cache_salt", *V2_FIELDS}, rid)
-        stream = body.get("stream", True)
-        if not isinstance(stream, bool):
-            raise fail("stream", _BOOL, rid)
-        salt = body.get("cache_salt")
-        if salt is not None and not (isinstance(salt, str) and salt and len(salt.encode()) <= MAX_SALT_BYTES):
-            raise fail("cache_salt", f"a non-empty string of at most {MAX_SALT_BYTES} bytes, or nil", rid)
+        check_keys(body, {*PROMPT_KEYS, "params", *(k for k, f in GENERATE.items() if f.since != "models")}, rid)
+        if (bad := body_problem(body)) is not None:
+            raise fail(*bad, rid)
+        if (why := refusal(body)) is not None:
+            raise ProtocolError(INVALID_REQUEST, why, rid)
+        stream, salt = body.get("stream", True), body.get("cache_salt")
         d, budget = self.param_fields(body.get("params", {}), env.v, rid)
         output = None
         if "messages" in body and speaks(env.v, "tools"):
@@ -127,13 +119,7 @@ class Validator:
             if given := [k for k in V2_FIELDS if k in body]:
                 raise fail(given[0], "given only with messages", rid)
             ids = self.prompt(body, rid)
-        params = self.sampling(d, rid)
-        self.admissible(ids, params, rid)
-        self.compiles(params, rid)
-        room = self.max_model_len - len(ids)
-        if params.max_tokens > room:  # as the engine does: the output stops at the context's end
-            params = params.derive(max_tokens=room)
-        return GenerateRequest(rid, ids, params, stream, salt, output, env.v)
+        return GenerateRequest(rid, self.admit(ids, self.sampling(d, rid), rid), stream, salt, output, env.v)
 
     def chat_output(self, turn: ChatTurn, text: str, d: dict, budget: int | None,
                     rid: str | None) -> tuple[dict, OutputSpec | None]:
@@ -171,16 +157,19 @@ class Validator:
             d["speculative"] = False  # llguidance's token budgets cannot roll back a rejected draft
         return d, harmony.HarmonySpec(bool(turn.calls))
 
-    def compiles(self, params: SamplingParams, rid: str | None) -> None:
-        """A response_format that does not compile is refused here, never at step time."""
+    def admit(self, ids: list[int], params: SamplingParams, rid: str | None) -> Admitted:
+        """The engine's admission rules (engine/admit.py) with this daemon's limits; a response_format
+        that does not compile is refused here, never at step time."""
         try:
-            c = params.constraint()
-            if c is not None:
-                self.grammars.compile(c)
-        except InvalidRequest as e:
+            return self.rules.admit(ids, params)
+        except FieldError as e:
+            raise ProtocolError(INVALID_FIELD, f"params.{e}", rid) from None
+        except Unconstrainable as e:
             if params.chat_grammar is not None:  # the tools' schemas, with the response_format
                 raise ProtocolError(INVALID_FIELD, f"tools: {str(e).removeprefix('response_format: ')}", rid) from None
             raise ProtocolError(INVALID_FIELD, f"params.{e}", rid) from None
+        except InvalidRequest as e:
+            raise ProtocolError(INVALID_REQUEST, str(e), rid) from None
 
     def grammar_tokens(self) -> frozenset[str]:
         """The marker roles whose one token the grammar engine holds as special (it names them by
@@ -203,26 +192,19 @@ class Validator:
                 raise fail("params.max_reasoning_tokens", f"an integer in [0, {self.limits.max_tokens}]", rid)
         else:
             budget = None
-        check_keys(raw, set(PARAMS), rid, "params.")
+        wire = wire_specs()
+        check_keys(raw, set(wire), rid, "params.")
         for k, v in raw.items():
-            ok, want = PARAMS[k]
-            if not ok(v):
-                raise fail(f"params.{k}", want, rid)
-        lim = self.limits
-        if "max_tokens" in raw and not 1 <= raw["max_tokens"] <= lim.max_tokens:
-            raise fail("params.max_tokens", f"an integer in [1, {lim.max_tokens}]", rid)
-        if "n" in raw and not 1 <= raw["n"] <= lim.max_n:
-            raise fail("params.n", f"an integer in [1, {lim.max_n}]", rid)
-        if len(raw.get("stop_token_ids", ())) > 64 or any(not 0 <= t < self.vocab for t in raw.get("stop_token_ids", ())):
-            raise fail("params.stop_token_ids", f"at most 64 token ids in [0, {self.vocab})", rid)
-        d = {k: float(v) if k in _FLOATS else v for k, v in raw.items()}
-        d.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, lim.max_tokens))
+            if not wire[k].wire_ok(v):
+                raise fail(f"params.{k}", wire[k].wire_words, rid)
+        d = from_wire(raw)
+        d.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, self.limits.max_tokens))
         if "logit_bias" in d:
             d["logit_bias"] = self.logit_bias(d["logit_bias"], rid)
         if d.get("dry_multiplier"):
             breakers = d.get("dry_sequence_breakers")
             if breakers is None:
-                breakers = SamplingParams.__dataclass_fields__["dry_sequence_breakers"].default_factory()
+                breakers = specs()["dry_sequence_breakers"].default_value
             if isinstance(breakers, list) and 0 < len(breakers) <= 16 and all(b for b in breakers):
                 d["dry_breaker_ids"] = self.breaker_ids(tuple(breakers))
         return d, budget
@@ -260,13 +242,13 @@ class Validator:
                 raise fail("params.logit_bias", what, rid)
         return out
 
-    def breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[int]:
-        """The tokens whose text holds one of DRY's sequence breakers, as llama.cpp finds them: a
-        repeat never spans such a token. The vocabulary is decoded once per set of breakers (the
-        default set is all most clients send); kept for the daemon's life, bounded."""
+    def breaker_ids(self, breakers: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
+        """DRY's sequence breakers as token sequences, as llama.cpp finds them (a breaker may span
+        tokens: sampler_chain.breaker_sequences). The vocabulary is decoded once per set of breakers
+        (the default set is all most clients send); kept for the daemon's life, bounded."""
         if (ids := self._breakers.get(breakers)) is None:
             texts = self.tokenizer.backend.decode_batch([[i] for i in range(min(self.vocab, self.tokenizer.vocab_size))], skip_special_tokens=False)
-            ids = frozenset(i for i, t in enumerate(texts) if any(b in t for b in breakers))
+            ids = breaker_sequences(texts, breakers, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
             if len(self._breakers) >= 16:
                 self._breakers.pop(next(iter(self._breakers)))
             self._breakers[breakers] = ids
@@ -276,6 +258,8 @@ class Validator:
     def sampling(d: dict, rid: str | None) -> SamplingParams:
         try:
             return SamplingParams.from_dict(d)
+        except FieldError as e:  # a field outside its declared rule: named as the wire names it
+            raise ProtocolError(INVALID_FIELD, f"params.{e}", rid) from None
         except InvalidRequest as e:
             raise ProtocolError(INVALID_FIELD, f"params: {e}", rid) from None
 
@@ -321,7 +305,7 @@ class Validator:
         else:
             messages = ridge_tool_messages(messages, turn.shown_tools)
         try:
-            return self.tokenizer.apply_chat_template(messages, **kw)
+            return render_chat(self.tokenizer.apply_chat_template, messages, **kw)
         except Exception as e:  # a template's raise_exception(), or a template bug
             raise ProtocolError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {e}"[:500],
                                 rid) from None
@@ -333,24 +317,10 @@ class Validator:
 
     def encode_chat(self, messages: list[dict], rid: str | None) -> list[int]:
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_rendered(render_chat(self.tokenizer.apply_chat_template, messages))
         except Exception as e:  # a template's raise_exception(), or a template bug
             raise ProtocolError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {e}"[:500],
                                 rid) from None
-
-    def admissible(self, ids: list[int], params: SamplingParams, rid: str | None) -> None:
-        n = len(ids)
-        if n == 0:
-            raise ProtocolError(INVALID_REQUEST, "the prompt is empty", rid)
-        if n > min(self.limits.max_prompt_tokens, self.max_model_len - 1):
-            raise ProtocolError(INVALID_REQUEST, f"the prompt has {n} tokens; this daemon takes at most "
-                                f"{self.limits.max_prompt_tokens} (context {self.max_model_len}, including at "
-                                "least one generated token)", rid)
-        out = min(params.max_tokens, self.max_model_len - n)
-        need = -(-(n + out) // self.block_size)
-        if need > self.num_blocks:
-            raise ProtocolError(INVALID_REQUEST, f"the request needs {need} KV blocks and the pool has "
-                                f"{self.num_blocks}; it can never fit (lower max_tokens)", rid)
 
     # -- embed --------------------------------------------------------------------
     def embed(self, env: Envelope) -> EmbedRequest:
@@ -381,15 +351,15 @@ class Validator:
     def _embed_steps(self, rid, items: list, dims: int | None, version: int):
         """Run by the admission workers one input per step (admission.py), within the request's budget."""
         one = SamplingParams(max_tokens=1)  # the prefill's one sample, as the engine runs it
-        inputs, total = [], 0
+        inputs: list[Admitted] = []
+        total = 0
         for i, x in enumerate(items):
             ids = self.encode_text(x, True, rid) if isinstance(x, str) else \
                 token_list(x, f"input[{i}]", self.vocab, rid, self.limits.max_prompt_tokens)
             if not ids:
                 raise ProtocolError(INVALID_REQUEST, f"input[{i}] is empty", rid)
-            self.admissible(ids, one, rid)
+            inputs.append(self.admit(ids, one, rid))
             total = self._budget(total + len(ids), "embed", rid)
-            inputs.append(ids)
             yield
         return EmbedRequest(rid, inputs, dims, version)
 
@@ -442,12 +412,13 @@ class Validator:
         asked = f"<Instruct>: {instruction or judging.INSTRUCTION}\n<Query>: {query}"
         text, q = yield from self._leading(asked, room)
         one = SamplingParams(max_tokens=1)
-        inputs, total = [], 0
+        inputs: list[Admitted] = []
+        total = 0
         if len(q) >= room:  # the query fills the context: no document is seen, as in the model card's cut
             ids = head + q[:room] + tail
-            self.admissible(ids, one, rid)
+            admitted = self.admit(ids, one, rid)
             self._budget(len(ids) * len(docs), "rerank", rid)
-            return EmbedRequest(rid, [ids] * len(docs), None, version, top_n)
+            return EmbedRequest(rid, [admitted] * len(docs), None, version, top_n)
         # Tokenized apart, the pair's two halves must meet as they do tokenized whole; a tokenizer
         # whose words can span "\n" (or that marks a text's start) is given each pair whole.
         probe_doc = "\n<Document>: " + docs[0][:64]
@@ -462,9 +433,8 @@ class Validator:
             else:
                 _, pair = yield from self._leading(f"{text}\n<Document>: {d}", room)
             ids = head + pair[:room] + tail
-            self.admissible(ids, one, rid)
+            inputs.append(self.admit(ids, one, rid))
             total = self._budget(total + len(ids), "rerank", rid)
-            inputs.append(ids)
         return EmbedRequest(rid, inputs, None, version, top_n)
 
     def _leading(self, text: str, n: int):

@@ -22,7 +22,8 @@ from . import turn
 from .anthropic_schemas import (CountTokensRequest, MessagesRequest, Prompted, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
 from .generation import SSEResponse, model_fields, served, until_disconnect
-from .openai_api import ApiError, Generation, bad, ceiling
+from .dialects import ANTHROPIC
+from .openai_api import ApiError, Generation, bad, ceiling, dialect_params
 
 KEY_HEADER = "x-api-key"  # where Anthropic's clients send the API key
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -148,13 +149,7 @@ def chat_fields(req: Prompted) -> dict:
 
 def messages_request(req: MessagesRequest, limit: int | None = None) -> Generation:
     """limit: the daemon's limits.max_tokens, up to which max_tokens is a ceiling (openai_api.ceiling)."""
-    params: dict = {"max_tokens": ceiling(req.max_tokens, limit),
-                    "temperature": 1.0 if req.temperature is None else req.temperature}
-    for key in ("top_p", "top_k", "seed"):
-        if (v := getattr(req, key)) is not None:
-            params[key] = v
-    if req.stop_sequences:
-        params["stop"] = [s for s in req.stop_sequences if s]
+    params = {"max_tokens": ceiling(req.max_tokens, limit), **dialect_params(ANTHROPIC, req)}
     if req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
         params["max_reasoning_tokens"] = req.thinking.budget_tokens
     if req.output_config is not None and req.output_config.format is not None:

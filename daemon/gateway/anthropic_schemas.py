@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, create_model
 
-from .schemas import Answer, Body, Bool, Int, Num, Str, nonempty, text_or
+from ridge.request import GENERATE
+
+from .dialects import ANTHROPIC
+from .schemas import SHAPES, Answer, Body, Bool, Int, Str, nonempty, text_or
 
 
 class TextBlock(Body):
@@ -90,16 +93,16 @@ class Prompted(Body):
     output_config: Optional[OutputConfig] = None
 
 
-class MessagesRequest(Prompted):
+class MessagesFields(Prompted):
     max_tokens: Int
-    stop_sequences: Optional[list[Str]] = None
     stream: Optional[Bool] = None
-    temperature: Optional[Num] = Field(None, description="default 1.0, as Anthropic's")
-    top_p: Optional[Num] = None
-    top_k: Optional[Int] = None
-    # ridge's own, as on /v1/chat/completions
-    seed: Optional[Int] = None
-    cache_salt: Optional[Str] = Field(None, description="ridge: shares cached prefixes only with the same salt")
+    cache_salt: Optional[Str] = Field(None, description="ridge: " + GENERATE["cache_salt"].doc)
+
+
+# With the request's declared fields in Anthropic's words (stop_sequences, temperature, top_p, top_k,
+# and ridge's own under chat's names: dialects.ANTHROPIC).
+MessagesRequest = create_model("MessagesRequest", __base__=MessagesFields, __module__=__name__,
+                               **ANTHROPIC.model_fields({k: v for k, v in SHAPES.items() if k != "stop"}))
 
 
 class CountTokensRequest(Prompted):

@@ -15,13 +15,12 @@ import os
 
 from ridge.durations import FOREVER, parse_duration
 
-from .openai_api import ApiError, Generation, bad, ceiling
+from .dialects import OLLAMA
+from .openai_api import ApiError, Generation, bad, ceiling, dialect_params
 from .ollama_schemas import ChatRequest, GenerateRequest, Options
 
-# Ollama's, when a Modelfile sets none (docs/modelfile.md: repeat_penalty 1.1 over repeat_last_n 64).
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
-# Ollama's options the daemon takes under the same names (its ranges are checked there).
-PASSED = ("min_p", "presence_penalty", "frequency_penalty", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta")
+# Ollama's, when a Modelfile sets none, in its words (dialects.OLLAMA holds them in the daemon's).
+DEFAULTS = {OLLAMA.api_name(k): v for k, v in OLLAMA.defaults.items()}
 UNTIL_FULL = (-1, -2)  # num_predict: no limit / fill the context; both run to the context's end here
 PINNED = -1.0  # keep_alive: held until the daemon stops
 EFFORTS = ("low", "medium", "high")
@@ -85,16 +84,7 @@ def sampling(options: Options | None, link, model: dict) -> dict:
                   "full)", "options")
     else:
         params["max_tokens"] = ceiling(o.num_predict, max_len or link.limits["max_tokens"])
-    for key, default in DEFAULTS.items():
-        params[key] = default if (v := getattr(o, key)) is None else v
-    params["repetition_penalty"] = params.pop("repeat_penalty")  # the daemon's name
-    for key in PASSED:
-        if (v := getattr(o, key)) is not None:
-            params[key] = v
-    if o.seed is not None and o.seed >= 0:  # a negative seed: a random one, as Ollama's -1
-        params["seed"] = o.seed
-    if o.stop is not None:
-        params["stop"] = [s for s in ([o.stop] if isinstance(o.stop, str) else o.stop) if s]
+    params.update(dialect_params(OLLAMA, o))  # its defaults where a field is left out
     return params
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, create_model
 
+from .dialects import OLLAMA
 from .schemas import Answer, Body, Bool, FunctionTool, Int, Num, Stop, Str, nonempty
 
 KeepAlive = Union[Str, Num, None]  # "5m", "1h30m", 300 (seconds); negative: held forever; 0: unloaded at once
@@ -14,25 +15,17 @@ Format = Union[Literal["", "json"], dict[str, Any], None]  # "json": any JSON ob
 Think = Union[Bool, Literal["low", "medium", "high"], None]
 
 
-class Options(Body):
-    """Ollama's `options`: those that change the output are honoured or refused; the runtime's
-    (num_thread, num_gpu, num_batch, use_mmap, ...) are ridge's own to choose, and ignored."""
+class RuntimeOptions(Body):
+    """Ollama's `options` in a shape of their own (ollama_api.py reads them); the runtime's (num_thread,
+    num_gpu, num_batch, use_mmap, ...) are ridge's own to choose, and ignored."""
     num_ctx: Optional[Int] = Field(None, description="at most the model's max_model_len")
     num_predict: Optional[Int] = Field(None, description="-1 or -2: until the context is full")
-    temperature: Optional[Num] = None
-    top_p: Optional[Num] = None
-    top_k: Optional[Int] = None
-    min_p: Optional[Num] = None
-    seed: Optional[Int] = None
-    stop: Stop = None
-    repeat_penalty: Optional[Num] = Field(None, description="default 1.1, as Ollama's")
-    repeat_last_n: Optional[Int] = Field(None, description="default 64, as Ollama's; -1: the whole context, 0: off")
-    presence_penalty: Optional[Num] = None
-    frequency_penalty: Optional[Num] = None
-    typical_p: Optional[Num] = None
-    mirostat: Optional[Int] = Field(None, description="0, 1 or 2")
-    mirostat_tau: Optional[Num] = None
-    mirostat_eta: Optional[Num] = None
+
+
+# Ollama's `options`: the request's declared fields in Ollama's words, with its defaults (dialects.py).
+# Those that change the output are honoured or refused.
+Options = create_model("Options", __base__=RuntimeOptions, __module__=__name__,
+                       **OLLAMA.model_fields({"stop": Stop, "samplers": Optional[Union[list[Str], Str]]}))
 
 
 class Generating(Body):

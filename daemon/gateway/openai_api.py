@@ -16,6 +16,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from ..transport.sharing import http_salt
+from .dialects import OPENAI, Dialect, DialectError
 from .schemas import FORMS, ChatCompletionRequest, CompletionRequest, Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
@@ -113,6 +114,15 @@ def ceiling(given: int, limit: int | None) -> int:
     return min(given, limit) if limit and given > limit else given
 
 
+def dialect_params(dialect: Dialect, req, defaults: bool = True) -> dict:
+    """The declared fields a body gives, in the daemon's names (dialects.py); a value the API's
+    form cannot carry is a 400 naming its field."""
+    try:
+        return dialect.params(lambda name: getattr(req, name), defaults)
+    except DialectError as e:
+        raise bad(e.message, e.field) from None
+
+
 def _sampling(req: Sampling, max_tokens: int | None, given: int | None,
               limit: int | None = None) -> tuple[dict, int]:
     """The sampling fields both endpoints share -> (daemon params, n). max_tokens: the default;
@@ -122,55 +132,21 @@ def _sampling(req: Sampling, max_tokens: int | None, given: int | None,
         max_tokens = ceiling(given, limit)
     if max_tokens is not None:
         p["max_tokens"] = max_tokens
-    p["temperature"] = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
-    for key in ("top_p", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "deterministic"):
-        if (v := getattr(req, key)) is not None:
-            p[key] = v
-    if req.top_k is not None:
-        p["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 = off
-    if req.stop is not None:
-        p["stop"] = [s for s in ([req.stop] if isinstance(req.stop, str) else req.stop) if s]
+    p.update(dialect_params(OPENAI, req))
     if req.min_tokens and not (p.get("ignore_eos") and not p.get("stop") and not p.get("stop_token_ids")):
         raise bad("min_tokens is supported only with ignore_eos and no stop strings or stop_token_ids "
                   "(then every request runs to max_tokens)", "min_tokens")
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise bad("best_of is not supported by ridge (only best_of = n)", "best_of")
-    llama_samplers(req, p)
     p["n"] = n
     return p, n
 
 
-LLAMA_FIELDS = ("repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "mirostat",
-                "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
-                "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "samplers")
-LLAMA_REPEAT_LAST_N = 64  # llama-server's repeat_last_n, when its repeat_penalty comes without one
-
-
 def llama_samplers(req: Sampling, p: dict) -> None:
-    """llama-server's samplers and OpenAI's penalties -> the daemon's params, under the same names
-    (the daemon checks their ranges and answers a bad one with the field's name). repeat_penalty is
-    llama-server's (a window of 64 tokens unless repeat_last_n), repetition_penalty vLLM's (the whole
-    context): one request gives one of them."""
-    for key in LLAMA_FIELDS:
-        if (v := getattr(req, key)) is not None:
-            p[key] = v
-    if req.repeat_penalty is not None:
-        if req.repetition_penalty is not None:
-            raise bad("give repeat_penalty (llama-server's) or repetition_penalty (vLLM's), not both", "repeat_penalty")
-        p["repetition_penalty"] = req.repeat_penalty
-        p.setdefault("repeat_last_n", LLAMA_REPEAT_LAST_N)
-    if req.logit_bias:
-        # Pairs, not a map: msgpack maps keep string keys, and llama-server's strings need pairs anyway.
-        items = req.logit_bias.items() if isinstance(req.logit_bias, dict) else req.logit_bias
-        pairs = []
-        for key, bias in items:
-            if isinstance(req.logit_bias, dict):
-                if not (key.isascii() and key.isdigit()):
-                    raise bad(f"logit_bias: {key!r} is not a token id", "logit_bias")
-                key = int(key)
-            pairs.append([key, bias])
-        p["logit_bias"] = pairs
+    """The declared fields the body gives (llama-server's samplers among them), without OpenAI's
+    defaults, into p."""
+    p.update(dialect_params(OPENAI, req, defaults=False))
 
 
 def _stream(req: Sampling) -> tuple[bool, bool]:

@@ -30,7 +30,8 @@ from starlette.responses import JSONResponse, Response
 from ..client import RidgeError
 from . import turn
 from .generation import SSEResponse, model_fields, served
-from .openai_api import ROLES, ApiError, Generation, bad, ceiling
+from .dialects import RESPONSES
+from .openai_api import ROLES, ApiError, Generation, bad, ceiling, dialect_params
 from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, Refusal,
                                 ResponsesRequest)
 
@@ -180,14 +181,11 @@ def responses_request(req: ResponsesRequest, body: dict, history: list[dict], ma
     chat = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + new
     if not chat:
         raise bad("input must hold at least one item", "input")
-    params: dict = {"temperature": 1.0 if req.temperature is None else req.temperature}
+    params = dialect_params(RESPONSES, req)
     if req.max_output_tokens is not None:
         max_tokens = ceiling(req.max_output_tokens, max_tokens)
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    for key in ("top_p", "seed", "top_k", "min_p"):
-        if (v := getattr(req, key)) is not None:
-            params[key] = v
     if (fmt := _format(req, body)) is not None:
         params["response_format"] = fmt
     return Generation([{"messages": chat, **chat_fields(req)}], params, bool(req.stream)), new

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, Discriminator, Field, Tag
+from pydantic import AfterValidator, Discriminator, Field, Tag, create_model
 
-from .schemas import Answer, Body, Bool, Function, FunctionName, Int, Num, Str, text_or
+from ridge.request import GENERATE
+
+from .dialects import RESPONSES
+from .schemas import SHAPES, Answer, Body, Bool, Function, FunctionName, Int, Str, text_or
 
 
 class InputText(Body):
@@ -132,15 +135,13 @@ Metadata = Annotated[dict[str, Str], AfterValidator(_metadata),
                            f"values of at most {METADATA_VALUE_CHARS}")]
 
 
-class ResponsesRequest(Body):
+class ResponsesFields(Body):
     model: Optional[Str] = None
     input: text_or(InputItem)
     instructions: Optional[Str] = None
     previous_response_id: Optional[Str] = Field(None, description="continue that response's conversation (kept for "
                                                 "responses_ttl seconds)")
     max_output_tokens: Optional[Int] = None
-    temperature: Optional[Num] = Field(None, description="default 1.0, as OpenAI's")
-    top_p: Optional[Num] = None
     stream: Optional[Bool] = None
     store: Optional[Bool] = Field(None, description="default true: keep it for previous_response_id")
     tools: Optional[list[ResponsesFunctionTool]] = None
@@ -151,11 +152,13 @@ class ResponsesRequest(Body):
     truncation: Optional[Literal["disabled"]] = Field(None, description="only disabled")
     metadata: Optional[Metadata] = None
     background: Optional[Literal[False]] = Field(None, description="only false")
-    # ridge's own, as on /v1/chat/completions
-    seed: Optional[Int] = None
-    top_k: Optional[Int] = None
-    min_p: Optional[Num] = None
-    cache_salt: Optional[Str] = None
+    cache_salt: Optional[Str] = Field(None, description="ridge: " + GENERATE["cache_salt"].doc)
+
+
+# With the request's declared fields under chat's names (temperature, top_p, and ridge's own as on
+# /v1/chat/completions: dialects.RESPONSES).
+ResponsesRequest = create_model("ResponsesRequest", __base__=ResponsesFields, __module__=__name__,
+                                **RESPONSES.model_fields(SHAPES))
 
 
 # -- answers -------------------------------------------------------------------------------------------------

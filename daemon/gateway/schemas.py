@@ -1,6 +1,7 @@
 """The bodies of OpenAI's chat and completions requests, as pydantic models of
-the shapes OpenAI documents, with ridge's extensions under vLLM's names
-(`top_k`, `min_p`, `ignore_eos`, ...), and the shapes of the answers, for
+the shapes OpenAI documents, with ridge's extensions under vLLM's and
+llama-server's names (the request's declared fields in OpenAI's words:
+dialects.py), and the shapes of the answers, for
 /openapi.json (openapi.py). anthropic_schemas.py and responses_schemas.py do
 the same for /v1/messages and /v1/responses.
 
@@ -15,8 +16,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
-                      WrapValidator)
+                      WrapValidator, create_model)
 from pydantic_core import PydanticCustomError, ValidationError
+
+from ridge.request import GENERATE
+
+from .dialects import OPENAI
 
 Int = StrictInt  # within msgpack's range: generation.read_json refuses others
 Num = StrictFloat  # strict floats take JSON integers too
@@ -87,49 +92,27 @@ LogitBias = Annotated[Union[dict[str, Bias], list[tuple[Union[Int, Str], Bias]],
                       one_of("must be a map of token id to bias, or an array of [token id or string, bias] pairs")]
 
 
-class Sampling(Body):
-    """The fields chat and completions share."""
+# Where an API's JSON shape of a declared field is wider than its type (ridge/request.py): a stop
+# string or strings, logit_bias as OpenAI's map or llama-server's pairs, samplers as names or letters.
+SHAPES = {"stop": Stop, "logit_bias": LogitBias, "samplers": Optional[Union[list[Str], Str]]}
+
+
+# The declared fields in OpenAI's words (dialects.py).
+Declared = create_model("OpenAIDeclared", __base__=Body, __module__=__name__, **OPENAI.model_fields(SHAPES))
+
+
+class Sampling(Declared):
+    """The fields chat and completions share: the declared ones, and the OpenAI fields in a shape of
+    their own (openai_api.py translates them)."""
     model: Optional[Str] = None
     max_tokens: Optional[Int] = None
-    temperature: Optional[Num] = Field(None, description="default 1.0, as OpenAI's")
-    top_p: Optional[Num] = None
     n: Optional[Int] = None
     best_of: Optional[Int] = Field(None, description="only best_of = n")
-    seed: Optional[Int] = None
-    stop: Stop = None
-    presence_penalty: Optional[Num] = Field(None, description="[-2, 2], over the generated tokens")
-    frequency_penalty: Optional[Num] = Field(None, description="[-2, 2], over the generated tokens")
-    logit_bias: LogitBias = Field(None, description="token id -> bias; or llama-server's [[token id or string, "
-                                                    "bias or false], ...]")
     response_format: Optional[ResponseFormat] = None
     stream: Optional[Bool] = None
     stream_options: Optional[StreamOptions] = None
-    # ridge's own, under vLLM's names
-    top_k: Optional[Int] = Field(None, description="ridge: 0 or -1 = off")
-    min_p: Optional[Num] = None
-    repetition_penalty: Optional[Num] = Field(None, description="vLLM's: over the whole context unless repeat_last_n")
-    # llama-server's samplers, under its names (docs/protocol.md §3.2)
-    repeat_penalty: Optional[Num] = Field(None, description="llama-server's: over the last repeat_last_n (64) tokens")
-    repeat_last_n: Optional[Int] = Field(None, description="-1: the whole context, 0: off")
-    typical_p: Optional[Num] = None
-    top_n_sigma: Optional[Num] = None
-    mirostat: Optional[Int] = Field(None, description="0, 1 or 2")
-    mirostat_tau: Optional[Num] = None
-    mirostat_eta: Optional[Num] = None
-    dry_multiplier: Optional[Num] = None
-    dry_base: Optional[Num] = None
-    dry_allowed_length: Optional[Int] = None
-    dry_penalty_last_n: Optional[Int] = None
-    dry_sequence_breakers: Optional[list[Str]] = None
-    xtc_probability: Optional[Num] = None
-    xtc_threshold: Optional[Num] = None
-    samplers: Optional[list[Str]] = Field(None, description="llama-server's sampler names, in order")
-    stop_token_ids: Optional[list[Int]] = None
-    ignore_eos: Optional[Bool] = None
     min_tokens: Optional[Int] = Field(None, description="ridge: only with ignore_eos and no stop")
-    cache_salt: Optional[Str] = Field(None, description="ridge: shares cached prefixes only with the same salt")
-    deterministic: Optional[Bool] = Field(None, description="ridge: the same tokens whatever the batch, chunking and "
-                                                             "speculation (default: the daemon's --deterministic)")
+    cache_salt: Optional[Str] = Field(None, description="ridge: " + GENERATE["cache_salt"].doc)
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------

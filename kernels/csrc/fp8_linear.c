@@ -602,12 +602,14 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 
 /* ---- rows of a packed e4m3 weight (an embedding lookup) ---------------------------------- */
 
-/* out [T][K] fp32: row ids[i] of a packed [N/16][K/2][16][2] weight times its scales (fp32 or
+/* out [T][K] fp32: row ids[i] (each in [0, N), else -1 and nothing written) of a packed [N/16][K/2][16][2] weight times its scales (fp32 or
    bf16, times 256, in the kernels' block layout; groups of gk along K), e4m3 * scale rounded
    once as a torch upcast does; int8 codes (i8) times their scales as they are. Only the
    gathered rows are read. Plain C: a lookup is a few rows. */
-void fp8_rows(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, const int64_t *ids, int64_t T,
-              float *out, int i8, int nthreads) {
+int fp8_rows(const uint8_t *w, int64_t N, int64_t K, const void *scale, int sbf, int64_t gk, const int64_t *ids,
+             int64_t T, float *out, int i8, int nthreads) {
+    for (int64_t i = 0; i < T; i++)  /* here, not in the caller: reading the ids there is a host sync on a GPU */
+        if (ids[i] < 0 || ids[i] >= N) return -1;
     float lut[256];  /* e4m3 / 256, as the fp16 trick gives it; an int8 code's own value */
     for (int v = 0; v < 256; v++) {
         int e = (v >> 3) & 15, m = v & 7;
@@ -634,4 +636,5 @@ void fp8_rows(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t g
             o[k] = lut[wb[(k / 2) * 32 + (k & 1)]] * s;
         }
     }
+    return 0;
 }

@@ -21,6 +21,7 @@ from ridge.models.loader import LoadedModel, load_model
 from ridge.kernels import native, ops
 from ridge.kernels.timing import section
 
+from .admit import Admitted, Rules
 from .budget import default_token_budget, pooled_token_budget
 from .config import EngineConfig
 from .cpu_format import CpuFormats, choose_cpu_format, fp8_max_tokens, invariant_unavailable, keep_freed_memory
@@ -177,22 +178,17 @@ class LLMEngine:
         del scratch
 
     # -- requests ---------------------------------------------------------------
-    def _validate(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        if any(not isinstance(t, int) or t < 0 or t >= self.loaded.config.vocab_size for t in ids):
-            raise InvalidRequest(f"token ids must be integers in [0, {self.loaded.config.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; the context holds {self.max_model_len}, "
-                                 "including at least one generated token")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens > room:
-            params = params.derive(max_tokens=room)
-        need = -(-(len(ids) + params.max_tokens) // self.config.block_size)
-        if need > self.kv_cache_manager.num_blocks:
-            raise InvalidRequest(f"the request needs {need} KV blocks and the pool has {self.kv_cache_manager.num_blocks}; "
-                                 "it can never fit (lower max_tokens)")
-        return params
+    @property
+    def rules(self) -> Rules:
+        """What this engine admits (admit.py), without a daemon's limits. The constraint is compiled
+        once, by add_request for the request's matchers, where one that does not compile is refused."""
+        return Rules(self.loaded.config.vocab_size, self.max_model_len, self.config.block_size,
+                     self.kv_cache_manager.num_blocks, None, None, None, None)
+
+    def admit(self, prompt: list[int] | str, params: SamplingParams | None = None) -> Admitted:
+        """prompt (token ids or raw text) and params, admitted by the one set of rules (admit.py)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.rules.admit(ids, params or SamplingParams())
 
     @property
     def proposer(self):
@@ -203,14 +199,11 @@ class LLMEngine:
         """-> the request's compiled response_format, or None (Constraints.compile)."""
         return self.constraints.compile(params)
 
-    def add_request(self, request_id: str | None, prompt: list[int] | str, params: SamplingParams | None = None,
-                    cache_salt: str = "", checked: bool = False) -> str:
-        """prompt: token ids or raw text. cache_salt: the request shares prefix blocks only with
-        requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission.
-        checked: the daemon's validator (daemon/frontend/validate.py) admitted prompt and params by these
-        rules already, max_tokens fitted to the context and the constraint compiled, so they are
-        not checked again (its compilation is a cache hit of the compiler both share)."""
-        params = params or SamplingParams()
+    def add_request(self, request_id: str | None, prompt: Admitted | list[int] | str,
+                    params: SamplingParams | None = None, cache_salt: str = "") -> str:
+        """prompt: an Admitted (the daemon's validator passed it: taken as it is), or token ids or
+        raw text with their params, admitted here. cache_salt: the request shares prefix blocks only
+        with requests of the same salt (docs/protocol.md §3.2.2). Raises InvalidRequest at admission."""
         if self.pooling is not None:
             raise InvalidRequest(f"this model is an embedding model (pooling {self.pooling}): it answers embed "
                                  "requests (/v1/embeddings), not generate")
@@ -219,9 +212,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not checked:
-            params = self._validate(ids, params)
+        if isinstance(prompt, Admitted):
+            assert params is None, "an Admitted request carries its params"
+            admitted = prompt
+        else:
+            admitted = self.admit(prompt, params)
+        ids, params = admitted.prompt_token_ids, admitted.params
         params, cache_salt = self._resolve_deterministic(params, cache_salt)
         compiled = self.compile_constraint(params)
         samples = []
@@ -253,27 +249,24 @@ class LLMEngine:
             params = params.derive(deterministic=det, seed=seed)
         return params, cache_salt + "\0deterministic" if det else cache_salt
 
-    def add_embedding(self, request_id: str | None, inputs: list, dimensions: int | None = None,
-                      checked: bool = False) -> str:
-        """inputs: texts or token id lists, each one prefill whose pooled state is its embedding;
-        one output carries them all once every input is done (pooling.py). dimensions: keep the
-        first this many components (Matryoshka), then normalise."""
+    def add_embedding(self, request_id: str | None, inputs: list, dimensions: int | None = None) -> str:
+        """inputs: texts or token id lists, each one prefill whose pooled state is its embedding,
+        or the Admitted ones of the daemon's validator (taken as they are); one output carries them
+        all once every input is done (pooling.py). dimensions: keep the first this many components
+        (Matryoshka), then normalise."""
         if self.pooling is None:
             raise InvalidRequest("this model generates text and has no embeddings (serve an embedding model, "
                                  "or say how to pool with --pooling last|mean)")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        lists = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        if not inputs:
+            raise InvalidRequest("input is empty")
+        size = self.loaded.config.hidden_size
+        if dimensions is not None and not 1 <= dimensions <= size:
+            raise InvalidRequest(f"dimensions must be in [1, {size}]")
         params = SamplingParams(max_tokens=1)  # the prefill's one greedy sample ends it; nothing reads it
-        if not checked:
-            if not lists:
-                raise InvalidRequest("input is empty")
-            size = self.loaded.config.hidden_size
-            if dimensions is not None and not 1 <= dimensions <= size:
-                raise InvalidRequest(f"dimensions must be in [1, {size}]")
-            for ids in lists:
-                self._validate(ids, params)
+        lists = [(x if isinstance(x, Admitted) else self.admit(x, params)).prompt_token_ids for x in inputs]
         samples = []
         for i, ids in enumerate(lists):
             req = Request(f"{request_id}#e{i}", ids, params, (), client_id=request_id, index=i,

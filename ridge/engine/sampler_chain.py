@@ -16,6 +16,7 @@ Definitions follow llama.cpp (src/llama-sampling.cpp, tools/server/README.md); p
 frequency follow OpenAI's (counts over the generated tokens)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -71,22 +72,21 @@ def _index(parts: list, dev) -> torch.Tensor:
 
 
 def dry_penalties(tokens: list[int], p) -> tuple[np.ndarray, np.ndarray]:
-    """DRY over the last dry_penalty_last_n tokens -> (token ids, penalty each). A candidate t
-    extends a repeat of length n when the last n tokens also occur earlier followed by t; n is
-    capped at the tokens since the last sequence breaker (a repeat never spans one). Penalty:
-    multiplier * base ** (n - allowed_length) for n >= allowed_length, the longest n per token."""
+    """DRY over the last dry_penalty_last_n tokens -> (token ids, penalty each), as llama.cpp's
+    llama_sampler_dry_apply. A candidate t extends a repeat of length n when the last n tokens also
+    occur earlier followed by t; n is capped at the tokens after the newest sequence breaker (a
+    repeat never spans one, whether its text is one token or several). Penalty: multiplier *
+    base ** (n - allowed_length) for n >= allowed_length, the longest n per token; a token that is
+    a breaker by itself is never penalized."""
     seq = tokens if p.dry_penalty_last_n < 0 else tokens[-p.dry_penalty_last_n:]
     s = np.asarray(seq, dtype=np.int64)
     n = len(s)
     none = np.empty(0, np.int64), np.empty(0, np.float64)
-    if n < 2:
+    if n < 2 or n <= p.dry_allowed_length:
         return none
-    limit = n
-    if p.dry_breaker_ids:
-        brk = np.isin(s, np.fromiter(p.dry_breaker_ids, np.int64))
-        if brk.any():
-            limit = n - 1 - int(np.flatnonzero(brk)[-1])  # tokens after the last breaker
-    if limit < max(p.dry_allowed_length, 1):
+    table = breaker_table(p.dry_breaker_ids)
+    limit = restart_limit(seq, s, table)
+    if limit < p.dry_allowed_length:
         return none
     # match[i]: how many tokens ending at i equal the tokens ending at n - 1 (the newest), for the
     # earlier ends i < n - 1, grown one step back at a time while any end still matches.
@@ -109,8 +109,78 @@ def dry_penalties(tokens: list[int], p) -> tuple[np.ndarray, np.ndarray]:
     cand, length = cand[order], length[order]
     first = np.r_[True, cand[1:] != cand[:-1]]
     cand, length = cand[first], length[first]
-    exponent = np.minimum(length - p.dry_allowed_length, _FLOAT_MAX_LOG / math.log(p.dry_base) if p.dry_base > 1 else np.inf)
-    return cand, p.dry_multiplier * np.power(p.dry_base, exponent)
+    if len(table.single):
+        spared = ~np.isin(cand, table.single)
+        cand, length = cand[spared], length[spared]
+    # llama.cpp's cap on the exponent, so that the penalty stays a finite float: whole, and only
+    # for a base above 1.000001
+    cap = int(_FLOAT_MAX_LOG / math.log(p.dry_base)) if p.dry_base > 1.000001 else 0
+    exponent = length - p.dry_allowed_length
+    if cap > 0:
+        exponent = np.minimum(exponent, cap)
+    return cand, p.dry_multiplier * np.power(p.dry_base, exponent.astype(np.float64))
+
+
+class BreakerTable:
+    """DRY's sequence breakers as token sequences: head token -> its tails (the tokens that must
+    follow it to spell the breaker), longest first; an empty tail is a breaker in one token."""
+    __slots__ = ("tails", "heads", "single")
+
+    def __init__(self, sequences: frozenset):
+        tails: dict[int, list[tuple[int, ...]]] = {}
+        for head, *tail in sequences:
+            tails.setdefault(head, []).append(tuple(tail))
+        self.tails = {h: sorted(ts, key=len, reverse=True) for h, ts in tails.items()}
+        self.heads = np.fromiter(self.tails, np.int64, len(self.tails))
+        self.single = np.fromiter((h for h, ts in self.tails.items() if ts[-1] == ()), np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def breaker_table(sequences: frozenset) -> BreakerTable:
+    """One table per set of breakers (a frozenset hashes once; most requests share the default set)."""
+    return BreakerTable(sequences)
+
+
+def restart_limit(seq: list[int], s: np.ndarray, table: BreakerTable) -> int:
+    """The tokens after the newest complete breaker (all of them when there is none): llama.cpp's
+    rep_limit. Heads are tried newest first; the first whose longest fitting tail follows it wins."""
+    n = len(s)
+    if not len(table.heads):
+        return n
+    for j in np.flatnonzero(np.isin(s, table.heads))[::-1]:
+        after = n - 1 - int(j)  # tokens after the head
+        for tail in table.tails[int(s[j])]:
+            if len(tail) <= after and tuple(seq[j + 1:j + 1 + len(tail)]) == tail:
+                return after - len(tail)
+    return n
+
+
+DRY_MAX_CHARS, DRY_MAX_TAIL = 40, 20  # llama.cpp's caps: a breaker's characters, a tail's tokens
+
+
+def breaker_sequences(texts: list[str], breakers, encode) -> frozenset[tuple[int, ...]]:
+    """DRY's breakers -> token sequences (head, *tail), as llama.cpp's get_overlapping_token_sequences
+    finds them. texts: each token's text, by id; encode: text -> token ids, no special tokens. A
+    token whose text holds a breaker is one by itself; a token whose text ends with the start of a
+    breaker is the head of one, followed by the tokens of the breaker's rest (at most 20). Text is
+    compared in characters (llama.cpp: bytes; the same for ASCII breakers)."""
+    out: set[tuple[int, ...]] = set()
+    for b in breakers:
+        b = b[:DRY_MAX_CHARS]
+        rests: dict[str, tuple[int, ...]] = {}
+        for t, word in enumerate(texts):
+            if b in word:
+                out.add((t,))
+                continue
+            pos = word.find(b[0])
+            while pos >= 0:
+                if b.startswith(word[pos:]):
+                    rest = b[len(word) - pos:]
+                    if rest not in rests:
+                        rests[rest] = tuple(encode(rest))[:DRY_MAX_TAIL]
+                    out.add((t, *rests[rest]))
+                pos = word.find(b[0], pos + 1)
+    return frozenset(out)
 
 
 # -- the chain ------------------------------------------------------------------------------------

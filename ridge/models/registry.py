@@ -27,6 +27,15 @@ FAMILIES = (
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "olmo3",
+    "smollm3",
+    "ministral",
+    "ministral3",
+    "exaone4",
+    "seed_oss",
+    "ernie4_5",
+    "glm4_moe",
+    "llama4_text",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 

@@ -17,7 +17,7 @@ from ridge.kernels.timing import section
 from ridge.quant.embedding import load_table_and_head
 from ridge.quant.linear import FP8Linear, packed_image
 
-from .rope import rope_cos_sin
+from .rope import query_log_scale, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = FP8Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_and_mul = ACT_AND_MUL[cfg.hidden_act]
+        self.qk_norm = cfg.qk_norm  # a family may norm q and k on some layers only (Llama 4)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -53,6 +54,8 @@ class DecoderLayer(nn.Module):
         self.kv_group = cfg.kv_group_of(index)  # whose block table and slots it uses (meta.group)
         self.softcap = None  # the attention scores' soft-cap (Gemma 2)
         self.sinks = None  # [num_heads] fp32: a logit per head in the softmax's denominator (gpt-oss)
+        self.rotary = not cfg.nope_layers or index not in cfg.nope_layers  # False: a NoPE layer
+        self.query_scale = cfg.query_scale
 
     def attention(self, h, positions, cos_sin, meta, kv):
         cfg = self.cfg
@@ -61,9 +64,12 @@ class DecoderLayer(nn.Module):
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H, D]
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if self.qk_norm:
             q, k = self.norm_qk(q, k)
-        q, k = ops.rope(q, k, positions, cos_sin, meta)
+        if self.rotary:
+            q, k = ops.rope(q, k, positions, cos_sin, meta)
+        if self.query_scale is not None:
+            q = q * query_log_scale(positions, **self.query_scale).to(q.dtype)[:, None, None]
         gm = meta.group(self.kv_group) if self.kv_group else meta
         rot = ops.kv_rotation(kv.k, cfg.head_dim, k.dtype, k.device)
         if rot is not None:  # an FP8 cache holds K H and V H (kernels/kv_cache.py): exact, fewer FP8 errors

@@ -1,6 +1,7 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, gpt-oss): llama's layer with its MLP
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5): llama's layer with its MLP
 replaced, in the layers ModelConfig.is_moe_layer names, by a router and stacked FP8 experts
-(gpt-oss: biases on the router and the experts, the clamped SwiGLU, and attention sinks).
+(gpt-oss: biases on the router and the experts, the clamped SwiGLU, and attention sinks;
+GLM-4.5: a sigmoid router with a correction bias and expert groups, and shared experts).
 
 The router's logits are computed in fp32 from fp32 weights, whatever the activations' dtype,
 and each family's rule turns them into k experts and their weights (ModelConfig.moe_router).
@@ -16,16 +17,19 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.kernels.timing import section
 from ridge.quant.experts import FP8Experts
+from ridge.quant.linear import FP8Linear
 
-from .decoder import CausalLM, DecoderLayer
+from .decoder import ACT_AND_MUL, CausalLM, DecoderLayer
 
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.k, self.kind, self.norm = cfg.num_experts_per_tok, cfg.moe_router, cfg.norm_topk_prob
+        self.groups, self.topk_groups, self.scale = cfg.moe_n_group, cfg.moe_topk_group, cfg.routed_scaling_factor
         self.register_buffer("weight", torch.empty(0))  # [E, H] fp32
         self.register_buffer("bias", None)  # [E] fp32 (gpt-oss)
+        self.register_buffer("correction", None)  # [E] fp32: sigmoid_group_topk's e_score_correction_bias
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
@@ -35,10 +39,44 @@ class Router(nn.Module):
                 weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.k, dim=-1)
                 if self.norm:
                     weights /= weights.sum(dim=-1, keepdim=True)
-            else:  # topk_softmax
+            elif self.kind == "topk_softmax":
                 top, ids = torch.topk(logits, self.k, dim=-1)
                 weights = torch.softmax(top, dim=-1)
+            elif self.kind == "topk_sigmoid":
+                top, ids = torch.topk(logits, self.k, dim=-1)
+                weights = torch.sigmoid(top)
+            else:
+                ids, weights = self._sigmoid_group_topk(logits)
             return ids, weights
+
+    def _sigmoid_group_topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The correction bias only chooses: experts by sigmoid + bias within the topk_groups groups
+        # whose two best experts score highest; their weights are the sigmoids themselves.
+        T, E = logits.shape
+        scores = logits.sigmoid()
+        choice = scores + self.correction
+        group_scores = choice.view(T, self.groups, E // self.groups).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+        choice = choice.masked_fill(~allowed.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        ids = torch.topk(choice, self.k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scale
+
+
+class SharedExperts(nn.Module):
+    """A gated MLP every token runs beside the routed experts (GLM-4.5's shared experts)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size)
+        self.down_proj = FP8Linear(cfg.shared_expert_intermediate_size, cfg.hidden_size)
+        self.act_and_mul = ACT_AND_MUL[cfg.hidden_act]
+
+    def forward(self, h):
+        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -50,10 +88,12 @@ class MoeDecoderLayer(DecoderLayer):
         self.router = Router(cfg)
         self.experts = FP8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                   cfg.moe_act or cfg.hidden_act, cfg.moe_bias, cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.shared_experts = SharedExperts(cfg) if cfg.shared_expert_intermediate_size else None
 
     def mlp(self, h):
         ids, weights = self.router.forward(h)
-        return self.experts.forward(h, ids, weights)
+        out = self.experts.forward(h, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts.forward(h)
 
 
 class MoeCausalLM(CausalLM):
@@ -70,6 +110,8 @@ class MoeCausalLM(CausalLM):
             layer.router.weight = sd[p + "router.weight"].float().to(device)
             if p + "router.bias" in sd:
                 layer.router.bias = sd[p + "router.bias"].float().to(device)
+            if self.cfg.moe_router == "sigmoid_group_topk":
+                layer.router.correction = sd[p + "router.correction"].float().to(device)
             layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")},
                                device, dtype)
 

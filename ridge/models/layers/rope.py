@@ -91,3 +91,10 @@ def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None
         raise ValueError(f"unsupported rope scaling {kind!r} (ridge knows linear, llama3, yarn, longrope)")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     return torch.cat((angles.cos() * mscale, angles.sin() * mscale), dim=-1).float()
+
+
+def query_log_scale(positions: torch.Tensor, beta: float, period: int, offset: int = 0) -> torch.Tensor:
+    """[T] positions -> [T] fp32 multipliers of q, 1 + beta * log(1 + floor((p + offset) / period)):
+    attention sharpened with the log of how many periods lie behind a token (Ministral 3's
+    llama_4_scaling_beta; Llama 4's temperature tuning, offset 1), in fp32 as transformers computes it."""
+    return 1 + beta * torch.log1p(torch.floor((positions + offset) / period))

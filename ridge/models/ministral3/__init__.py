@@ -1,0 +1,100 @@
+"""Ministral 3 (Ministral3Config, the text model of the Ministral 3 checkpoints): Mistral's
+decoder (a window on every layer where sliding_window is set) with YaRN, and q scaled after RoPE
+by 1 + llama_4_scaling_beta * log(1 + floor(p / original_max_position_embeddings)) at position p
+(ModelConfig.query_scale, run by llama's layer): both read from rope_parameters, where
+Ministral3Config keeps llama_4_scaling_beta beside YaRN's own keys. Ministral3Config carries no
+layer_types (transformers warns and ignores them), so neither does ridge.
+
+The Hub ships Ministral 3 as Mistral3ForConditionalGeneration (model_type mistral3, a Pixtral
+vision tower beside the text model): read as its text model, text_config (a ministral3), served
+as text; the vision tower and the projector are not loaded. Of the wrapper's own fields only
+tie_word_embeddings reaches text logits (its lm_head ties to the text model's embedding by it).
+
+GGUF: llama.cpp writes these checkpoints as mistral3, whose YaRN and temperature keys ridge does
+not read yet; such a file is refused as an unknown architecture."""
+from __future__ import annotations
+
+from ridge.quant.errors import ModelLoadError
+from ridge.quant.hf_config import HFConfig, HFFamily, HFWrapper, rope_fields, window_all
+from ridge.quant.spec import ModelSpec
+
+from ..layers.decoder import CausalLM
+from ..llama import LLAMA_DEFAULTS
+
+# Ministral3Config.__post_init__'s rope_parameters where a config leaves them out.
+DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+# rope_parameters' keys that are not RoPE's: the query scale's beta, and the context the
+# config class copies in (Ministral3Config.ignore_keys_at_rope_validation).
+OWN_KEYS = ("llama_4_scaling_beta", "max_position_embeddings")
+
+
+def _query_scale(c: HFConfig, params: dict) -> dict:
+    beta, period = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        c.refuse("rope_parameters.llama_4_scaling_beta", beta, "expected a number (transformers' Ministral 3 "
+                                                               "scales every query by it)")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        c.refuse("rope_parameters.original_max_position_embeddings", period,
+                 "expected a positive integer: the query scale's period")
+    return dict(beta=float(beta), period=period)
+
+
+def read_ministral3(c: HFConfig, kw: dict) -> dict:
+    params = c.get("rope_scaling") or c.get("rope_parameters") or DEFAULT_ROPE
+    if not isinstance(params, dict):
+        c.refuse("rope_parameters", params, "expected a JSON object")
+    view = HFConfig({**c.values, "rope_scaling": None,
+                     "rope_parameters": {k: v for k, v in params.items() if k not in OWN_KEYS}}, c.path, c.defaults)
+    return dict(**rope_fields(view, kw["head_dim"]), **window_all(c, kw["num_layers"]),
+                query_scale=_query_scale(c, params))
+
+
+MINISTRAL3_DEFAULTS = dict(LLAMA_DEFAULTS, vocab_size=131072, intermediate_size=14336, num_hidden_layers=34,
+                          num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-5,
+                          sliding_window=None)
+
+# -- Mistral3ForConditionalGeneration (transformers 5.25's Mistral3Config) served as text.
+WRAPPER_DEFAULTS = dict(tie_word_embeddings=True, image_token_index=10)
+# Images only: the vision tower's config, the projector's, the image token.
+WRAPPER_IGNORED = frozenset({"vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
+                             "multimodal_projector_bias", "spatial_merge_size"})
+
+
+class _TextConfig(HFConfig):
+    """text_config's values: a refusal names the field as text_config.<key>."""
+
+    def refuse(self, key: str, value, why: str):
+        super().refuse(f"text_config.{key}", value, why)
+
+
+def text_config(c: HFConfig) -> HFConfig:
+    text = c.get("text_config")
+    if not isinstance(text, dict):
+        c.refuse("text_config", text, "expected the text model's config (a ministral3)")
+    if text.get("model_type") != "ministral3":
+        c.refuse("text_config.model_type", text.get("model_type"), "ridge serves the ministral3 text model of "
+                                                                     "these checkpoints")
+    return _TextConfig({**text, "tie_word_embeddings": c.flag("tie_word_embeddings")}, c.path, MINISTRAL3_DEFAULTS)
+
+
+# transformers 5 saves model.language_model.* and lm_head.*; earlier versions (llava's layout)
+# language_model.model.* and language_model.lm_head.*.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def text_name(name: str, path) -> str | None:
+    for src, dst in _TEXT_PREFIXES:
+        if name.startswith(src):
+            return dst + name[len(src):]
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the vision tower's or projector's "
+                               "(Mistral3ForConditionalGeneration's names)")
+
+
+SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3),
+                 hf_wrappers=(HFWrapper("mistral3", WRAPPER_DEFAULTS, text_config, text_name,
+                                        "vision tower and projector"),))
