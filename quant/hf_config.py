@@ -128,6 +128,44 @@ class HFWrapper:
     skipped: str  # what the unread tensors are, for the log
 
 
+class TextConfigView(HFConfig):
+    """A wrapper's text_config (HFWrapper): a refusal names the field as text_config.<key>."""
+
+    def refuse(self, key: str, value, why: str):
+        super().refuse(f"text_config.{key}", value, why)
+
+
+def nested_text_config(c: HFConfig, model_type: str, defaults: dict, family: str, *, required: bool = False,
+                       tie: bool = True) -> TextConfigView:
+    """A wrapper's text_config as its text model's config: a JSON object of model_type (absent: the
+    text config class's defaults, as transformers builds one, unless required); with tie, the
+    wrapper's own tie_word_embeddings (the flag its ForConditionalGeneration ties the head by)."""
+    text = c.get("text_config")
+    if text is None and not required:
+        text = {}
+    if not isinstance(text, dict):
+        c.refuse("text_config", text, f"expected the text model's config (a {model_type})")
+    if text.get("model_type", None if required else model_type) != model_type:
+        c.refuse("text_config.model_type", text.get("model_type"), f"{family}'s text model is {model_type}")
+    return TextConfigView({**text, "tie_word_embeddings": c.flag("tie_word_embeddings")} if tie else text,
+                          c.path, defaults)
+
+
+def wrapper_names(text_prefixes: tuple[tuple[str, str], ...], skipped_prefixes: tuple[str, ...], skipped: str,
+                  cls: str) -> Callable[[str, Path], str | None]:
+    """An HFWrapper's tensor_name: a tensor under one of text_prefixes renamed as the text model
+    names it (the first that matches), one under skipped_prefixes (another modality's) None, any
+    other refused, naming the class whose layout was expected."""
+    def tensor_name(name: str, path: Path) -> str | None:
+        for src, dst in text_prefixes:
+            if name.startswith(src):
+                return dst + name[len(src):]
+        if name.startswith(skipped_prefixes):
+            return None
+        raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the {skipped}'s ({cls}'s names)")
+    return tensor_name
+
+
 def attention_biases(c: HFConfig, mlp: bool) -> dict:
     """attention_bias: q, k, v and o projections; mlp_bias (where the family reads it): gate, up, down."""
     b = c.flag("attention_bias")

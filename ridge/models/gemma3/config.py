@@ -9,7 +9,7 @@ sliding_window_pattern. GGUF gemma3: the sliding layers' RoPE base is 10000 unsc
 from __future__ import annotations
 
 from ridge.quant.errors import ModelLoadError
-from ridge.quant.hf_config import HFConfig, rope_fields
+from ridge.quant.hf_config import HFConfig, nested_text_config, rope_fields, wrapper_names
 
 from ..gemma2.config import GEMMA_COMMON, ROPE_TYPES, positive, read_gemma, read_gemma_gguf
 
@@ -65,23 +65,10 @@ WRAPPER_IGNORED = frozenset({"vision_config", "mm_tokens_per_image", "boi_token_
                              "initializer_range"})
 
 
-class _TextConfig(HFConfig):
-    """text_config's values: a refusal names the field as text_config.<key>."""
-
-    def refuse(self, key: str, value, why: str):
-        super().refuse(f"text_config.{key}", value, why)
-
-
 def text_config(c: HFConfig) -> HFConfig:
     """The wrapper's config -> its text model's, as GEMMA3_DEFAULTS' family reads it."""
-    text = c.get("text_config")
-    if text is None:
-        text = {}  # Gemma3Config builds a default Gemma3TextConfig
-    if not isinstance(text, dict):
-        c.refuse("text_config", text, "expected a JSON object")
-    if text.get("model_type", "gemma3_text") != "gemma3_text":
-        c.refuse("text_config.model_type", text["model_type"], "Gemma 3's text model is gemma3_text")
-    view = _TextConfig({**text, "tie_word_embeddings": c.flag("tie_word_embeddings")}, c.path, GEMMA3_DEFAULTS)
+    # Gemma3Config builds a default Gemma3TextConfig where the file has none.
+    view = nested_text_config(c, "gemma3_text", GEMMA3_DEFAULTS, "Gemma 3")
     if view.get("final_logit_softcapping") is not None:
         # Gemma3ForCausalLM caps its logits; Gemma3ForConditionalGeneration never does.
         view.refuse("final_logit_softcapping", view.get("final_logit_softcapping"),
@@ -95,18 +82,9 @@ def text_config(c: HFConfig) -> HFConfig:
 # Its weights: transformers 5 saves model.language_model.* and lm_head.*; earlier versions (most
 # files on the Hub) language_model.model.* and language_model.lm_head.*. The vision tower and the
 # projector are skipped (ridge serves text); any other name is refused.
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
-
-
-def text_name(name: str, path) -> str | None:
-    """A wrapper checkpoint's tensor -> its text model's name (Gemma3ForCausalLM's), or None for
-    the vision tower's and the projector's."""
-    for src, dst in _TEXT_PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    if name.startswith(VISION_PREFIXES):
-        return None
-    raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the vision tower's or projector's "
-                               "(Gemma3ForConditionalGeneration's names)")
+# A wrapper checkpoint's tensor -> its text model's name (Gemma3ForCausalLM's), or None for the
+# vision tower's and the projector's.
+text_name = wrapper_names((("model.language_model.", "model."), ("language_model.model.", "model."),
+                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
+                          VISION_PREFIXES, "vision tower's or projector", "Gemma3ForConditionalGeneration")

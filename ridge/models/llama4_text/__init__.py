@@ -30,8 +30,8 @@ from ridge.config import ModelConfig
 from ridge.quant.errors import ModelLoadError
 from ridge.quant.fuse import FP8, WeightLayout
 from ridge.quant.gguf_config import EXPERT_KEYS, GGUFFamily, expert_fields, refuse_yarn_attn_factor
-from ridge.quant.hf_config import (MOE_IGNORED, HFConfig, HFFamily, HFWrapper, attention_biases, experts_count,
-                                   rope_fields)
+from ridge.quant.hf_config import (HFConfig, HFFamily, HFWrapper, MOE_IGNORED, attention_biases, experts_count,
+                                    nested_text_config, rope_fields, wrapper_names)
 from ridge.quant.spec import ModelSpec
 
 from .model import Llama4CausalLM
@@ -160,37 +160,16 @@ WRAPPER_IGNORED = frozenset({"vision_config", "boi_token_index", "eoi_token_inde
                              "tie_word_embeddings"})
 
 
-class _TextConfig(HFConfig):
-    """text_config's values: a refusal names the field as text_config.<key>."""
-
-    def refuse(self, key: str, value, why: str):
-        super().refuse(f"text_config.{key}", value, why)
-
-
 def text_config(c: HFConfig) -> HFConfig:
-    text = c.get("text_config")
-    if text is None:
-        text = {}  # Llama4Config builds a default Llama4TextConfig
-    if not isinstance(text, dict):
-        c.refuse("text_config", text, "expected a JSON object")
-    if text.get("model_type", "llama4_text") != "llama4_text":
-        c.refuse("text_config.model_type", text["model_type"], "Llama 4's text model is llama4_text")
-    return _TextConfig(text, c.path, DEFAULTS)
+    # Llama4Config builds a default Llama4TextConfig; its Llama4ForCausalLM ties by its own flag.
+    return nested_text_config(c, "llama4_text", DEFAULTS, "Llama 4", tie=False)
 
 
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.", "model.vision_model.", "model.multi_modal_projector.")
-
-
-def text_name(name: str, path) -> str | None:
-    for src, dst in _TEXT_PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the vision model's or projector's "
-                               "(Llama4ForConditionalGeneration's names)")
+text_name = wrapper_names((("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+                          ("vision_model.", "multi_modal_projector.", "model.vision_model.",
+                           "model.multi_modal_projector."),
+                          "vision model's or projector", "Llama4ForConditionalGeneration")
 
 
 LLAMA_CPP_CHUNK = 8192  # llama.cpp's hparams for llama4: its chunk, temperature period and scale

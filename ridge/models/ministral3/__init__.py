@@ -14,8 +14,8 @@ GGUF: llama.cpp writes these checkpoints as mistral3, whose YaRN and temperature
 not read yet; such a file is refused as an unknown architecture."""
 from __future__ import annotations
 
-from ridge.quant.errors import ModelLoadError
-from ridge.quant.hf_config import HFConfig, HFFamily, HFWrapper, rope_fields, window_all
+from ridge.quant.hf_config import (HFConfig, HFFamily, HFWrapper, nested_text_config, rope_fields, window_all,
+                                    wrapper_names)
 from ridge.quant.spec import ModelSpec
 
 from ..layers.decoder import CausalLM
@@ -61,38 +61,14 @@ WRAPPER_IGNORED = frozenset({"vision_config", "image_token_index", "projector_hi
                              "multimodal_projector_bias", "spatial_merge_size"})
 
 
-class _TextConfig(HFConfig):
-    """text_config's values: a refusal names the field as text_config.<key>."""
-
-    def refuse(self, key: str, value, why: str):
-        super().refuse(f"text_config.{key}", value, why)
-
-
 def text_config(c: HFConfig) -> HFConfig:
-    text = c.get("text_config")
-    if not isinstance(text, dict):
-        c.refuse("text_config", text, "expected the text model's config (a ministral3)")
-    if text.get("model_type") != "ministral3":
-        c.refuse("text_config.model_type", text.get("model_type"), "ridge serves the ministral3 text model of "
-                                                                     "these checkpoints")
-    return _TextConfig({**text, "tie_word_embeddings": c.flag("tie_word_embeddings")}, c.path, MINISTRAL3_DEFAULTS)
+    return nested_text_config(c, "ministral3", MINISTRAL3_DEFAULTS, "Mistral 3", required=True)
 
 
-# transformers 5 saves model.language_model.* and lm_head.*; earlier versions (llava's layout)
-# language_model.model.* and language_model.lm_head.*.
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
-_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
-
-
-def text_name(name: str, path) -> str | None:
-    for src, dst in _TEXT_PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    raise ModelLoadError(path, f"tensor {name}: neither the language model's nor the vision tower's or projector's "
-                               "(Mistral3ForConditionalGeneration's names)")
+text_name = wrapper_names((("model.language_model.", "model."), ("language_model.model.", "model."),
+                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
+                          ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                           "multi_modal_projector."), "vision tower's or projector", "Mistral3ForConditionalGeneration")
 
 
 SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3),
