@@ -40,6 +40,8 @@ STACK_BYTES = 64 << 20  # address space only: pages are committed as a deep comp
 MAX_CHAIN = 5000  # the lowest measured crash at STACK_BYTES is 21,400 (Lark rules): over 4x margin
 COMPILE_SECONDS = 1.0  # typical schemas compile in about a millisecond, a large tools grammar in 0.1 s; the
 # costliest shape under MAX_CHAIN (4,900 optional properties) in 2 s on a quiet 2-core machine: refused
+PREPARE_SECONDS = 10.0  # a grammar's text and chain check: linear in the request's bytes (a 10,000-link
+# chain in 20 ms), kept off the compile's clock so that a chain too deep is named as such on a busy machine
 MAX_GBNF_RULES = 500  # llama.cpp's own grammars have tens; a GBNF grammar's conversion is quadratic
 MAX_COMPILING = 2  # compiles running at once, a timed-out one included until it ends
 
@@ -129,11 +131,11 @@ def check_gbnf(text: str, what: str) -> None:
                              f"grammar may have up to {MAX_CHAIN})")
 
 
-def run_bounded(build, what: str):
+def run_bounded(build, what: str, seconds: float = COMPILE_SECONDS):
     """-> build(), run on a compile thread of STACK_BYTES. Raises InvalidRequest when it does not
-    finish within COMPILE_SECONDS (waiting for a free compile slot included)."""
-    deadline = time.monotonic() + COMPILE_SECONDS
-    if not _slots.acquire(timeout=COMPILE_SECONDS):
+    finish within `seconds` (waiting for a free compile slot included)."""
+    deadline = time.monotonic() + seconds
+    if not _slots.acquire(timeout=seconds):
         raise InvalidRequest(f"response_format: {what} was not compiled: {MAX_COMPILING} slow compiles are "
                              "still running; retry later")
     out: dict = {}
@@ -159,7 +161,7 @@ def run_bounded(build, what: str):
         _slots.release()  # the thread never ran
         raise
     if not done.wait(max(0.0, deadline - time.monotonic())):
-        raise InvalidRequest(f"response_format: {what} took longer than {COMPILE_SECONDS:g} s to compile")
+        raise InvalidRequest(f"response_format: {what} took longer than {seconds:g} s to compile")
     if "error" in out:
         raise out["error"]
     return out["value"]

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from ridge.errors import InvalidRequest
-from .bounds import check_chain, check_gbnf, run_bounded
+from .bounds import PREPARE_SECONDS, check_chain, check_gbnf, run_bounded
 from .format import Constraint
 
 log = logging.getLogger("ridge.engine")
@@ -127,13 +127,22 @@ class GrammarCompiler:
             check_gbnf(c.text, what)
         ll_tokenizer = self.ll_tokenizer
 
-        def build():  # on a compile thread (bounds.py), the conversion of a GBNF grammar included
+        def text() -> str:
             try:
                 grammar = grammar_text(c)
             except (ValueError, RecursionError) as e:
                 raise InvalidRequest(f"response_format: {what} does not compile: {e}") from None
             # A chain too long for the compiler's stack would end the daemon, not the request.
             check_chain(grammar, what)
+            return grammar
+
+        # The text and its chain check are linear in the request's bytes, and run first on a compile
+        # thread (its stack) with a budget of their own; a GBNF grammar's conversion, quadratic in
+        # its rules, stays on the compile's clock.
+        ready = None if c.kind == "grammar" else run_bounded(text, what, PREPARE_SECONDS)
+
+        def build():  # on a compile thread (bounds.py)
+            grammar = ready if ready is not None else text()
             m = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
             if not m.is_error():
                 # The first mask builds lexer states that every copy shares: here, at admission,
