@@ -72,7 +72,11 @@ def save_image(identity: str, model, source: str) -> None:
     head = model.lm_head.cpu
     if head is None or not head.is_packed:
         return
-    entry = store.Entry(image_key(identity))
+    try:
+        entry = store.Entry(image_key(identity))
+    except OSError as e:
+        log.warning("could not write the CPU image of the converted model: %s", e)
+        return
     try:
         glob = _packed("lm_head", model.lm_head)
         table = getattr(model.embed_tokens, "cpu", None)
@@ -83,7 +87,7 @@ def save_image(identity: str, model, source: str) -> None:
             entry.add({k: v for n, m in layer.named_modules(prefix=f"layers.{i}") if isinstance(m, FP8Linear)
                        for k, v in _packed(n, m).items()})
         entry.commit({"source": source, "layout": LAYOUT})
-    except OSError as e:
+    except Exception as e:  # a full disk is safetensors' own error, not an OSError: never the start's
         entry.abort()
         log.warning("could not write the CPU image of the converted model: %s", e)
     except BaseException:
