@@ -16,6 +16,8 @@ import torch
 
 from ridge.config import ModelConfig, kv_bytes_per_token
 
+from .state_cache import layer_state
+
 # The same names as ridge.config.KV_DTYPE_BYTES, which counts their bytes without torch.
 KV_DTYPES = {
     "fp8": torch.float8_e4m3fn,
@@ -51,8 +53,10 @@ class LayerKV:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int | list[int], block_size: int, dtype_name: str,
-                 device: torch.device | str = "cpu"):
-        """num_blocks: each KV group's (as cfg.kv_groups() orders them), or one count for all."""
+                 device: torch.device | str = "cpu", num_state_slots: int = 1):
+        """num_blocks: each KV group's (as cfg.kv_groups() orders them), or one count for all.
+        A hybrid model's linear-attention layers get their state pools (cache/state_cache.py) of
+        num_state_slots slots in place of KV."""
         groups = cfg.kv_groups()
         self.group_blocks = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * len(groups)
         assert len(self.group_blocks) == len(groups), "one block count per KV group"
@@ -62,7 +66,13 @@ class KVCache:
         fp8 = dt == torch.float8_e4m3fn
         of_layer = {i: n for spec, n in zip(groups, self.group_blocks) for i in spec.layers}
         self.layers = []
+        self.state_bytes = 0
         for i in range(cfg.num_layers):
+            if cfg.is_linear_layer(i):
+                st = layer_state(cfg, num_state_slots, device)
+                self.state_bytes += st.conv.nbytes + st.recurrent.nbytes
+                self.layers.append(st)
+                continue
             shape = (of_layer[i], block_size, cfg.num_kv_heads, cfg.head_dim)
             scales = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(2)] if fp8 else [None, None]
             self.layers.append(LayerKV(zeros(shape, dt, device), zeros(shape, dt, device), *scales))
@@ -72,4 +82,4 @@ class KVCache:
 
     @property
     def total_bytes(self) -> int:
-        return self._total
+        return self._total + self.state_bytes

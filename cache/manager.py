@@ -145,6 +145,13 @@ class KVCacheManager:
         out.others = [h[:n] for h in hits[1:]]
         return out
 
+    def shorten_hit(self, req_id: str, num_blocks: int) -> None:
+        """The last lookup's hit is used only up to num_blocks blocks (a hybrid model's state
+        checkpoint ends there: cache/state_cache.py); counted so when the request is admitted."""
+        if req_id in self.lookups:
+            queries, hits, missed = self.lookups[req_id]
+            self.lookups[req_id] = (queries, min(hits, num_blocks), missed or num_blocks < hits)
+
     def _count_lookup(self, req_id: str) -> None:
         queries, hits, missed = self.lookups.pop(req_id, (0, 0, False))
         self.prefix_queries += queries

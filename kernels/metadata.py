@@ -28,6 +28,14 @@ class AttentionMetadata:
     # Every query row computed alike whatever else the step holds (deterministic mode): a backend
     # must not choose its path or split by the batch's shape.
     batch_invariant: bool = False
+    # A hybrid model's linear-attention layers (cache/state_cache.py): each sequence's slot in the
+    # state pools and whether it continues from the state there (1) or starts from zeros (0, its
+    # first chunk); query_start_loc bounds its tokens. [B] int64 and [B] bool; None in a model without them.
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    # [T] int64 or None: where the state after each token is also kept (-1: nowhere), for a
+    # speculative step's rollback (cache/state_cache.py).
+    token_state_slots: torch.Tensor | None = None
 
     def group(self, g: int) -> "AttentionMetadata":
         """The metadata a layer of KV group g reads and writes through."""
@@ -56,7 +64,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              slot_mapping: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+              slot_mapping: list[int], device: torch.device | str = "cpu",
+              state_slots: list[int] | None = None) -> "AttentionMetadata":
+        """state_slots: each sequence's state slot (default: slot i for sequence i); a sequence
+        with keys before its queries continues from its slot's state."""
         width = max((len(b) for b in block_tables), default=0)
         table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
         for i, blocks in enumerate(block_tables):
@@ -72,4 +83,8 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens_host=list(seq_lens),
             query_lens_host=list(query_lens),
+            state_slots=torch.tensor(state_slots if state_slots is not None else range(len(seq_lens)),
+                                     dtype=torch.int64, device=device),
+            has_initial_state=torch.tensor([s > q for s, q in zip(seq_lens, query_lens)], dtype=torch.bool,
+                                           device=device),
         )

@@ -38,6 +38,9 @@ def check_varlen(num_tokens: int, cu_seqlens: torch.Tensor, state_slots: torch.T
     for each layer (the kernels mask nothing by slot, so a bad slot there is the caller's bug).
     A step passes the same tensors to every recurrent layer: the last batch's result is reused
     while they are the same objects, unmodified (their _version), about 30 us a call on CPU."""
+    if any(t is not None and t.is_inference() for t in (cu_seqlens, state_slots, has_initial_state)):
+        # made under inference_mode (a model's step): no version counter to tell an in-place change
+        return _check_varlen(num_tokens, cu_seqlens, state_slots, num_slots, has_initial_state, device)
     key = (num_tokens, num_slots, device, cu_seqlens, cu_seqlens._version, state_slots, state_slots._version,
            has_initial_state, None if has_initial_state is None else has_initial_state._version)
     last_key, last = _last

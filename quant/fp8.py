@@ -26,7 +26,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SEARCH_CHUNK = 1 << 22  # the values quantize_fp8 searches scales for at once
 # Internal (fused) names of the decoder layers' linear weights.
-LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
+                   "in_proj.weight", "out_proj.weight")  # the last two: a linear-attention layer's (Gated DeltaNet)
 
 
 def is_linear_weight(name: str) -> bool:

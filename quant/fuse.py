@@ -30,6 +30,9 @@ class WeightLayout:
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     fused_as_shipped: bool = False
     experts: Callable | None = None
+    # attention(sd, cfg, i, out, path): a family's own token mixer of layer i into out, in place of
+    # the q/k/v/o projections and QK-norm read below (a hybrid's linear-attention layers); None: those.
+    attention: Callable | None = None
 
 
 def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
@@ -40,7 +43,7 @@ def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
     return s.expand(rows).clone() if s.numel() == 1 else s
 
 
-def _cat(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = False) -> None:
+def cat_rows(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = False) -> None:
     """bias: the config declares biases on these projections; a checkpoint that disagrees with
     its config is refused rather than run one way or the other."""
     try:
@@ -83,7 +86,7 @@ def fuse_globals(sd, cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
             raise ModelLoadError(path, f"missing tensor {src}")
         out[dst] = sd[src]
     if not cfg.tie_word_embeddings:  # tied: the model reuses the embedding table
-        _cat(sd, ["lm_head"], out, "lm_head", path)
+        cat_rows(sd, ["lm_head"], out, "lm_head", path)
     return out
 
 
@@ -99,16 +102,19 @@ def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path, layout: WeightLayo
         take(p + norm + ".weight", q + norm + ".weight")
     a, m = p + "self_attn.", p + "mlp."
     shipped = layout.fused_as_shipped  # rows [q | k | v] and [gate | up], as ours
-    _cat(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
-         path, cfg.attention_bias)
-    _cat(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
+    if layout.attention is not None:
+        layout.attention(sd, cfg, i, out, path)
+    else:
+        cat_rows(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
+             path, cfg.attention_bias)
+        cat_rows(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
     if cfg.is_moe_layer(i):
         fuse_experts(sd, cfg, i, out, path, layout)
     else:
-        _cat(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
+        cat_rows(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",
              path, cfg.mlp_bias)
-        _cat(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
-    if cfg.qk_norm:
+        cat_rows(sd, [m + "down_proj"], out, q + "down_proj", path, cfg.mlp_bias)
+    if cfg.qk_norm and layout.attention is None:
         take(a + "q_norm.weight", q + "q_norm.weight")
         take(a + "k_norm.weight", q + "k_norm.weight")
     if cfg.attention_sinks:

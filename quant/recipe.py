@@ -24,7 +24,7 @@ import torch
 
 from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_fp8, quantize_state_dict, scale_dtype
 
-KINDS = ("qkv", "o", "gate_up", "down")
+KINDS = ("qkv", "o", "gate_up", "down", "in", "out")  # in, out: a linear-attention layer's (Gated DeltaNet)
 # What `--fp8-recipe device` (the default) makes on each device (docs/benchmarks.md, issue 29).
 # CPU: 1 x 16 groups with the activation-weighted search, what auto chose on the embedded model
 # and the recipe that meets the accuracy targets; ridge's e4m3 kernel closes a group with one
@@ -36,8 +36,8 @@ DEVICE_RECIPES = {"cpu": "g16+act", "cuda": "channel"}
 def resolve_spec(spec: str, device: str) -> str:
     """A recipe spec with "device" replaced by the device's default (DEVICE_RECIPES)."""
     return DEVICE_RECIPES.get(device, "channel") if spec == "device" else spec
-_SHORT = re.compile(r"^(\d+)\.(qkv|o|gate_up|down)$")
-_LONG = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down)_proj\.weight$")
+_SHORT = re.compile(r"^(\d+)\.(qkv|o|gate_up|down|in|out)$")
+_LONG = re.compile(r"^layers\.(\d+)\.(qkv|o|gate_up|down|in|out)_proj\.weight$")
 
 
 def long_name(short: str) -> str:

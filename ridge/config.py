@@ -81,6 +81,12 @@ class ModelConfig:
     # llama_4_scaling_beta over original_max_position_embeddings; Llama 4's attn_scale over
     # floor_scale, offset 1, on its NoPE layers only): {"beta", "period"[, "offset"]}; None: 1.
     query_scale: dict | None = None
+    # Hybrid models (Qwen3.5): the layers that run Gated DeltaNet, a linear attention whose per-request
+    # state (a [Dk, Dv] matrix per value head and the short convolution's last K - 1 inputs) lives in a
+    # slot pool beside the paged KV (cache/state_cache.py), so they hold no KV blocks; and its shape
+    # {"num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"}. None: none.
+    linear_layers: list[int] | None = None
+    linear_attention: dict | None = None
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -90,6 +96,28 @@ class ModelConfig:
         assert self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)
         assert not self.num_experts or (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size
                                         and self.moe_router in MOE_ROUTERS), "an MoE needs k <= E experts and a router"
+        assert not self.linear_layers or (self.linear_attention and len(self.linear_layers) < self.num_layers), \
+            "linear-attention layers need their shape and at least one attention layer beside them"
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether layer i keeps a recurrent state (Gated DeltaNet) instead of KV."""
+        return bool(self.linear_layers) and i in self.linear_layers
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that hold KV in the paged cache."""
+        return self.num_layers - len(self.linear_layers or ())
+
+    def state_bytes_per_request(self) -> int:
+        """One request's recurrent states, fp32 (cache/state_cache.py): per linear layer the
+        convolution's window (K - 1) x (2 Hk Dk + Hv Dv) and the delta rule's Hv x Dk x Dv."""
+        la = self.linear_attention
+        if not self.linear_layers:
+            return 0
+        conv = (la["conv_kernel"] - 1) * (2 * la["num_key_heads"] * la["key_head_dim"]
+                                          + la["num_value_heads"] * la["value_head_dim"])
+        ssm = la["num_value_heads"] * la["key_head_dim"] * la["value_head_dim"]
+        return 4 * len(self.linear_layers) * (conv + ssm)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
@@ -106,6 +134,8 @@ class ModelConfig:
         first, then the sliding layers of each window."""
         by_window: dict = {}
         for i in range(self.num_layers):
+            if self.is_linear_layer(i):  # its state is in the slot pool, not in blocks
+                continue
             by_window.setdefault(self.layer_window(i), []).append(i)
         order = sorted(by_window, key=lambda w: -1 if w is None else w)
         return [KVGroupSpec(w, tuple(by_window[w])) for w in order]
@@ -136,13 +166,23 @@ class ModelConfig:
         expert = 3 * self.hidden_size * self.moe_intermediate_size
         moe = sum(map(self.is_moe_layer, range(self.num_layers)))
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None)
+        sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None
+                      and not self.is_linear_layer(i))
+        linear = len(self.linear_layers or ())
+        if linear:  # a Gated DeltaNet layer's projections in place of the attention's
+            la = self.linear_attention
+            kd, vd, hv = la["num_key_heads"] * la["key_head_dim"], la["num_value_heads"] * la["value_head_dim"], \
+                la["num_value_heads"]
+            gdn = self.hidden_size * (2 * kd + 2 * vd + 2 * hv) + vd * self.hidden_size
+            attn_total = (self.num_layers - linear) * attn + linear * gdn
+        else:
+            attn_total = self.num_layers * attn
         mlps = (self.num_layers - moe) * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
         mlps += moe * 3 * self.hidden_size * self.shared_expert_intermediate_size
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
-                          self.num_layers * attn + mlps + embeddings, self.sliding_window if sliding else None,
+                          attn_total + mlps + embeddings, self.sliding_window if sliding else None,
                           sliding, self.num_experts if moe else 0, self.num_experts_per_tok if moe else 0,
-                          expert if moe else 0, moe)
+                          expert if moe else 0, moe, linear, self.state_bytes_per_request())
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +210,14 @@ class ModelShape:
     experts_per_tok: int = 0
     expert_params: int = 0
     moe_layers: int = 0
+    # A hybrid model: state_layers of the num_layers keep a recurrent state of state_bytes_per_request
+    # in all (whatever the context) instead of KV.
+    state_layers: int = 0
+    state_bytes_per_request: int = 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers - self.state_layers
 
     @property
     def num_active_params(self) -> int | None:
@@ -218,7 +266,7 @@ def kv_bytes_per_token(shape: ModelConfig | ModelShape, kv_dtype: str, num_layer
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
     per_head = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (FP8_SCALE_BYTES if kv_dtype == "fp8" else 0)
-    return 2 * (shape.num_layers if num_layers is None else num_layers) * shape.num_kv_heads * per_head
+    return 2 * (shape.num_kv_layers if num_layers is None else num_layers) * shape.num_kv_heads * per_head
 
 
 def sliding_blocks_held(window: int, block_size: int) -> int:
@@ -232,7 +280,8 @@ def kv_bytes_per_request(shape: ModelShape, kv_dtype: str, context: int, block_s
     only the blocks its next query's window reaches (those wholly behind it are freed:
     cache/manager.py), cdiv(window - 1, block) + 1 blocks: min(window + block, context) tokens
     where the window is a whole number of blocks."""
-    full = kv_bytes_per_token(shape, kv_dtype, shape.num_layers - shape.sliding_layers) * context
+    full = kv_bytes_per_token(shape, kv_dtype, shape.num_kv_layers - shape.sliding_layers) * context
+    full += shape.state_bytes_per_request  # a hybrid's recurrent states: the same at any context
     if not shape.sliding_layers:
         return full
     held = min(sliding_blocks_held(shape.sliding_window, block_size) * block_size, context)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 from importlib import import_module
 
 from test_layers import ROOT, modules
@@ -98,3 +99,21 @@ def test_the_rule_sees_a_name_outside_its_folder():
     src = 'def f(cfg):\n    """qwen3_moe in a docstring"""\n    return cfg.arch == "qwen3_moe" or "llama.cpp"\n'
     hits = [(line, pattern.findall(text)) for line, text in _strings(ast.parse(src))]
     assert [(line, names) for line, names in hits if names] == [(3, ["qwen3_moe"])]
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel holds (the card's folders install under ridge.):
+    a folder with an __init__.py that it leaves out works in an editable install and is missing
+    from a built one."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for name, folder in tool["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            if "__pycache__" not in rel.parts and "csrc" not in rel.parts:
+                found.add(".".join((name, *rel.parts)))
+    assert found - listed == set(), f"pyproject.toml [tool.setuptools] packages lacks {sorted(found - listed)}"

@@ -14,6 +14,7 @@ import torch
 
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.manager import KVCacheManager
+from ridge.cache.state_cache import StateCheckpoints, StateSlots
 from ridge.config import draft_table_mismatch
 from ridge.errors import InvalidRequest, internal_error
 from ridge.models.loader import LoadedModel, load_model
@@ -34,6 +35,7 @@ from .request import FinishReason, Request, RequestStatus
 from .runner import ModelRunner, StepHandle
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .hybrid import hybrid_config
 from .sizing import measure_activation_peak, plan_memory
 from .speculative import build_speculator, plan_speculation
 from .threads import ThreadGovernor
@@ -41,6 +43,9 @@ from .structured import Constraints
 
 log = logging.getLogger("ridge.engine")
 CUDA_HOST_THREADS = 4  # torch CPU threads of a GPU engine unless --threads says otherwise
+# A hybrid model's prefix cache: state checkpoints at block boundaries, this many per request in
+# flight (each a whole recurrent state: cache/state_cache.py), least recently used evicted.
+STATE_CHECKPOINTS_PER_SEQ = 4
 LOAD_WAIT_S = 0.05  # nothing to run but loads from the KV tiers: wait this long for one, then plan again
 
 
@@ -60,6 +65,8 @@ class LLMEngine:
             log.info("weights loaded in %.2f s (%s)", self.loaded.load_seconds,
                      "from the converted cache" if self.loaded.from_cache else "converted from the source")
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        # A hybrid model runs without what its recurrent state does not support yet (hybrid.py).
+        self.config = config = self._hybrid(config)
         self.device = self.loaded.device
         if self.device.type == "cuda" and not config.num_threads:
             # The host only plans steps and samples small tensors: torch's default of
@@ -91,22 +98,28 @@ class LLMEngine:
         draft = spec.draft if spec is not None else None
         if draft is not None and (why := draft_table_mismatch(self.loaded.config, draft.config)):
             raise ValueError(f"the draft model {draft.path.name}: {why}")
+        if draft is not None and draft.config.linear_layers:  # its states would need slots and rollback of their own
+            raise ValueError(f"the draft model {draft.path.name}: a hybrid model (Gated DeltaNet state) cannot draft yet")
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)
+        state_pool = self._state_pool(spec)
         self.memory = plan_memory(self.loaded.config, self.kv_dtype, config.block_size, self.device,
                                   self.loaded.weight_bytes + (spec.weight_bytes if spec else 0), act,
                                   gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
                                   kv_memory_gib=config.kv_memory_gib, num_blocks=config.num_kv_blocks,
                                   max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.sched_config.max_num_batched_tokens,
-                                  extra_bytes_per_token=spec.kv_bytes_per_token(self.kv_dtype) if spec else 0)
+                                  extra_bytes_per_token=spec.kv_bytes_per_token(self.kv_dtype) if spec else 0,
+                                  state_bytes=state_pool * self.loaded.config.state_bytes_per_request())
         blocks = self.memory.group_blocks  # one pool per KV group (cache/manager.py)
-        self.kv_cache = KVCache(self.loaded.config, blocks, config.block_size, self.kv_dtype, self.device)
+        self.kv_cache = KVCache(self.loaded.config, blocks, config.block_size, self.kv_dtype, self.device,
+                                num_state_slots=state_pool)
         self.kv_cache_manager = KVCacheManager(None, config.block_size, config.enable_prefix_caching, groups=[
             (g.window, n) for g, n in zip(self.loaded.config.kv_groups(), blocks)])
         self.runner = ModelRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len,
                                   config.cuda_graph, self.sched_config.max_num_batched_tokens)
+        self.runner.state_slots, self.runner.state_checkpoints = self.state_slots, self.state_checkpoints
         # The two concerns the engine calls at named points (speculative/__init__.py,
         # structured/__init__.py), and nowhere else.
         self.speculator = build_speculator(spec, self.model, self.kv_cache, self.runner.sampler,
@@ -117,7 +130,8 @@ class LLMEngine:
         self.runner.pooling = self.pooling is not None
         self.judged = judged_tokens(self.tokenizer, self.loaded.path) if self.pooling == "rank" else None
         self.embeddings: dict[str, tuple] = {}  # embedding request id -> (its inputs' requests, dimensions)
-        self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.speculator)
+        self.scheduler = Scheduler(self.sched_config, self.kv_cache_manager, self.speculator, self.state_slots,
+                                   self.state_checkpoints)
         caches = [self.kv_cache] + (self.speculator.caches if self.speculator else [])  # what the block ids index
         self.tiers = build_tiers(config, self.loaded, draft, caches, self.kv_dtype)
         if self.tiers is not None:
@@ -145,6 +159,24 @@ class LLMEngine:
         self.metrics = RequestMetrics()  # histograms of finished requests, for monitoring
 
     # -- set-up -----------------------------------------------------------------
+    def _hybrid(self, config: EngineConfig) -> EngineConfig:
+        config, self.hybrid_refusals = hybrid_config(config, self.loaded.config)
+        return config
+
+    def _state_pool(self, spec) -> int:
+        """A hybrid model's state slots (cache/state_cache.py): one per request in flight, with
+        speculation one per draft each to roll back to, and with prefix caching the checkpoints
+        (STATE_CHECKPOINTS_PER_SEQ per request in flight); 0 for a model without linear layers."""
+        self.state_slots = self.state_checkpoints = None
+        if not self.loaded.config.linear_layers:
+            return 0
+        self.state_slots = StateSlots(self.config.max_num_seqs, self.config.num_speculative_tokens if spec else 0)
+        if not self.config.enable_prefix_caching:
+            return self.state_slots.pool_size
+        count = STATE_CHECKPOINTS_PER_SEQ * self.config.max_num_seqs
+        self.state_checkpoints = StateCheckpoints(self.state_slots.pool_size, count)
+        return self.state_slots.pool_size + count
+
     def _plan_budget(self) -> None:
         c = self.config
         fp8 = ops.keeps_fp8(self.device) and self.loaded.weights == "fp8"
@@ -385,6 +417,8 @@ class LLMEngine:
             return self._fail(out, internal_error(log, "step failed", e))
         with section("sched_update"):
             self.scheduler.update(out, tokens)
+            if self.state_slots is not None and self.speculator is not None:
+                self.runner.restore_states(out, tokens)
         self.constraints.advance(out)
         self._account(out, tokens)
         with section("outputs"):

@@ -60,6 +60,8 @@ def build_tiers(config, loaded, draft, caches: list, kv_dtype: str) -> KVTiers |
     cache of such a model lives on the device (cache/manager.py)."""
     if not config.enable_prefix_caching:
         return None
+    if loaded.config.linear_layers:  # a hit needs its state checkpoint too, which only the device holds (engine/hybrid.py)
+        return None
     if any(g.window is not None for g in loaded.config.kv_groups()):
         log.info("KV tiers off: the model has sliding-window layers, whose prefix cache stays on the device")
         return None

@@ -22,10 +22,12 @@ import time
 import torch
 
 from ridge.cache.kv_cache import KVCache
+from ridge.cache.state_cache import restore
 from ridge.kernels.timing import section
 
 from .graphs import StepGraphs
 from .pooling import pool_step
+from .request import RequestStatus
 from .sampler import SampledRows, Sampler, SampleResult
 from .scheduler import SchedulerOutput
 from .speculative.verify import Verified
@@ -75,7 +77,12 @@ class ModelRunner:
         self.bufs = StepBuffers(max_tokens, max_num_seqs, -(-max_len // self.block_size), self.device,
                                 kv_cache.num_groups)
         self.graphs = None
-        if cuda_graph if cuda_graph is not None else self.device.type == "cuda":
+        # A hybrid model's linear-attention layers read state slots per request (cache/state_cache.py),
+        # which a captured graph's padded sequences have none of: its steps run eagerly.
+        self.stateful = bool(model.cfg.linear_layers)
+        self.state_slots = None  # its StateSlots and StateCheckpoints (cache/state_cache.py), set by LLMEngine
+        self.state_checkpoints = None
+        if (cuda_graph if cuda_graph is not None else self.device.type == "cuda") and not self.stateful:
             # On CPU (tests) the same padded buffers run eagerly.
             self.graphs = StepGraphs(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
                                      self.bufs, self.block_size, max_num_seqs, max_tokens, max_len, enabled=True,
@@ -95,10 +102,67 @@ class ModelRunner:
         batch = plan_step(out, self.block_size, self.bufs, include_spec, graph, prev)
         for meta in (batch.meta, *batch.meta.groups):
             meta.batch_invariant = self.batch_invariant
+        if self.stateful:
+            self._state_meta(out, batch.meta, include_spec)
         if batch.feed is not None:
             dst, src = batch.feed
             batch.input_ids.index_copy_(0, dst, self.last.sampled.token_ids.index_select(0, src))
         return batch
+
+    def _state_meta(self, out: SchedulerOutput, meta, include_spec: bool) -> None:
+        """A hybrid model's state slots (the scheduler's, one per request) and whether each request
+        continues from its slot's state: it does past its first chunk (a preempted request restarts
+        from its prompt, so from zeros), and after a prefix hit, from the hit's checkpoint copied in
+        here. The state after some tokens is also kept (token_state_slots): after each token of a
+        speculating request's span but the last, in its scratch slots, which a rejection rolls back
+        to (restore_states); after each prompt token that ends a block, as that block's checkpoint."""
+        slots = [s.state_slot for s in out.scheduled]
+        assert all(x >= 0 for x in slots), "a hybrid model's request scheduled without a state slot"
+        for s in out.scheduled:
+            if s.state_source >= 0 and s.start > 0:
+                restore(self.kv_cache.layers, s.state_slot, s.state_source)
+        meta.state_slots = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        meta.has_initial_state = torch.tensor([s.start > 0 for s in out.scheduled]).to(self.device, non_blocking=True)
+        keep = self._kept_states(out, include_spec)
+        meta.token_state_slots = None if keep is None else \
+            torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _kept_states(self, out: SchedulerOutput, include_spec: bool) -> list[int] | None:
+        """token_state_slots for the step's rows (-1: kept nowhere); None where none is kept."""
+        ckpt, bs = self.state_checkpoints, self.block_size
+        if ckpt is not None:
+            ckpt.begin_step()
+        elif not include_spec or not any(s.num_spec_tokens for s in out.scheduled):
+            return None
+        keep, row = None, 0
+        total = sum(s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens) for s in out.scheduled)
+        for s in out.scheduled:
+            n = s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens)
+            k = s.num_spec_tokens if include_spec else 0
+            kept = {j: self.state_slots.scratch(s.state_slot, j) for j in range(k)}
+            if ckpt is not None:  # each token that ends a block whose hash the request's chain holds
+                hashes = s.request.block_chain.hashes
+                for end in range(-(-(s.start + 1) // bs) * bs, min(s.start + n, len(hashes) * bs) + 1, bs):
+                    j = end - 1 - s.start
+                    if j >= k and (slot := ckpt.take(hashes[end // bs - 1])) is not None:
+                        kept[j] = slot
+            if kept:
+                keep = keep or [-1] * total
+                for j, slot in kept.items():
+                    keep[row + j] = slot
+            row += n
+        return keep
+
+    def restore_states(self, out: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
+        """After a speculative step is read: each running request that accepted a of its k drafts
+        (a < k) continues from the state after token a of its span, kept in its scratch slot."""
+        for s in out.scheduled:
+            req = s.request
+            if not s.num_spec_tokens or req.status != RequestStatus.RUNNING or req.request_id not in tokens:
+                continue  # finished or preempted while the step ran: its slot is no longer its
+            a = len(tokens[req.request_id]) - 1
+            if a < s.num_spec_tokens and s.state_slot == self.state_slots.slot(req.request_id):
+                restore(self.kv_cache.layers, s.state_slot, self.state_slots.scratch(s.state_slot, a))
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:

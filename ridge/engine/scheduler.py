@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ridge.cache.manager import KVCacheManager
+from ridge.cache.manager import ComputedBlocks, KVCacheManager
+from ridge.cache.state_cache import StateCheckpoints, StateSlots
 
 from .request import FinishReason, Request, RequestStatus
 
@@ -39,6 +40,8 @@ class ScheduledRequest:
     samples: bool = False  # the step reaches the end of the known tokens, so the next one is sampled
     block_row: object = None  # block_ids as the manager's int32 array, for the block table's memcpy
     group_rows: tuple = ()  # the same for KV groups 1.. (sliding layers' own tables; cache/manager.py)
+    state_slot: int = -1  # its slot in a hybrid model's state pools (cache/state_cache.py); -1: none
+    state_source: int = -1  # a prefix hit's checkpoint slot, copied into state_slot before this step; -1: none
 
     def __post_init__(self):
         r = self.request
@@ -72,9 +75,15 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, speculator=None):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, speculator=None,
+                 state_slots: StateSlots | None = None, state_checkpoints: StateCheckpoints | None = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        # A hybrid model's state slots (one per running request, taken at admission and given back
+        # with its blocks); None: the model keeps no recurrent state.
+        self.state_slots = state_slots
+        # A hybrid's prefix hits end where a state checkpoint is (None: no prefix cache for it).
+        self.state_checkpoints = state_checkpoints
         self.speculator = speculator  # speculative.Speculator, None: no speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,6 +105,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv_cache_manager.free(req.request_id)
+        self._free_state(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -141,7 +151,8 @@ class Scheduler:
             kv = self.kv_cache_manager
             blocks = kv.allocate(req.request_id, req.num_computed_tokens + n)
             out.scheduled.append(ScheduledRequest(req, n, blocks, k, block_row=kv.block_row(req.request_id),
-                                                  group_rows=kv.group_rows(req.request_id)))
+                                                  group_rows=kv.group_rows(req.request_id),
+                                                  state_slot=self._state_slot(req)))
             budget -= n
             i += 1
         return budget
@@ -170,14 +181,20 @@ class Scheduler:
                                                     req.block_chain)
             else:  # an embedding pools every token's state and keeps no KV (engine/pooling.py)
                 hits, cached, offloaded = [], 0, 0
+            source = -1
+            if self.state_checkpoints is not None and hits:
+                hits, cached, source = self._checkpointed(req, hits)
             req.num_computed_tokens = cached
             n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
-            if not kv.can_allocate(req.request_id, cached + n, hits):
+            if not kv.can_allocate(req.request_id, cached + n, hits) or (
+                    self.state_slots is not None and not self.state_slots.can_allocate(req.request_id)):
                 req.num_computed_tokens = 0
                 kv.abandon_offloaded(req.request_id)
                 break
             self.waiting.popleft()
             blocks = kv.allocate(req.request_id, cached + n, hits)
+            if self.state_slots is not None:
+                self.state_slots.allocate(req.request_id)
             req.num_cached_tokens = cached
             if offloaded:  # computed nothing this step: joins running once they are in
                 kv.load_offloaded(req.request_id)
@@ -187,7 +204,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, blocks, block_row=kv.block_row(req.request_id),
-                                                  group_rows=kv.group_rows(req.request_id)))
+                                                  group_rows=kv.group_rows(req.request_id),
+                                                  state_slot=self._state_slot(req), state_source=source))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget
@@ -276,6 +294,26 @@ class Scheduler:
             self._remove(req)
         return finished
 
+    def _checkpointed(self, req: Request, hits) -> tuple[list, int, int]:
+        """A hybrid's prefix hit cut back to its last block with a state checkpoint
+        (cache/state_cache.py) -> (the hit, tokens it covers, the checkpoint's slot or -1)."""
+        hashes = req.block_chain.hashes
+        m = self.state_checkpoints.longest(hashes, len(hits))
+        if m < len(hits):
+            cut = ComputedBlocks(hits[:m]) if isinstance(hits, ComputedBlocks) else hits[:m]
+            if isinstance(hits, ComputedBlocks):
+                cut.others = [o[:m] for o in hits.others]
+            hits = cut
+            self.kv_cache_manager.shorten_hit(req.request_id, m)
+        return hits, m * self.config.block_size, self.state_checkpoints.find(hashes[m - 1]) if m else -1
+
+    def _state_slot(self, req: Request) -> int:
+        return self.state_slots.slot(req.request_id) if self.state_slots is not None else -1
+
+    def _free_state(self, req: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(req.request_id)
+
     def _check_stop(self, req: Request, token: int) -> bool:
         p = req.params
         if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
@@ -298,5 +336,6 @@ class Scheduler:
         elif req in self.loading:
             self.loading.remove(req)
         self.kv_cache_manager.free(req.request_id)
+        self._free_state(req)
         if self.speculator is not None:
             self.speculator.on_finish(req.request_id)

@@ -28,6 +28,10 @@ class MemoryPlan:
     # Per KV group (ModelConfig.kv_groups()): its blocks and the bytes one token takes in its layers.
     group_blocks: list[int] | None = None
     group_bytes_per_token: list[int] | None = None
+    # A hybrid model's state pools (cache/state_cache.py): a slot per request in flight, the same
+    # bytes at any context; taken from the budget before the KV pool is sized.
+    state_bytes: int = 0
+    state_bytes_per_request: int = 0
 
     def __post_init__(self):
         if self.group_blocks is None:
@@ -44,7 +48,10 @@ class MemoryPlan:
     def summary(self, context: int = 4096) -> str:
         groups = "" if len(self.group_blocks) == 1 else " (sliding layers: " + ", ".join(
             f"{n} blocks at {b} B/token" for n, b in zip(self.group_blocks[1:], self.group_bytes_per_token[1:])) + ")"
-        return (f"weights {self.weight_bytes / GIB:.2f} GiB, activations {self.activation_bytes / GIB:.2f} GiB, "
+        states = "" if not self.state_bytes else (
+            f"state pool {self.state_bytes / GIB:.3f} GiB = {self.state_bytes // self.state_bytes_per_request} slots "
+            f"x {self.state_bytes_per_request} B/request, ")
+        return (f"weights {self.weight_bytes / GIB:.2f} GiB, activations {self.activation_bytes / GIB:.2f} GiB, {states}"
                 f"KV pool {self.kv_pool_bytes / GIB:.2f} GiB = {self.num_blocks} blocks x {self.block_size} tokens "
                 f"at {self.group_bytes_per_token[0]} B/token{groups} = {self.tokens} tokens, "
                 f"{self.tokens // context} concurrent requests at {context // 1024}K context")
@@ -103,8 +110,9 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
                 activation_bytes: int, *, gpu_reserve_gib: float, cpu_kv_cap_gib: float,
                 kv_memory_gib: float | None, num_blocks: int | None,
                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                extra_bytes_per_token: int = 0) -> MemoryPlan:
-    """extra_bytes_per_token: a draft model's KV, which lives in group 0's blocks."""
+                extra_bytes_per_token: int = 0, state_bytes: int = 0) -> MemoryPlan:
+    """extra_bytes_per_token: a draft model's KV, which lives in group 0's blocks. state_bytes: a
+    hybrid model's state pools (max_num_seqs requests' recurrent states), held beside the KV."""
     groups = cfg.kv_groups()
     group_bpt = [kv_bytes_per_token(cfg, kv_dtype, len(g.layers)) for g in groups]
     group_bpt[0] += extra_bytes_per_token
@@ -118,6 +126,7 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
         budget = min(psutil.virtual_memory().available - activation_bytes - reserve, int(cpu_kv_cap_gib * GIB))
     if kv_memory_gib is not None:
         budget = min(budget, int(kv_memory_gib * GIB))
+    budget -= state_bytes
     counts = split_pool(groups, group_bpt, block_size, budget, num_blocks, max_num_seqs, max_num_batched_tokens)
     if min(counts) < 1:
         raise MemoryError(f"only {max(budget, 0) / GIB:.2f} GiB left for the KV cache, not one block; "
@@ -127,6 +136,7 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
         log.warning("the KV pool (%d tokens) cannot hold one request of --max-model-len %d",
                     blocks * block_size, max_model_len)
     plan = MemoryPlan(device.type, total, weight_bytes, activation_bytes, reserve, sum(group_bpt), int(blocks),
-                      block_size, [int(n) for n in counts], group_bpt)
+                      block_size, [int(n) for n in counts], group_bpt, state_bytes,
+                      cfg.state_bytes_per_request() if state_bytes else 0)
     log.info("memory: %s", plan.summary())
     return plan

@@ -36,6 +36,7 @@ FAMILIES = (
     "ernie4_5",
     "glm4_moe",
     "llama4_text",
+    "qwen3_5",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 
