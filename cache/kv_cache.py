@@ -70,7 +70,7 @@ class KVCache:
         for i in range(cfg.num_layers):
             if cfg.is_linear_layer(i):
                 st = layer_state(cfg, num_state_slots, device)
-                self.state_bytes += st.conv.nbytes + st.recurrent.nbytes
+                self.state_bytes += st.nbytes
                 self.layers.append(st)
                 continue
             shape = (of_layer[i], block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -1,14 +1,15 @@
-"""The state cache beside the paged KV: a hybrid model's recurrent states (Gated DeltaNet), one
-slot per running request.
+"""The state cache beside the paged KV: a hybrid model's recurrent states (Gated DeltaNet, LFM2's
+short convolutions), one slot per running request.
 
 A linear-attention layer keeps no KV that grows with the context. Per request it keeps the
 delta rule's state, a [Dk, Dv] matrix per value head, and the short convolution's window, the
-last K - 1 inputs of its q/k/v channels: the same bytes at 1K and at 1M tokens. Each such layer
-holds a pool of both, indexed by slot (kernels/varlen.py), and a request owns one slot, the same
-in every layer, from admission to its finish, abort or preemption (StateSlots: the scheduler's
-check/act pair, as it asks the block pool for blocks). Attention metadata carries each
-sequence's slot and whether it continues from the slot's state (a later prefill chunk, a decode)
-or starts from zeros (its first chunk: a preempted request recomputes from its prompt).
+last K - 1 inputs of its q/k/v channels (an LFM2 convolution layer keeps the window alone): the
+same bytes at 1K and at 1M tokens. Each such layer holds a pool of each (ModelConfig.state_shapes),
+indexed by slot (kernels/varlen.py), and a request owns one slot, the same in every layer, from
+admission to its finish, abort or preemption (StateSlots: the scheduler's check/act pair, as it
+asks the block pool for blocks). Attention metadata carries each sequence's slot and whether it
+continues from the slot's state (a later prefill chunk, a decode) or starts from zeros (its
+first chunk: a preempted request recomputes from its prompt).
 
 Speculative decoding: a verified span (the last token and k drafts) leaves the state after all
 of them in the request's slot, and the state after each earlier token in a scratch slot
@@ -40,18 +41,22 @@ STATE_DTYPE = torch.float32
 
 @dataclass
 class LayerState:
-    """One linear-attention layer's pools: what the model's layer gets in place of its LayerKV."""
-    conv: torch.Tensor  # [slots, K - 1, 2 Hk Dk + Hv Dv]: the convolution's window, oldest input first
-    recurrent: torch.Tensor  # [slots, Hv, Dk, Dv]: the delta rule's state
+    """One linear-attention layer's pools: what the model's layer gets in place of its LayerKV.
+    Each pool a layer kind declares (ModelConfig.state_shapes) is here; the others are None."""
+    conv: torch.Tensor  # [slots, K - 1, channels]: the convolution's window, oldest input first
+    recurrent: torch.Tensor | None = None  # [slots, Hv, Dk, Dv]: the delta rule's state; None: a short convolution
+
+    def pools(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv, self.recurrent) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.pools())
 
 
 def layer_state(cfg: ModelConfig, num_slots: int, device) -> LayerState:
-    la = cfg.linear_attention
-    channels = 2 * la["num_key_heads"] * la["key_head_dim"] + la["num_value_heads"] * la["value_head_dim"]
-    conv = torch.zeros((num_slots, la["conv_kernel"] - 1, channels), dtype=STATE_DTYPE, device=device)
-    rec = torch.zeros((num_slots, la["num_value_heads"], la["key_head_dim"], la["value_head_dim"]),
-                      dtype=STATE_DTYPE, device=device)
-    return LayerState(conv, rec)
+    return LayerState(**{name: torch.zeros((num_slots, *shape), dtype=STATE_DTYPE, device=device)
+                         for name, shape in cfg.state_shapes().items()})
 
 
 def restore(layers, dst: int, src: int) -> None:
@@ -59,8 +64,8 @@ def restore(layers, dst: int, src: int) -> None:
     src holds the state after the last accepted token)."""
     for st in layers:
         if isinstance(st, LayerState):
-            st.conv[dst].copy_(st.conv[src])
-            st.recurrent[dst].copy_(st.recurrent[src])
+            for pool in st.pools():
+                pool[dst].copy_(pool[src])
 
 
 class StateSlots:

@@ -299,7 +299,7 @@ def describe(plan: list[tuple[int, bool]]) -> str:
 def describe_format(f: ShapeFormat, e4m3: bool = False) -> str:
     if e4m3:
         stream = [n for n, use in f.fp8 or [] if use]
-        return f"streaming e4m3 at {','.join(map(str, stream))} rows, else tiles" if stream else "tiles"
+        return f"streaming at {','.join(map(str, stream))} rows, else tiles" if stream else "tiles"
     return ("gemv 1 row, " if f.gemv else "") + describe(f.plan)
 
 
@@ -336,7 +336,7 @@ def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: i
         w = m.weight
         m.use(formats[shape_class(m)], isa, {k: made[(id(w), k)] for k in ("packed", "plain") if (id(w), k) in made})
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
-             "; ".join(f"{o}x{i}{'' if e is None else ' e4m3'}: {describe_format(f, e is not None)}"
+             "; ".join(f"{o}x{i}{'' if e is None else ' ' + e.split()[0]}: {describe_format(f, e is not None)}"
                        for ((o, i), e), f in formats.items()))
     return max((n for (_, e), f in formats.items() if e is None for n, use in f.plan if use), default=0)
 

@@ -75,7 +75,7 @@ def read_config(reader, path, registry) -> ModelConfig:
     kw = dict(
         arch=spec.arch, vocab_size=int(vocab), hidden_size=int(hidden),
         intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
-        num_heads=int(heads), num_kv_heads=int(a("attention.head_count_kv", heads)),
+        num_heads=int(heads), num_kv_heads=kv_heads(a("attention.head_count_kv", heads), arch, path),
         head_dim=int(a("attention.key_length", hidden // heads)),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
@@ -88,6 +88,18 @@ def read_config(reader, path, registry) -> ModelConfig:
         kw.update(spec.gguf.read(a, kw, names, reader, path))
     check_keys(spec.gguf, reader.fields, kw["head_dim"], a("rope.dimension_count"), path)
     return ModelConfig(**kw)
+
+
+def kv_heads(value, arch: str, path) -> int:
+    """attention.head_count_kv: one count, or one a layer, 0 where a layer has no attention (what
+    llama.cpp's converter writes for a hybrid: its GGUFFamily.read finds those layers)."""
+    if isinstance(value, list):
+        counts = {int(v) for v in value if v}
+        if len(counts) != 1:
+            raise ModelLoadError(path, f"{arch}.attention.head_count_kv={value!r}: ridge needs one KV head count "
+                                       "for every attention layer")
+        return counts.pop()
+    return int(value)
 
 
 def check_keys(family: GGUFFamily, keys, head_dim: int, rotary: int | None, path) -> None:

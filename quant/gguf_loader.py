@@ -44,9 +44,12 @@ _GLOBAL_NAMES = {
 
 
 def hf_name(gguf_name: str, names: dict) -> str | None:
-    """names: the family's layer names beyond LAYER_NAMES (GGUFFamily.names)."""
+    """names: the family's layer names beyond LAYER_NAMES (GGUFFamily.names), and any global
+    name of its own (a name outside blk.N.)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if not gguf_name.startswith("blk.") and gguf_name in names:  # a family's own global (LFM2's token_embd_norm)
+        return names[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
         name = names.get(rest) or LAYER_NAMES.get(rest)

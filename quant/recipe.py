@@ -24,7 +24,7 @@ import torch
 
 from .fp8 import FP8, GROUPINGS, grouping_block, is_linear_weight, quantize_fp8, quantize_state_dict, scale_dtype
 
-KINDS = ("qkv", "o", "gate_up", "down", "in", "out")  # in, out: a linear-attention layer's (Gated DeltaNet)
+KINDS = ("qkv", "o", "gate_up", "down", "in", "out")  # in, out: a recurrent layer's (Gated DeltaNet, LFM2)
 # What `--fp8-recipe device` (the default) makes on each device (docs/benchmarks.md, issue 29).
 # CPU: 1 x 16 groups with the activation-weighted search, what auto chose on the embedded model
 # and the recipe that meets the accuracy targets; ridge's e4m3 kernel closes a group with one

@@ -1,6 +1,7 @@
 """The model's shape, as every loader reports it and the model consumes it."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 # How a mixture-of-experts router turns its logits into the k experts' weights: softmax over
@@ -81,10 +82,12 @@ class ModelConfig:
     # llama_4_scaling_beta over original_max_position_embeddings; Llama 4's attn_scale over
     # floor_scale, offset 1, on its NoPE layers only): {"beta", "period"[, "offset"]}; None: 1.
     query_scale: dict | None = None
-    # Hybrid models (Qwen3.5): the layers that run Gated DeltaNet, a linear attention whose per-request
-    # state (a [Dk, Dv] matrix per value head and the short convolution's last K - 1 inputs) lives in a
-    # slot pool beside the paged KV (cache/state_cache.py), so they hold no KV blocks; and its shape
-    # {"num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"}. None: none.
+    # Hybrid models: the layers whose per-request state lives in a slot pool beside the paged KV
+    # (cache/state_cache.py), so they hold no KV blocks, and their shape. Qwen3.5's Gated DeltaNet (a
+    # [Dk, Dv] matrix per value head and the short convolution's last K - 1 inputs):
+    # {"num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"}; LFM2's
+    # gated short convolution (its last K - 1 inputs only): {"kind": "short_conv", "channels",
+    # "conv_kernel"}. None: none.
     linear_layers: list[int] | None = None
     linear_attention: dict | None = None
     name: str = ""
@@ -100,7 +103,7 @@ class ModelConfig:
             "linear-attention layers need their shape and at least one attention layer beside them"
 
     def is_linear_layer(self, i: int) -> bool:
-        """Whether layer i keeps a recurrent state (Gated DeltaNet) instead of KV."""
+        """Whether layer i keeps a recurrent state (Gated DeltaNet, a short convolution) instead of KV."""
         return bool(self.linear_layers) and i in self.linear_layers
 
     @property
@@ -108,16 +111,22 @@ class ModelConfig:
         """The layers that hold KV in the paged cache."""
         return self.num_layers - len(self.linear_layers or ())
 
-    def state_bytes_per_request(self) -> int:
-        """One request's recurrent states, fp32 (cache/state_cache.py): per linear layer the
-        convolution's window (K - 1) x (2 Hk Dk + Hv Dv) and the delta rule's Hv x Dk x Dv."""
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One request's states in each linear layer, by pool (cache/state_cache.py LayerState): the
+        convolution's window (K - 1) x channels, and Gated DeltaNet's delta-rule state Hv x Dk x Dv
+        (a short convolution keeps none)."""
         la = self.linear_attention
+        if la.get("kind") == "short_conv":
+            return {"conv": (la["conv_kernel"] - 1, la["channels"])}
+        channels = 2 * la["num_key_heads"] * la["key_head_dim"] + la["num_value_heads"] * la["value_head_dim"]
+        return {"conv": (la["conv_kernel"] - 1, channels),
+                "recurrent": (la["num_value_heads"], la["key_head_dim"], la["value_head_dim"])}
+
+    def state_bytes_per_request(self) -> int:
+        """One request's recurrent states, fp32 (cache/state_cache.py), over every linear layer."""
         if not self.linear_layers:
             return 0
-        conv = (la["conv_kernel"] - 1) * (2 * la["num_key_heads"] * la["key_head_dim"]
-                                          + la["num_value_heads"] * la["value_head_dim"])
-        ssm = la["num_value_heads"] * la["key_head_dim"] * la["value_head_dim"]
-        return 4 * len(self.linear_layers) * (conv + ssm)
+        return 4 * len(self.linear_layers) * sum(math.prod(s) for s in self.state_shapes().values())
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
@@ -169,7 +178,10 @@ class ModelConfig:
         sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None
                       and not self.is_linear_layer(i))
         linear = len(self.linear_layers or ())
-        if linear:  # a Gated DeltaNet layer's projections in place of the attention's
+        if linear and self.linear_attention.get("kind") == "short_conv":  # LFM2: in_proj [B | C | x], out_proj
+            gdn = 4 * self.hidden_size * self.hidden_size
+            attn_total = (self.num_layers - linear) * attn + linear * gdn
+        elif linear:  # a Gated DeltaNet layer's projections in place of the attention's
             la = self.linear_attention
             kd, vd, hv = la["num_key_heads"] * la["key_head_dim"], la["num_value_heads"] * la["value_head_dim"], \
                 la["num_value_heads"]

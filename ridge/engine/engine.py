@@ -99,7 +99,7 @@ class LLMEngine:
         if draft is not None and (why := draft_table_mismatch(self.loaded.config, draft.config)):
             raise ValueError(f"the draft model {draft.path.name}: {why}")
         if draft is not None and draft.config.linear_layers:  # its states would need slots and rollback of their own
-            raise ValueError(f"the draft model {draft.path.name}: a hybrid model (Gated DeltaNet state) cannot draft yet")
+            raise ValueError(f"the draft model {draft.path.name}: a hybrid model (recurrent state) cannot draft yet")
         if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
             choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
         act = measure_activation_peak(self._profile_forward, self.device)

@@ -1,4 +1,5 @@
-"""What an engine turns off for a hybrid model (Gated DeltaNet layers beside attention: Qwen3.5).
+"""What an engine turns off for a hybrid model (recurrent layers beside attention: Qwen3.5's Gated
+DeltaNet, LFM2's short convolutions).
 
 ridge never runs a feature approximately. Two do not hold yet for a recurrent state:
 - the KV tiers (host RAM, disk) hold prefix blocks, but not the state checkpoints a hybrid's
@@ -20,8 +21,8 @@ from ridge.config import ModelConfig
 
 log = logging.getLogger("ridge.engine")
 
-TIERS_REFUSAL = "KV tiers: hybrid models' state checkpoints (Gated DeltaNet) are not held in host RAM or on disk"
-SPECULATIVE_REFUSAL = ("speculative decoding by self-drafting: hybrid models (Gated DeltaNet state) would advance "
+TIERS_REFUSAL = "KV tiers: hybrid models' state checkpoints (recurrent layers) are not held in host RAM or on disk"
+SPECULATIVE_REFUSAL = ("speculative decoding by self-drafting: hybrid models (recurrent state) would advance "
                        "their states on drafts")
 SELF_DRAFTING = ("self", "auto")
 

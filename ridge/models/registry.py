@@ -37,6 +37,7 @@ FAMILIES = (
     "glm4_moe",
     "llama4_text",
     "qwen3_5",
+    "lfm2",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 
