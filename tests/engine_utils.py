@@ -25,6 +25,23 @@ def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
     return toks
 
 
+def run_named(engine: LLMEngine, prompts: dict, n_tokens: int, params=None) -> dict[str, list[int]]:
+    """Run to completion with the prompts' own request ids; -> id -> output tokens (greedy
+    n_tokens unless params is given)."""
+    got = {k: [] for k in prompts}
+    for k, p in prompts.items():
+        engine.add_request(k, p, params or greedy(n_tokens))
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    return got
+
+
+def odd_prompts(ids: list[int]) -> dict[str, list[int]]:
+    """A one-token prompt (its first step decode-shaped), odd lengths and one past a 64-token chunk."""
+    return {"a": ids[:50], "b": ids[10:23], "c": ids[40:41], "d": ids[:70]}
+
+
 def assert_no_leak(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks, "KV blocks leaked"

@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from engine_utils import assert_no_leak, greedy, make_engine
+from engine_utils import assert_no_leak, greedy, make_engine, odd_prompts, run_named
 from ridge.cache.state_cache import LayerState
 from ridge.config import kv_bytes_per_token
 from ridge.engine.sampling_params import SamplingParams
@@ -203,21 +203,6 @@ def test_gguf_keys_ridge_does_not_honour_are_refused(variants, tmp_path):
 
 
 # -- through the engine -----------------------------------------------------------------------
-def _run(eng, prompts: dict, n_tokens: int, params=None) -> dict:
-    got = {k: [] for k in prompts}
-    for k, p in prompts.items():
-        eng.add_request(k, p, params or greedy(n_tokens))
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return got
-
-
-def _prompts(ids):
-    # a one-token prompt (its first step a decode-shaped one from zeros), odd lengths, one past a chunk
-    return {"a": ids[:50], "b": ids[10:23], "c": ids[40:41], "d": ids[:70]}
-
-
 def test_the_state_cache_holds_windows_only(fp32_default):
     model, lm, ids = fp32_default
     eng = make_engine(lm, max_num_seqs=2, enable_prefix_caching=False)
@@ -237,9 +222,9 @@ def test_greedy_through_the_engine(variants, name, weights, chunk, seqs):
     name, model, path, ids = variants(name)
     lm = load_model(path, device="cpu", weights=weights, use_cache=False, show_progress=False)
     ref = model if weights == "fp32" else with_ridge_weights(model, lm)
-    prompts = _prompts(ids)
+    prompts = odd_prompts(ids)
     eng = make_engine(lm, prefill_chunk=chunk, max_num_seqs=seqs)
-    got = _run(eng, prompts, 10)
+    got = run_named(eng, prompts, 10)
     assert got == {k: hf_greedy(ref, p, 10) for k, p in prompts.items()}
     assert_no_leak(eng)
     assert eng.state_slots.num_free == seqs
@@ -249,7 +234,7 @@ def test_preempted_requests_restart_from_zeros(fp32_default):
     model, lm, ids = fp32_default
     prompts = {"a": ids[:50], "b": ids[5:45], "d": ids[20:90]}
     eng = make_engine(lm, prefill_chunk=16, max_num_seqs=3, num_kv_blocks=7)
-    got = _run(eng, prompts, 12)
+    got = run_named(eng, prompts, 12)
     assert eng.scheduler.num_preemptions > 0
     assert got == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
     assert_no_leak(eng)
@@ -289,7 +274,7 @@ def test_prefix_hit_continues_from_a_state_checkpoint(fp32_default, chunk, seqs)
     system = ids[:37]
     eng = make_engine(lm, prefill_chunk=chunk, max_num_seqs=seqs)
     first = system + ids[60:70]
-    got = _run(eng, {"first": first}, 8)
+    got = run_named(eng, {"first": first}, 8)
     assert len(eng.state_checkpoints) == len(first) // 16
     later = {f"user-{i}": system + ids[70 + 5 * i:80 + 5 * i] for i in range(seqs)}
     cached = {}
@@ -320,7 +305,7 @@ def test_ngram_speculation_rolls_states_back(fp32_default, seqs):
     verified = eng.speculator.on_verified
     eng.speculator.on_verified = lambda req, drafted, accepted: (seen.append((drafted, accepted)),
                                                                  verified(req, drafted, accepted))
-    got = _run(eng, prompts, 24)
+    got = run_named(eng, prompts, 24)
     assert got == {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
     assert any(a < d for d, a in seen), f"no draft was rejected: {seen}"
     assert any(0 < a < d for d, a in seen), f"no span was accepted in part: {seen}"
@@ -337,7 +322,7 @@ def test_draft_model_speculation(fp32_default, tmp_path):
     eng = make_engine(lm, speculative=f"draft:{draft}", num_speculative_tokens=3, max_num_seqs=2, prefill_chunk=16)
     assert eng.speculator is not None and eng.speculator.name == "draft:qwen3"
     prompts = {"a": ids[:30], "b": ids[40:60]}
-    assert _run(eng, prompts, 12) == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
+    assert run_named(eng, prompts, 12) == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
     assert_no_leak(eng)
     (tmp_path / "hybrid").mkdir()
     _, hybrid = build_hf(tmp_path / "hybrid", "lfm2", dict(

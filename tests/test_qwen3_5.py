@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from engine_utils import assert_no_leak, greedy, make_engine
+from engine_utils import assert_no_leak, greedy, make_engine, odd_prompts, run_named
 from ridge.cache.state_cache import StateCheckpoints
 from ridge.config import ModelShape, kv_bytes_per_request, kv_bytes_per_token
 from ridge.engine.engine import STATE_CHECKPOINTS_PER_SEQ
@@ -142,21 +142,6 @@ def test_fp8_logits_match_transformers_on_ridges_weights(variant):
 
 
 # -- through the engine -----------------------------------------------------------------------
-def _run(eng, prompts: dict, n_tokens: int, params=None) -> dict:
-    got = {k: [] for k in prompts}
-    for k, p in prompts.items():
-        eng.add_request(k, p, params or greedy(n_tokens))
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-    return got
-
-
-def _prompts(ids):
-    # a one-token prompt (its first step a decode-shaped one from zeros), odd lengths, one past a chunk
-    return {"a": ids[:50], "b": ids[10:23], "c": ids[40:41], "d": ids[:70]}
-
-
 @pytest.mark.parametrize("weights,chunk,seqs", [("fp32", 128, 1), ("fp32", 128, 3), ("fp32", 7, 3), ("fp8", 16, 2)],
                          ids=["one-pass-batch-1", "one-pass-batch-3", "chunks-of-7-batch-3", "fp8-chunks-of-16"])
 def test_greedy_through_the_engine(variants, weights, chunk, seqs):
@@ -165,9 +150,9 @@ def test_greedy_through_the_engine(variants, weights, chunk, seqs):
     name, model, path, ids = variants("qwen3_5-default-pattern")
     lm = load_model(path, device="cpu", weights=weights, use_cache=False, show_progress=False)
     ref = model if weights == "fp32" else with_ridge_weights(model, lm)
-    prompts = _prompts(ids)
+    prompts = odd_prompts(ids)
     eng = make_engine(lm, prefill_chunk=chunk, max_num_seqs=seqs)
-    got = _run(eng, prompts, 10)
+    got = run_named(eng, prompts, 10)
     assert got == {k: hf_greedy(ref, p, 10) for k, p in prompts.items()}
     assert_no_leak(eng)
     assert eng.state_slots.num_free == seqs
@@ -179,7 +164,7 @@ def test_preempted_requests_restart_from_zeros(fp32_default):
     model, lm, ids = fp32_default
     prompts = {"a": ids[:50], "b": ids[5:45], "d": ids[20:90]}
     eng = make_engine(lm, prefill_chunk=16, max_num_seqs=3, num_kv_blocks=7)
-    got = _run(eng, prompts, 12)
+    got = run_named(eng, prompts, 12)
     assert eng.scheduler.num_preemptions > 0
     assert got == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
     assert_no_leak(eng)
@@ -226,7 +211,7 @@ def test_kv_tiers_and_self_drafting_are_refused_by_name(fp32_default):
     assert TIERS_REFUSAL in eng.hybrid_refusals
     assert any(r.startswith(SPECULATIVE_REFUSAL) and "self:1" in r for r in eng.hybrid_refusals)
     assert eng.speculator is None and eng.tiers is None and eng.config.enable_prefix_caching
-    got = _run(eng, {"first": ids[:40]}, 8)
+    got = run_named(eng, {"first": ids[:40]}, 8)
     assert got["first"] == hf_greedy(model, ids[:40], 8)
     assert_no_leak(eng)
 
@@ -241,7 +226,7 @@ def test_prefix_hit_continues_from_a_state_checkpoint(fp32_default, chunk, seqs)
     eng = make_engine(lm, prefill_chunk=chunk, max_num_seqs=seqs)
     assert eng.config.enable_prefix_caching and eng.state_checkpoints is not None
     first = system + ids[60:70]
-    got = _run(eng, {"first": first}, 8)
+    got = run_named(eng, {"first": first}, 8)
     assert len(eng.state_checkpoints) == len(first) // 16
     later = {f"user-{i}": system + ids[70 + 5 * i:80 + 5 * i] for i in range(seqs)}
     cached = {}
@@ -265,7 +250,7 @@ def test_a_hit_without_a_checkpoint_is_cut_back(fp32_default):
     small = StateCheckpoints(eng.state_slots.pool_size, 1)  # the first of the engine's checkpoint slots
     eng.state_checkpoints = eng.scheduler.state_checkpoints = eng.runner.state_checkpoints = small
     prompt = ids[:70]  # four block boundaries: only the last one's checkpoint survives
-    got = _run(eng, {"first": prompt}, 4)
+    got = run_named(eng, {"first": prompt}, 4)
     assert len(eng.state_checkpoints) == 1
     eng.add_request("again", ids[:40] + ids[80:90], greedy(4))  # shares two blocks, whose checkpoints are gone
     got["again"] = []
@@ -297,7 +282,7 @@ def test_ngram_speculation_rolls_states_back(fp32_default, seqs):
     verified = eng.speculator.on_verified
     eng.speculator.on_verified = lambda req, drafted, accepted: (seen.append((drafted, accepted)),
                                                                  verified(req, drafted, accepted))
-    got = _run(eng, prompts, 24)
+    got = run_named(eng, prompts, 24)
     assert got == {k: hf_greedy(model, p, 24) for k, p in prompts.items()}
     assert any(a < d for d, a in seen), f"no draft was rejected: {seen}"
     assert any(0 < a < d for d, a in seen), f"no span was accepted in part: {seen}"
@@ -314,7 +299,7 @@ def test_draft_model_speculation(fp32_default, tmp_path):
     eng = make_engine(lm, speculative=f"draft:{draft}", num_speculative_tokens=3, max_num_seqs=2, prefill_chunk=16)
     assert eng.speculator is not None and eng.speculator.name == "draft:qwen3"
     prompts = {"a": ids[:30], "b": ids[40:60]}
-    assert _run(eng, prompts, 12) == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
+    assert run_named(eng, prompts, 12) == {k: hf_greedy(model, p, 12) for k, p in prompts.items()}
     assert_no_leak(eng)
 
 
