@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]
     lib.write_kv.argtypes = [p, p, i64, i64, i64, i64, i64, p, i64, p, p, p, p, i32]
     lib.silu_and_mul.argtypes = [p, i64, i64, p, i32]
+    lib.read_bytes.argtypes, lib.read_bytes.restype = [p, i64, i32], ctypes.c_uint64
     lib.fp8_search_scale.argtypes = [p, p, i64, i64, p, i32, i32, i32, i32, p, i32]
     lib.fp8_search_scale.restype = i32
     for fn in (lib.rms_norm, lib.rope, lib.write_kv, lib.silu_and_mul):
@@ -373,3 +375,20 @@ def fp8_search_scale(tiles: torch.Tensor, weight: torch.Tensor | None, bf16: boo
     rc = lib.fp8_search_scale(t.data_ptr(), None if w is None else w.data_ptr(), t.shape[0], g, c.data_ptr(),
                               len(clips), refine, iters, int(bf16), out.data_ptr(), torch.get_num_threads())
     return out.view(tiles.shape[:-1]) if rc == 0 else None
+
+
+def read_bandwidth(nbytes: int = 1 << 29, rounds: int = 5) -> float | None:
+    """The machine's read bandwidth in bytes/s as the products' thread team sees it (torch's thread
+    count, OpenMP): the best of `rounds` passes over a buffer far past the caches; None where the
+    library is not built."""
+    lib = library()
+    if lib is None:
+        return None
+    buf = torch.ones(nbytes, dtype=torch.uint8)  # touched: its pages exist before the clock starts
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        lib.read_bytes(buf.data_ptr(), nbytes, torch.get_num_threads())
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+

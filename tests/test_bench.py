@@ -198,6 +198,19 @@ def test_bench_overhead_end_to_end(tmp_path):
         bd = r["breakdown_ms"]
         assert {"linear", "attention", "schedule", "other", "total"} <= set(bd)
         assert sum(v for k, v in bd.items() if k != "total") == pytest.approx(bd["total"])
+    # What a step reads: the weights as held once, plus each sequence's KV; its rate against the
+    # machine's read bandwidth (measured with the same thread team).
+    from ridge.bench.decode import weights_read
+    from ridge.models.loader import load_model
+
+    lm = load_model(path, device="cpu", show_progress=False)
+    held = sum(t.numel() * t.element_size() for m in lm.model.modules() if hasattr(m, "cpu") and m.cpu is not None
+               and type(m).__name__ == "FP8Linear" for t in (m.cpu.packed, m.cpu.scale))
+    assert weights_read(lm.model) == held  # packed bytes and scales, a tied head once
+    env = json.loads(out.read_text())["env"]
+    for r in rows:
+        assert r["read_bytes_per_token"] * r["batch"] > held
+        assert r["of_bandwidth"] == pytest.approx(r["read_gbs"] * 1e9 / (env["read_bandwidth_gbs"] * 1e9))
 
 
 @pytest.mark.parametrize("interleave", [False, True])

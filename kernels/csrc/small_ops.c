@@ -141,3 +141,15 @@ CLONES int silu_and_mul(const float *x, int64_t rows, int64_t n, float *out, int
     }
     return 0;
 }
+
+/* The memory's read bandwidth as a step's products see it: n bytes (a multiple of 64) read once
+   by nthreads OpenMP threads, the team the products use, each word folded into a sum that the
+   caller keeps so the reads are not dropped (ridge bench overhead's bound, issue 45). */
+CLONES uint64_t read_bytes(const uint8_t *buf, int64_t n, int nthreads) {
+    uint64_t total = 0;
+    const uint64_t *w = (const uint64_t *)buf;
+#pragma omp parallel for reduction(^ : total) schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n / 8; i += 8)
+        total ^= w[i] ^ w[i + 1] ^ w[i + 2] ^ w[i + 3] ^ w[i + 4] ^ w[i + 5] ^ w[i + 6] ^ w[i + 7];
+    return total;
+}

@@ -291,9 +291,15 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
 def part_overhead(rep: Report, engine, args):
     from .decode import run_overhead
 
-    rows = [run_overhead(engine, b, args.context, args.steps, retries=args.retries) for b in _ints(args.batches)]
+    from ridge.kernels import native
+
+    # The bound a step's reads run against: the memory's read bandwidth with the products' thread team.
+    bandwidth = native.read_bandwidth() if engine.device.type == "cpu" else None
+    rows = [run_overhead(engine, b, args.context, args.steps, retries=args.retries, bandwidth=bandwidth)
+            for b in _ints(args.batches)]
     rep.add("overhead", rows)
-    rep.overhead_table(rows)
+    rep.data["env"]["read_bandwidth_gbs"] = bandwidth / 1e9 if bandwidth else None
+    rep.overhead_table(rows, bandwidth)
 
 
 def part_kv(rep: Report, args, loaded=None):

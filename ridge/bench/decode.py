@@ -121,7 +121,30 @@ def _uncontended(timed, retries: int) -> tuple[object, float, int]:
     return r, util, attempt + 1
 
 
-def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4, retries: int = 2) -> dict:
+def weights_read(model) -> int:
+    """Bytes a decode step's products read of the weights: every linear layer's weight as held
+    (packed bytes and scales on a CPU), the head's included; a mixture of experts' every expert
+    (an upper bound: a step reads the routed ones)."""
+    from ridge.quant.experts import FP8Experts
+    from ridge.quant.linear import FP8Linear
+
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            tensors = (m.weight, m.weight_scale)
+        elif isinstance(m, FP8Experts):
+            tensors = tuple(t for t in vars(m).values() if isinstance(t, torch.Tensor)) + tuple(m._buffers.values())
+        else:
+            continue
+        for t in tensors:
+            if t is not None and t.numel() and t.data_ptr() not in seen:  # a tied head: the table's bytes, once
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4, retries: int = 2,
+                 bandwidth: float | None = None) -> dict:
     """Engine step time against the same step's matrix products alone, interleaved
     step by step in one run, at pure decode with `batch` sequences."""
     fx = DecodeFixture(engine, batch, context, tag=f"ovh{batch}",
@@ -141,7 +164,11 @@ def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: in
         (step_t, mm_t), util, tries = _uncontended(timed, retries)
         (_, bd), _, _ = _uncontended(lambda: (None, _breakdown(fx, profile_steps)), retries)
         s, m = statistics.median(step_t), statistics.median(mm_t)
+        # What the step reads: the weights once, and each sequence's KV over its context.
+        read = weights_read(engine.model) + batch * fx.context * engine.memory.kv_bytes_per_token
         return {"batch": batch, "context": fx.context, "steps": steps, "mode": mode,
+                "read_bytes_per_token": read / batch, "read_gbs": read / s / 1e9,
+                "of_bandwidth": read / s / bandwidth if bandwidth else None,
                 "step_ms": 1e3 * s, "matmul_ms": 1e3 * m, "overhead_pct": 100 * (s / m - 1),
                 "step_ms_min": 1e3 * min(step_t), "matmul_ms_min": 1e3 * min(mm_t),
                 "tok_s": batch / s, "cpu_util": util, "tries": tries, "breakdown_ms": bd}

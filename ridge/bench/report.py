@@ -171,18 +171,24 @@ class Report:
         self.table(title, ["engine", "reqs", "in-flight", "wall s", "useful tok", "useful tok/s",
                            "TTFT ms p50/p99", "ITL ms p50/p99"], rows, "\n".join(notes) or None)
 
-    def overhead_table(self, rows: list[dict]) -> None:
+    def overhead_table(self, rows: list[dict], bandwidth: float | None = None) -> None:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",
                 "batch_build", "sched_update", "outputs", "other"]
         if any(r["breakdown_ms"].get("moe") for r in rows):  # a mixture of experts' layers and routers
             keys[:0] = ["moe", "router"]
+        note = ("matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
+                "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median; "
+                "read = the weights' bytes as held plus each sequence's KV over its context, per step")
+        if bandwidth:
+            note += f"; of bound = read GB/s over the memory's read bandwidth with this thread team, {bandwidth / 1e9:.1f} GB/s"
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
-                   ["batch", "context", "step ran", "step ms", "matmul ms", "overhead", "tok/s", "cpu util"],
+                   ["batch", "context", "step ran", "step ms", "matmul ms", "overhead", "tok/s", "MB read/token",
+                    "read GB/s", "of bound", "cpu util"],
                    [[r["batch"], _f(r["context"], "{:.0f}"), r.get("mode", "eager"), _f(r["step_ms"]),
                      _f(r["matmul_ms"]), _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"]),
-                     _f(r.get("cpu_util"), "{:.2f}")] for r in rows],
-                   "matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
-                   "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median")
+                     _f(r.get("read_bytes_per_token", 0) / 1e6, "{:.1f}"), _f(r.get("read_gbs"), "{:.1f}"),
+                     _f(100 * r["of_bandwidth"], "{:.0f}%") if r.get("of_bandwidth") else "-",
+                     _f(r.get("cpu_util"), "{:.2f}")] for r in rows], note)
         self.table("where a step's time goes (ms per step, exclusive, from the engine's timing sections; "
                    "linear includes the logits' product, and a CUDA graph replay hides the model's sections)",
                    ["batch", "total", "linear"] + keys,
