@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ridge.config import ModelConfig, kv_bytes_per_token
+from ridge.config import ModelConfig, layers_kv_bytes_per_token
 
 from .state_cache import layer_state
 
@@ -73,11 +73,11 @@ class KVCache:
                 self.state_bytes += st.nbytes
                 self.layers.append(st)
                 continue
-            shape = (of_layer[i], block_size, cfg.num_kv_heads, cfg.head_dim)
+            shape = (of_layer[i], block_size, *cfg.layer_kv_shape(i))
             scales = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(2)] if fp8 else [None, None]
             self.layers.append(LayerKV(zeros(shape, dt, device), zeros(shape, dt, device), *scales))
-        self.bytes_per_token = kv_bytes_per_token(cfg, dtype_name)
-        self._total = sum(kv_bytes_per_token(cfg, dtype_name, len(spec.layers)) * n * block_size
+        self.bytes_per_token = layers_kv_bytes_per_token(cfg, dtype_name, [i for g in groups for i in g.layers])
+        self._total = sum(layers_kv_bytes_per_token(cfg, dtype_name, spec.layers) * n * block_size
                           for spec, n in zip(groups, self.group_blocks))
 
     @property

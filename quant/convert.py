@@ -83,7 +83,7 @@ def convert(path=None, *, registry, quantize: bool = True, rule: str = "mse", re
         return _convert_streamed(stream, path, key, rule, recipe, calibrate_layers, use_cache, show_progress, on_layer)
     if layered and not quantize and not (stream := open_source(path, registry)).fp8_checkpoint():
         # The source's own values: nothing to cache, read a layer at a time as the loader places them.
-        return ConvertedModel(stream.config, fuse_globals(stream.globals(), stream.config, path), stream.tokenizer,
+        return ConvertedModel(stream.config, fuse_globals(stream.globals(), stream.config, path, stream.spec.weights), stream.tokenizer,
                               stream.freq_factors, False, key,
                               layer=lambda i: fuse_layer(stream.layer(i), stream.config, i, {}, path, stream.spec.weights))
     cfg, sd, freq, tok = read_source(path, registry, show_progress)
@@ -157,7 +157,7 @@ def _convert_streamed(stream: SourceStream, path, key: str, rule: str, spec: str
         bar.update(1)
 
     try:
-        glob = fuse_globals(stream.globals(), cfg, path)
+        glob = fuse_globals(stream.globals(), cfg, path, stream.spec.weights)
         measured = None
         if spec == "auto":  # its walks over the layers first, then the conversion's
             recipe, measured = calibrate_layers.choose(cfg, glob, layer, freq, tok)

@@ -33,6 +33,11 @@ class WeightLayout:
     # attention(sd, cfg, i, out, path): a family's own token mixer of layer i into out, in place of
     # the q/k/v/o projections and QK-norm read below (a hybrid's linear-attention layers); None: those.
     attention: Callable | None = None
+    # global_tensors(sd, out, path): a family's tensors outside the layers beyond the embedding,
+    # final norm and head (Gemma 4's per-layer input embeddings); layer_tensors(sd, cfg, i, out,
+    # path): its further tensors of layer i. None: none.
+    global_tensors: Callable | None = None
+    layer_tensors: Callable | None = None
 
 
 def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
@@ -64,7 +69,7 @@ def cat_rows(sd, prefixes: list[str], out: dict, name: str, path, bias: bool = F
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, path, layout: WeightLayout
                        ) -> dict[str, torch.Tensor]:
     sd = with_model_prefix(sd)
-    out = fuse_globals(sd, cfg, path)
+    out = fuse_globals(sd, cfg, path, layout)
     for i in range(cfg.num_layers):
         fuse_layer(sd, cfg, i, out, path, layout)
     return out
@@ -78,8 +83,9 @@ def with_model_prefix(sd):
     return sd
 
 
-def fuse_globals(sd, cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
-    """The tensors outside the decoder layers: the embedding, the final norm, an untied head."""
+def fuse_globals(sd, cfg: ModelConfig, path="model", layout: WeightLayout | None = None) -> dict[str, torch.Tensor]:
+    """The tensors outside the decoder layers: the embedding, the final norm, an untied head, and
+    what the family's layout.globals takes."""
     out: dict[str, torch.Tensor] = {}
     for src, dst in (("model.embed_tokens.weight", "embed_tokens.weight"), ("model.norm.weight", "norm.weight")):
         if src not in sd:
@@ -87,6 +93,8 @@ def fuse_globals(sd, cfg: ModelConfig, path="model") -> dict[str, torch.Tensor]:
         out[dst] = sd[src]
     if not cfg.tie_word_embeddings:  # tied: the model reuses the embedding table
         cat_rows(sd, ["lm_head"], out, "lm_head", path)
+    if layout is not None and layout.global_tensors is not None:
+        layout.global_tensors(sd, out, path)
     return out
 
 
@@ -119,6 +127,8 @@ def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path, layout: WeightLayo
         take(a + "k_norm.weight", q + "k_norm.weight")
     if cfg.attention_sinks:
         take(a + "sinks", q + "sinks")
+    if layout.layer_tensors is not None:
+        layout.layer_tensors(sd, cfg, i, out, path)
     return out
 
 

@@ -90,11 +90,16 @@ class ModelConfig:
     # "conv_kernel"}. None: none.
     linear_layers: list[int] | None = None
     linear_attention: dict | None = None
+    # The full-attention layers' own head size and KV heads where they differ from the others'
+    # (Gemma 4's global layers: wider heads, fewer KV heads); None: head_dim, num_kv_heads.
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
     name: str = ""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group evenly over KV heads"
+        assert not self.global_kv_heads or self.num_heads % self.global_kv_heads == 0
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head_dim"
         assert self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)
         assert not self.num_experts or (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size
@@ -131,6 +136,12 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts."""
         return self.num_experts > 0 and (self.moe_layers is None or i in self.moe_layers)
+
+    def layer_kv_shape(self, i: int) -> tuple[int, int]:
+        """Layer i's (KV heads, head_dim): its paged K and V blocks' last two dims."""
+        if self.layer_window(i) is None:
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window, None where it attends to the whole context."""
@@ -279,6 +290,15 @@ def kv_bytes_per_token(shape: ModelConfig | ModelShape, kv_dtype: str, num_layer
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
     per_head = shape.head_dim * KV_DTYPE_BYTES[kv_dtype] + (FP8_SCALE_BYTES if kv_dtype == "fp8" else 0)
     return 2 * (shape.num_kv_layers if num_layers is None else num_layers) * shape.num_kv_heads * per_head
+
+
+def layers_kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, layers) -> int:
+    """kv_bytes_per_token over the given layers, each with its own KV shape (layer_kv_shape)."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
+    extra = FP8_SCALE_BYTES if kv_dtype == "fp8" else 0
+    shapes = [cfg.layer_kv_shape(i) for i in layers]
+    return sum(2 * heads * (dim * KV_DTYPE_BYTES[kv_dtype] + extra) for heads, dim in shapes)
 
 
 def sliding_blocks_held(window: int, block_size: int) -> int:

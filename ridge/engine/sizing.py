@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from ridge.config import kv_bytes_per_token, sliding_blocks_held
+from ridge.config import layers_kv_bytes_per_token, sliding_blocks_held
 
 log = logging.getLogger("ridge.engine")
 GIB = 1 << 30
@@ -114,7 +114,7 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
     """extra_bytes_per_token: a draft model's KV, which lives in group 0's blocks. state_bytes: a
     hybrid model's state pools (max_num_seqs requests' recurrent states), held beside the KV."""
     groups = cfg.kv_groups()
-    group_bpt = [kv_bytes_per_token(cfg, kv_dtype, len(g.layers)) for g in groups]
+    group_bpt = [layers_kv_bytes_per_token(cfg, kv_dtype, g.layers) for g in groups]
     group_bpt[0] += extra_bytes_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -24,6 +24,7 @@ FAMILIES = (
     "granite",
     "gemma2",
     "gemma3",
+    "gemma4",
     "qwen3_moe",
     "mixtral",
     "gpt_oss",

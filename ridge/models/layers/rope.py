@@ -68,6 +68,17 @@ def _longrope(inv_freq: torch.Tensor, s: dict, max_pos: int) -> tuple[torch.Tens
     return inv_freq / ext, mscale
 
 
+def _proportional(inv_freq: torch.Tensor, s: dict, dim: int) -> torch.Tensor:
+    # Gemma 4's full layers: only the first partial_rotary_factor * dim / 2 frequencies turn, at
+    # the exponents they have over the whole head; the rest are zero (cos 1, sin 0), so the table
+    # spans the whole head and rotate-half still pairs dim j with j + dim / 2, unlike a partial
+    # rotary_dim, which rotates a head's leading dims among themselves.
+    turning = int(s.get("partial_rotary_factor", 1.0) * dim // 2)
+    inv_freq = inv_freq.clone()
+    inv_freq[turning:] = 0.0
+    return inv_freq / s.get("factor", 1.0)
+
+
 def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None = None,
                  freq_factors: torch.Tensor | None = None, rotary_dim: int | None = None) -> torch.Tensor:
     """-> [max_pos, R] fp32 = [cos | sin], each over R / 2 frequencies, R = rotary_dim or head_dim
@@ -87,8 +98,11 @@ def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None
         inv_freq, mscale = _yarn(inv_freq, scaling, dim, theta)
     elif kind == "longrope":
         inv_freq, mscale = _longrope(inv_freq, scaling, max_pos)
+    elif kind == "proportional":
+        inv_freq = _proportional(inv_freq, scaling, dim)
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling {kind!r} (ridge knows linear, llama3, yarn, longrope)")
+        raise ValueError(f"unsupported rope scaling {kind!r} (ridge knows linear, llama3, yarn, longrope, "
+                         "proportional)")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     return torch.cat((angles.cos() * mscale, angles.sin() * mscale), dim=-1).float()
 
