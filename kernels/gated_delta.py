@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .varlen import Varlen, check_token_slots, check_varlen
+from .varlen import Varlen, by_request, check_token_slots, check_varlen, initial_state
 
 CHUNK = 64
 L2_EPS = 1e-6  # the models' (FLA's) eps: x * rsqrt(sum(x^2) + eps)
@@ -60,13 +60,6 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     if group > 1:
         qf, kf = qf.repeat_interleave(group, dim=1), kf.repeat_interleave(group, dim=1)
     return qf, kf, v.float(), g.float(), beta.float()
-
-
-def _initial(state_pool: torch.Tensor, var: Varlen, n: int) -> torch.Tensor:
-    slot = int(var.state_slots[n])
-    if bool(var.has_initial_state[n]):
-        return state_pool[slot].float()
-    return torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=state_pool.device)
 
 
 def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -141,7 +134,7 @@ def gated_delta_rule_chunk_ref(q, k, v, g, beta, state_pool, cu_seqlens, state_s
     bounds = var.bounds
     for n in range(var.num_seqs):
         a, b = bounds[n], bounds[n + 1]
-        state = _initial(state_pool, var, n)
+        state = initial_state(state_pool, var, n)
         if b > a:
             out[a:b], state = _chunked_one(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], state, chunk_size)
         state_pool[int(var.state_slots[n])] = state.to(state_pool.dtype)
@@ -157,17 +150,12 @@ def gated_delta_rule_recurrent_ref(q, k, v, g, beta, state_pool, cu_seqlens, sta
     tok = check_token_slots(token_state_slots, var, q.shape[0], state_pool.shape[0], q.device)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     out = torch.empty(vf.shape, dtype=torch.float32, device=v.device)
-    bounds = var.bounds
-    for n in range(var.num_seqs):
-        a, b = bounds[n], bounds[n + 1]
 
-        def keep(i, s, a=a):
-            if tok is not None and int(tok[a + i]) >= 0:
-                state_pool[int(tok[a + i])] = s.to(state_pool.dtype)
+    def run(a, b, initial, keep):
+        out[a:b], state = _recurrent_one(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], initial, keep)
+        return state
 
-        out[a:b], state = _recurrent_one(qf[a:b], kf[a:b], vf[a:b], gf[a:b], bf[a:b], _initial(state_pool, var, n),
-                                         keep)
-        state_pool[int(var.state_slots[n])] = state.to(state_pool.dtype)
+    by_request(var, state_pool, tok, run)
     return out.to(v.dtype)
 
 

@@ -23,7 +23,7 @@ import math
 import torch
 
 from . import native
-from .varlen import Varlen, check_token_slots, check_varlen
+from .varlen import Varlen, by_request, check_token_slots, check_varlen, initial_state
 
 CHUNK = 64  # any chunk gives the same scan: 64 keeps a Triton program's tiles in registers
 MAX_NATIVE_DIM = 1024
@@ -66,12 +66,6 @@ def _prepare(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
     d = d.clamp(*dt_limit)
     return (x.float(), d, A.float(), B.float().repeat_interleave(group, dim=1),
             C.float().repeat_interleave(group, dim=1))
-
-
-def _initial(state_pool, var: Varlen, n: int) -> torch.Tensor:
-    if bool(var.has_initial_state[n]):
-        return state_pool[int(var.state_slots[n])].float()
-    return torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=state_pool.device)
 
 
 def _chunked_one(x, dt, A, B, C, state, chunk: int):
@@ -121,7 +115,7 @@ def ssd_chunk_scan_ref(x, dt, A, B, C, state_pool, cu_seqlens, state_slots, has_
     bounds = var.bounds
     for n in range(var.num_seqs):
         a, b = bounds[n], bounds[n + 1]
-        state = _initial(state_pool, var, n)
+        state = initial_state(state_pool, var, n)
         if b > a:
             y[a:b], state = _chunked_one(xf[a:b], d[a:b], af, bf[a:b], cf[a:b], state, chunk_size)
         state_pool[int(var.state_slots[n])] = state.to(state_pool.dtype)
@@ -139,16 +133,12 @@ def ssd_state_update_ref(x, dt, A, B, C, state_pool, cu_seqlens, state_slots, ha
     tok = check_token_slots(token_state_slots, var, x.shape[0], state_pool.shape[0], x.device)
     xf, d, af, bf, cf = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, _limits(dt_limit))
     y = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
-    bounds = var.bounds
-    for n in range(var.num_seqs):
-        a, b = bounds[n], bounds[n + 1]
 
-        def keep(i, s, a=a):
-            if tok is not None and int(tok[a + i]) >= 0:
-                state_pool[int(tok[a + i])] = s.to(state_pool.dtype)
+    def run(a, b, initial, keep):
+        y[a:b], state = _recurrent_one(xf[a:b], d[a:b], af, bf[a:b], cf[a:b], initial, keep)
+        return state
 
-        y[a:b], state = _recurrent_one(xf[a:b], d[a:b], af, bf[a:b], cf[a:b], _initial(state_pool, var, n), keep)
-        state_pool[int(var.state_slots[n])] = state.to(state_pool.dtype)
+    by_request(var, state_pool, tok, run)
     if D is not None:
         y += D.float()[:, None] * xf
     return y.to(x.dtype)

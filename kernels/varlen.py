@@ -92,3 +92,27 @@ def check_token_slots(token_state_slots: torch.Tensor | None, var: Varlen, num_t
             shared = set(kept) & set(var.state_slots.tolist())
             assert not shared, f"token_state_slots: {sorted(shared)} also a request's state slot"
     return token_state_slots.to(device=device, dtype=torch.int64).contiguous()
+
+
+def initial_state(state_pool: torch.Tensor, var: Varlen, n: int) -> torch.Tensor:
+    """Request n's state in fp32, as the torch references start it: its slot's where it continues
+    (has_initial_state), else zeros."""
+    if bool(var.has_initial_state[n]):
+        return state_pool[int(var.state_slots[n])].float()
+    return torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=state_pool.device)
+
+
+def by_request(var: Varlen, state_pool: torch.Tensor, token_slots: torch.Tensor | None, run) -> None:
+    """The torch references' token-by-token forms, a request at a time: run(a, b, initial, keep)
+    runs tokens [a, b) from `initial` and returns the final state, which goes to the request's
+    slot; keep(i, state) also writes the state after token a + i where token_slots names a slot."""
+    bounds = var.bounds
+    for n in range(var.num_seqs):
+        a, b = bounds[n], bounds[n + 1]
+
+        def keep(i, state, a=a):
+            if token_slots is not None and int(token_slots[a + i]) >= 0:
+                state_pool[int(token_slots[a + i])] = state.to(state_pool.dtype)
+
+        state_pool[int(var.state_slots[n])] = run(a, b, initial_state(state_pool, var, n), keep).to(state_pool.dtype)
+
