@@ -126,10 +126,10 @@ def walk(cfg, globals_sd: dict[str, torch.Tensor], layer: Callable, freq, lanes:
         block = model.layers[i]
         if sums is not None:
             with LinearInputs(block, f"layers.{i}", lane.stats, sums):
-                lane.h, lane.residual = block.forward(lane.h, lane.residual, positions, model.cos_sin, meta,
+                lane.h, lane.residual = block.forward(lane.h, lane.residual, positions, model.rope_for(block), meta,
                                                       cache.layers[i])
         else:
-            lane.h, lane.residual = block.forward(lane.h, lane.residual, positions, model.cos_sin, meta,
+            lane.h, lane.residual = block.forward(lane.h, lane.residual, positions, model.rope_for(block), meta,
                                                   cache.layers[i])
 
     for i in range(cfg.num_layers):

@@ -21,7 +21,6 @@ from torch import nn
 from ridge.config import ModelConfig
 
 from ..layers.decoder import CausalLM, DecoderLayer, RMSNorm
-from ..layers.rope import rope_cos_sin
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -33,14 +32,10 @@ class GemmaDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.softcap = cfg.attn_logit_softcapping
-        # A Gemma 3 sliding layer's own RoPE table (the model's cos_sin_local, set by its
-        # load_weights); None: the table the model passes, the full layers'.
-        self.own_cos_sin: torch.Tensor | None = None
 
     def forward(self, h, residual, positions, cos_sin, meta, kv):
         # (h, residual) carry the stream as their sum, as in llama's layer: each norm that joins a
         # branch's output to the stream is the fused add-and-norm; the post-norms stand alone.
-        cos_sin = cos_sin if self.own_cos_sin is None else self.own_cos_sin
         h, residual = self.input_layernorm.forward(h, residual)
         h = self.post_attention_layernorm.forward(self.attention(h, positions, cos_sin, meta, kv))[0]
         h, residual = self.pre_feedforward_layernorm.forward(h, residual)
@@ -50,7 +45,6 @@ class GemmaDecoderLayer(DecoderLayer):
 class GemmaCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_model_len: int | None = None):
         super().__init__(cfg, max_model_len)
-        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
         self.embed_scale = 1.0
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
@@ -70,12 +64,3 @@ class GemmaCausalLM(CausalLM):
         cfg = self.cfg
         # transformers: embeddings * torch.tensor(sqrt(hidden)).to(the weights' dtype)
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5).to(dtype))
-        if cfg.rope_local_theta is not None:
-            self.cos_sin_local = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_local_theta,
-                                              cfg.rope_local_scaling).to(device)
-
-    def load_layer(self, i, sd, device, dtype) -> None:
-        super().load_layer(i, sd, device, dtype)
-        layer = self.layers[i]
-        if self.cfg.rope_local_theta is not None:
-            layer.own_cos_sin = self.cos_sin_local if layer.window is not None else None

@@ -127,7 +127,7 @@ class Gemma4CausalLM(GemmaCausalLM):
         sources = self.cfg.extra["kv_source"]
         for i, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
             kv = kv_caches[i if sources[i] is None else sources[i]]
-            h, residual = layer.forward(h, residual, positions, self.cos_sin, meta, kv,
+            h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv,
                                         None if per_layer is None else per_layer[:, i], from_model=True)
         return self.norm.forward(h, residual)[0]
 

@@ -51,6 +51,9 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.softmax_scale or cfg.head_dim ** -0.5
         self.window = cfg.layer_window(index)  # None: the layer attends to the whole context
+        # A sliding layer of a family with a RoPE of its own for them (Gemma 3, OLMo 3:
+        # ModelConfig.rope_local_theta) takes the model's cos_sin_local instead of cos_sin.
+        self.local_rope = self.window is not None and cfg.rope_local_theta is not None
         self.kv_group = cfg.kv_group_of(index)  # whose block table and slots it uses (meta.group)
         self.softcap = None  # the attention scores' soft-cap (Gemma 2)
         self.sinks = None  # [num_heads] fp32: a logit per head in the softmax's denominator (gpt-oss)
@@ -112,6 +115,7 @@ class CausalLM(nn.Module):
         # Built by load_weights on the model's device (on the meta device, building it here would
         # import torch's compiler stack: 1.3 s of start-up).
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)  # rope_local_theta's, where set
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         """Layer `index` of the stack (a family's model overrides it: ridge/models/gemma2/model.py)."""
@@ -126,7 +130,7 @@ class CausalLM(nn.Module):
             h = self.embed(input_ids)
         residual = None
         for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
-            h, residual = layer.forward(h, residual, positions, self.cos_sin, meta, kv)
+            h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv)
         return self.norm.forward(h, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -140,6 +144,11 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return getattr(self.embed_tokens, "dtype", self.embed_tokens.weight.dtype)  # PackedEmbedding's: its output's
+
+    def rope_for(self, layer) -> torch.Tensor:
+        """The RoPE table a layer rotates by: cos_sin_local for a sliding layer of a family with its
+        own table for them (ModelConfig.rope_local_theta), else cos_sin."""
+        return self.cos_sin_local if getattr(layer, "local_rope", False) else self.cos_sin  # recurrent layers: none
 
     def load_weights(self, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                      freq_factors: torch.Tensor | None = None) -> None:
@@ -175,6 +184,9 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         self.cos_sin = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling,
                                     freq_factors=freq_factors, rotary_dim=cfg.rotary_dim).to(device)
+        if cfg.rope_local_theta is not None:  # the sliding layers' own table
+            self.cos_sin_local = rope_cos_sin(cfg.head_dim, self.max_model_len, cfg.rope_local_theta,
+                                              cfg.rope_local_scaling).to(device)
 
     def weight_bytes(self) -> int:
         tables = self._non_persistent_buffers_set  # the RoPE tables: derived, not weights
