@@ -237,6 +237,7 @@ class CpuLinear:
     kinds: list[str] = field(default_factory=list)  # "fp8" | "tiles" | "gemv" | "bf16" | "fp32" per bound
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
     code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
+    isa: int = 0  # the streaming kernel's instruction set (native.fp8_linear_isa) where its runs use it
 
     def __post_init__(self):
         if self.weight is not None:
@@ -280,8 +281,12 @@ class CpuLinear:
         return self._tiles(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The torch oracle of an e4m3 weight's products."""
-        return F.linear(x.float(), unpack_fp8(self.packed, self.scale, self.shape[0], self.code)).to(x.dtype)
+        """The torch oracle of an e4m3 weight's products, for x's row count: the streaming kernel
+        on AVX-512 BF16 rounds the activations to bf16 (fp8_linear.c), every other product reads them in fp32."""
+        xf = x.float()
+        if self.isa == 2 and self.kind(x.shape[0]) == "fp8":
+            xf = xf.bfloat16().float()
+        return F.linear(xf, unpack_fp8(self.packed, self.scale, self.shape[0], self.code)).to(x.dtype)
 
     def _cut(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
@@ -341,7 +346,7 @@ class CpuLinear:
         plan = plan or [(1, False)]
         kinds = ["fp8" if use else "tiles" for _, use in plan]
         runs = [(lambda x, isa=isa: self._stream(x, isa)) if k == "fp8" else self._tiles for k in kinds]
-        self.bounds, self.runs, self.kinds, self.copies = [b for b, _ in plan], runs, kinds, {}
+        self.bounds, self.runs, self.kinds, self.copies, self.isa = [b for b, _ in plan], runs, kinds, {}, isa
 
     def kind(self, rows: int) -> str:
         """The format a step of `rows` rows runs in."""

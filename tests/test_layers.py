@@ -24,7 +24,7 @@ SHARED = 0
 LAYERS = {
     "ridge.config": SHARED, "ridge.tokenizer": SHARED, "ridge.plan": SHARED, "ridge.options": SHARED,
     "ridge.errors": SHARED, "ridge.spawn": SHARED, "ridge.template_sandbox": SHARED, "ridge.durations": SHARED,
-    "ridge.request": SHARED,
+    "ridge.request": SHARED, "ridge.vision": SHARED,
     "ridge.kernels": 1,
     "ridge.quant": 2, "ridge.cache": 2,
     "ridge.models": 3,
@@ -258,7 +258,7 @@ def _device_tests(tree: ast.AST) -> int:
 DEVICE_BRANCHES = {
     "ridge.plan": "which devices the machine has, for the plan's report",
     "ridge.models.loader": "the default device",
-    "ridge.engine.engine": "the default device, a GPU engine's host threads, the CPU allocator and threads, overlap's default",
+    "ridge.engine.builder": "the default device, a GPU engine's host threads, the CPU allocator and threads, overlap's default",
     "ridge.engine.runner": "CUDA graphs' default (capture exists on CUDA only)",
     "ridge.engine.graphs": "the graph pool exists on CUDA only",
     "ridge.engine.sizing": "memory: a GPU's free bytes, RAM on CPU",

@@ -26,7 +26,7 @@ import torch
 from engine_utils import assert_no_leak, greedy, make_engine, odd_prompts, run_named
 from ridge.cache.state_cache import StateCheckpoints
 from ridge.config import ModelShape, kv_bytes_per_request, kv_bytes_per_token
-from ridge.engine.engine import STATE_CHECKPOINTS_PER_SEQ
+from ridge.engine.builder import STATE_CHECKPOINTS_PER_SEQ
 from ridge.engine.hybrid import SPECULATIVE_REFUSAL, TIERS_REFUSAL
 from ridge.engine.sampling_params import SamplingParams
 from ridge.models.loader import load_model

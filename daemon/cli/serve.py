@@ -100,8 +100,9 @@ def claim_endpoint(endpoint: str, system: bool) -> EndpointLock | None:
 
 def new_engine(values: dict, loaded=None):
     """An engine from resolved option values; loaded: a model's weights parked in host RAM."""
+    from ridge.engine.builder import build_engine
     from ridge.engine.config import engine_config
-    from ridge.engine.engine import LLMEngine
+    from ridge.engine.core import EngineCore
 
     from ..frontend.memory import unpark
 
@@ -111,7 +112,8 @@ def new_engine(values: dict, loaded=None):
         except Exception as e:  # the copy failed: the model loads as if never parked
             log.warning("the parked weights of %s could not be used (%s); loading it again", values["model"], e)
             loaded = None
-    return LLMEngine(engine_config(values), loaded=loaded)
+    # The core only: the daemon's socket thread turns its token ids into text (frontend/streams.py).
+    return EngineCore(build_engine(engine_config(values), loaded=loaded))
 
 
 def run_serve(args) -> int:

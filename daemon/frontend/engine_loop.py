@@ -1,4 +1,4 @@
-"""The engine thread: the only thread that touches the LLMEngine.
+"""The engine thread: the only thread that touches the EngineCore.
 
 It takes add/abort commands from a queue, steps the engine, and hands outputs
 back through a queue plus a pipe the socket thread polls. It never touches a
@@ -33,8 +33,9 @@ OUTBOX_STEPS = 64
 
 class HeldOutputs:
     """Outputs the socket thread has not taken, one per sample: token ids, text and logprobs
-    appended, the rest (counts, finish, timings) the latest, as daemon/frontend/streams.py merges them for
-    a slow client."""
+    appended, the rest (counts, finish, timings) the latest. The daemon's core outputs carry no
+    text (the socket thread's TextState reads the merged ids as it would have read each step's);
+    an LLMEngine's carry theirs, merged too."""
 
     def __init__(self):
         self.outs: dict = {}  # (request id, sample) -> its merged output
@@ -114,6 +115,11 @@ class EngineLoop(threading.Thread):
         self.inbox.append(("abort", engine_id))
         self._wake.set()
 
+    def finish(self, engine_id: str, index: int) -> None:
+        """One sample's stop string was found (streams.py): the engine ends it with reason stop."""
+        self.inbox.append(("finish", engine_id, index))
+        self._wake.set()
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -164,6 +170,8 @@ class EngineLoop(threading.Thread):
                     self._emit(("reject", eid, str(e), "invalid_request"))
                 except Exception as e:  # an engine bug on one request must not end the loop
                     self._emit(("reject", eid, internal_error(log, "add_request failed", e), "internal"))
+            elif cmd[0] == "finish":
+                self.engine.finish_sample(cmd[1], cmd[2])
             else:
                 self.engine.abort_request(cmd[1])
 

@@ -14,6 +14,8 @@ from .. import protocol as P
 from ..protocol import ProtocolError, message, pack
 from ..transport.peers import Peer
 from ..transport.sharing import engine_salt
+from ridge.engine.output import TextState
+
 from .embeddings import EmbedFlight
 from .streams import InFlight
 
@@ -85,7 +87,9 @@ class RequestFlow:
         peer, req = p.peer, p.result
         self._room(peer, req.id)
         eid = f"r{next(self._ids)}"
-        inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0, req.output, req.version)
+        ids, params, tokenizer = req.admitted.prompt_token_ids, req.admitted.params, owner[0].validator.tokenizer
+        inf = InFlight(peer, req.id, eid, req.stream, req.params.n, req.params.logprobs > 0, req.output, req.version,
+                       detok=lambda: TextState(tokenizer, ids, params))
         inf.owner = owner
         peer.requests[req.id] = self.inflight[eid] = inf
         loop = owner[0].loop
@@ -171,7 +175,8 @@ class RequestFlow:
                 for o in item[1]:
                     inf = self.inflight.get(o.request_id)
                     if inf is not None:
-                        inf.add(o)
+                        if inf.add(o):  # its stop string: the engine finishes that sample
+                            inf.owner[0].loop.finish(inf.engine_id, o.index)
                         self._mark(inf, touched)
             elif item[0] == "reject":
                 inf = self.inflight.get(item[1])

@@ -12,9 +12,10 @@ from ..protocol import VERSION, message, pack
 class Sample:
     __slots__ = ("token_ids", "text", "logprobs", "finished", "finish_reason", "error", "completion_tokens",
                  "timings", "all_token_ids", "all_text", "all_logprobs", "parser", "reasoning", "pieces",
-                 "all_reasoning", "reasoning_tokens")
+                 "all_reasoning", "reasoning_tokens", "detok")
 
-    def __init__(self, keep_all: bool, parser=None):
+    def __init__(self, keep_all: bool, parser=None, detok=None):
+        self.detok = detok  # its engine/output.TextState: the engine's tokens -> text; None: outputs carry text
         self.token_ids: list[int] = []  # not yet sent
         self.text = ""  # the content, when a parser reads the output (chat_output.py)
         self.logprobs: list = []
@@ -47,12 +48,15 @@ def _logprobs(raw) -> list:
 
 class InFlight:
     def __init__(self, peer, client_id: str, engine_id: str, stream: bool, n: int, logprobs: bool,
-                 output=None, version: int = VERSION):
+                 output=None, version: int = VERSION, detok=None):
         """output: chat_output.OutputSpec, to read each sample's reasoning and calls; version: the
-        request's protocol version, that of its frames."""
+        request's protocol version, that of its frames; detok: a sample -> its TextState
+        (engine/output.py), where the engine core's outputs carry token ids only (the daemon's);
+        None where they carry their text already (an engine run in-process)."""
         self.peer, self.id, self.engine_id = peer, client_id, engine_id
         self.stream, self.want_logprobs, self.v = stream, logprobs, version
-        self.samples = [Sample(not stream, output.parser() if output else None) for _ in range(n)]
+        self.samples = [Sample(not stream, output.parser() if output else None, detok() if detok else None)
+                        for _ in range(n)]
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.orphaned = False  # its client is gone: outputs are dropped, the engine was told to abort
@@ -63,8 +67,23 @@ class InFlight:
     def done(self) -> bool:
         return all(s.finished for s in self.samples)
 
-    def add(self, o) -> None:
+    def add(self, o) -> bool:
+        """-> True where this output's text meets a stop string: its caller has the engine finish
+        the sample (EngineCore.finish_sample). What the engine made past the stop, before it heard,
+        is dropped; its final output closes the sample with the stop's count of tokens."""
         s = self.samples[o.index]
+        hit = False
+        if s.detok is not None:
+            past = s.detok.stopped
+            hit = s.detok.read(o)  # o's text; past the stop, o emptied
+            if past and not o.finished:
+                return False
+            if past:
+                o.finish_reason, o.error, o.num_output_tokens = "stop", None, s.completion_tokens
+        self._take(s, o)
+        return hit
+
+    def _take(self, s: Sample, o) -> None:
         lps = _logprobs(o.logprobs) if self.want_logprobs else []
         text = o.new_text if s.parser is None else self._read(s, o)
         if self.stream:

@@ -2,7 +2,7 @@
 
 The daemon asks before it queues a request (daemon/frontend/validate.py), with
 its own limits beside the engine's; the engine asks when a caller hands it a
-prompt and params directly (LLMEngine.add_request). What passes is an
+prompt and params directly (EngineCore.add_request). What passes is an
 `Admitted`, which the engine takes as it is: max_tokens fitted to the context,
 the constraint compiled (a cache hit of the compiler both share when the
 engine compiles it again for the request's matchers)."""

@@ -1,5 +1,5 @@
-"""What the engine hands back per request per step, and the text side of it:
-incremental detokenization and stop strings (O(batch) Python per step)."""
+"""What the engine core hands back per request per step (token ids), and the output processor's
+text side of it: incremental detokenization and stop strings (O(batch) Python per step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,18 +25,22 @@ class RequestOutput:
     timings: dict = field(default_factory=dict)
     embeddings: list | None = None  # an embedding request's vectors, one per input (pooling.py)
     scores: list | None = None  # a rerank's: each input's P(yes) (rerank.py)
+    stopping: bool = False  # the output processor found a stop string here; the core is yet to finish it
 
 
 class TextState:
-    """Streams whole UTF-8 text, and holds back a tail that could still grow
-    into a stop string, so that a stop string is never half emitted."""
+    """One sample's text: streams whole UTF-8 text, and holds back a tail that could still grow
+    into a stop string, so that a stop string is never half emitted. It runs where the text is
+    read (the output processor: the daemon's socket thread, or LLMEngine in-process), not in the
+    engine core."""
 
-    def __init__(self, tokenizer, req: Request):
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, keep=req.params.keep_special_ids)
-        self.stops = req.params.stop
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, keep=params.keep_special_ids)
+        self.stops = params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # all decoded output text
         self.sent = 0  # chars of it already emitted
+        self.stopped = False  # a stop string ended it: the core was told to finish it
 
     def add(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
         """-> (text to emit now, hit a stop string)."""
@@ -55,6 +59,48 @@ class TextState:
         self.sent = end
         return delta, hit
 
+    def read(self, o: RequestOutput) -> bool:
+        """Sets o.new_text from o's tokens. -> True where a stop string ends the sample with this
+        output: its caller tells the core to finish the sample (EngineCore.finish_sample), and
+        the outputs the core made past it (steps that ran before it heard) carry nothing."""
+        if self.stopped:
+            o.new_token_ids, o.logprobs, o.new_text = [], None, ""
+            return False
+        o.new_text, hit = self.add(o.new_token_ids, o.finished)
+        self.stopped = hit
+        return hit and not o.finished
+
+
+class OutputProcessor:
+    """Token outputs in, text outputs out, for an engine used in-process (LLMEngine): each
+    sample's TextState, and the samples a stop string ended, for the core to finish."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts: dict[tuple[str, int], TextState] = {}
+
+    def add(self, request_id: str, index: int, prompt_token_ids: list[int], params) -> None:
+        self.texts[(request_id, index)] = TextState(self.tokenizer, prompt_token_ids, params)
+
+    def process(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """-> the outputs with their text; those a stop string ended are marked `stopping`
+        (finished here, and still to be finished in the core). Outputs past a stop are dropped."""
+        kept = []
+        for o in outputs:
+            key = (o.request_id, o.index)
+            state = self.texts.get(key)
+            if state is None:  # an embedding's (no text)
+                kept.append(o)
+                continue
+            was_stopped = state.stopped
+            hit = state.read(o)
+            if o.finished:
+                del self.texts[key]
+            if not was_stopped:
+                o.stopping = hit
+                kept.append(o)
+        return kept
+
 
 def timings_of(req: Request) -> dict:
     t = req.timings
@@ -62,14 +108,15 @@ def timings_of(req: Request) -> dict:
             "e2e": None if t.finished is None else t.finished - t.arrival}
 
 
-def make_output(req: Request, index: int, request_id: str, new_tokens: list[int], text: str,
+def make_output(req: Request, index: int, request_id: str, new_tokens: list[int],
                 logprobs: list | None) -> RequestOutput:
+    """The core's output: token ids, no text (the output processor adds it)."""
     fr = req.finish_reason
     return RequestOutput(
-        request_id=request_id, index=index, new_token_ids=new_tokens, new_text=text,
+        request_id=request_id, index=index, new_token_ids=new_tokens, new_text="",
         finished=req.is_finished, finish_reason=None if fr is None else str(fr), error=req.error,
         logprobs=logprobs, num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
         num_cached_tokens=req.num_cached_tokens, timings=timings_of(req) if req.is_finished else {})
 
 
-__all__ = ["RequestOutput", "TextState", "FinishReason", "make_output"]
+__all__ = ["RequestOutput", "TextState", "OutputProcessor", "FinishReason", "make_output"]

@@ -98,6 +98,13 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         self.block_chain = BlockChain(self.cache_salt)
 
+    @property
+    def prefill_only(self) -> bool:
+        """It asks for its prompt's states and nothing after (an embedding): it ends once its prompt
+        is computed, samples nothing, takes no prefix-cache hit (a mean needs every token's state)
+        and publishes no block."""
+        return self.embed_pooling is not None
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -63,13 +63,18 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int | None,
-                 cuda_graph: bool | None, max_num_batched_tokens: int | None):
-        # The values come from EngineConfig (through LLMEngine), their one declaration.
+                 cuda_graph: bool | None, max_num_batched_tokens: int | None, *, sampler: Sampler | None = None,
+                 speculator=None, constraints=None, pooling: bool = False, state_slots=None, state_checkpoints=None):
+        """The values come from EngineConfig (through builder.py), their one declaration. The hooks
+        between the forward and the samples (None: none to call): constraints (structured.Constraints),
+        speculator (speculative.Speculator, whose proposer shares `sampler`); pooling: an embedding
+        model's engine, whose steps pool their requests' states and sample nothing; state_slots and
+        state_checkpoints: a hybrid model's StateSlots and StateCheckpoints (cache/state_cache.py)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = model.cos_sin.device
-        self.sampler = Sampler()
+        self.sampler = sampler if sampler is not None else Sampler()
         max_len = max_model_len or model.max_model_len
         max_tokens = max(max_num_batched_tokens or max_num_seqs, max_num_seqs)
         # Drafts and the padded graph shapes never exceed the step budget; a draft model's
@@ -80,8 +85,7 @@ class ModelRunner:
         # A hybrid model's linear-attention layers read state slots per request (cache/state_cache.py),
         # which a captured graph's padded sequences have none of: its steps run eagerly.
         self.stateful = bool(model.cfg.linear_layers)
-        self.state_slots = None  # its StateSlots and StateCheckpoints (cache/state_cache.py), set by LLMEngine
-        self.state_checkpoints = None
+        self.state_slots, self.state_checkpoints = state_slots, state_checkpoints
         if (cuda_graph if cuda_graph is not None else self.device.type == "cuda") and not self.stateful:
             # On CPU (tests) the same padded buffers run eagerly.
             self.graphs = StepGraphs(lambda ids, pos, meta: self.model(ids, pos, meta, self.kv_cache.layers),
@@ -90,12 +94,8 @@ class ModelRunner:
             if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
                 self.graphs.capture()
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next
-        # The hooks between the forward and the samples, set by LLMEngine (which builds the
-        # speculator after this runner: its proposer shares this sampler). None: none to call.
-        self.constraints = None  # structured.Constraints
-        self.speculator = None  # speculative.Speculator
-        self.pooling = False  # an embedding model's engine: steps pool their requests' states
-        self.batch_invariant = False  # the next step's attention must not depend on its batch (set by LLMEngine)
+        self.constraints, self.speculator, self.pooling = constraints, speculator, pooling
+        self.batch_invariant = False  # the next step's attention must not depend on its batch (set per step)
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
@@ -165,8 +165,8 @@ class ModelRunner:
                 restore(self.kv_cache.layers, s.state_slot, self.state_slots.scratch(s.state_slot, a))
 
     @torch.inference_mode()
-    def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
-        """Run the model over the step; -> (batch, logits [num sample rows, V])."""
+    def forward(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
+        """Run the model over the step; -> (batch, hidden states [num tokens, H])."""
         with section("batch_build"):
             shape = None
             if self.graphs is not None:
@@ -178,15 +178,19 @@ class ModelRunner:
             hidden = self.graphs.run(shape, batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
-        if self.pooling:  # an embedding model's engine runs only pooled requests, and none reads its sample:
-            # the head's product (a row of vocab x hidden each, as much as a short input's whole forward) is skipped
-            pool_step(out, batch.last_row, hidden)
-            return batch, hidden.new_zeros(batch.sample_rows.numel(), self.model.cfg.vocab_size, dtype=torch.float32)
+        return batch, hidden
+
+    @torch.inference_mode()
+    def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
+        """Run the model over the step; -> (batch, logits [num sample rows, V])."""
+        batch, hidden = self.forward(out)
         return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
         started = time.perf_counter()
+        if self.pooling:
+            return self._pool(out, started)
         batch, raw = self.forward_logits(out)
         logits, masked = raw, False
         if self.constraints is not None:
@@ -217,4 +221,13 @@ class ModelRunner:
             elif verified is not None:
                 sampled = SampledRows(torch.empty(0, dtype=torch.int64, device=self.device), [], None, extra)
         self.last = StepHandle(out, sampled, [s.request.request_id for s in plain], verified, started)
+        return self.last
+
+    def _pool(self, out: SchedulerOutput, started: float) -> StepHandle:
+        """An embedding model's step: its requests' states pooled (pooling.py), nothing sampled. The
+        head's product (a row of vocab x hidden each, as much as a short input's whole forward) is
+        never run; each request ends once its prompt is computed (Request.prefill_only)."""
+        batch, hidden = self.forward(out)
+        pool_step(out, batch.last_row, hidden)
+        self.last = StepHandle(out, None, [], None, started)
         return self.last

@@ -62,7 +62,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Built by LLMEngine from its EngineConfig and the step budget: no defaults of its own."""
+    """Built by engine/builder.py from its EngineConfig and the step budget: no defaults of its own."""
     max_num_seqs: int
     max_num_batched_tokens: int  # the token budget of one step
     long_prefill_token_threshold: int  # the largest prefill chunk of one request per step
@@ -174,12 +174,12 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 skipped.append(self.waiting.popleft())
                 continue
-            if req.embed_pooling is None:
+            if not req.prefill_only:
                 hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt,
                                                       req.block_chain)
                 offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt,
                                                     req.block_chain)
-            else:  # an embedding pools every token's state and keeps no KV (engine/pooling.py)
+            else:  # it needs every token's state (an embedding's mean) and keeps no KV
                 hits, cached, offloaded = [], 0, 0
             source = -1
             if self.state_checkpoints is not None and hits:
@@ -284,9 +284,11 @@ class Scheduler:
                 if s.num_spec_tokens:  # roll back the blocks that only rejected drafts used
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
                 done = min(req.num_computed_tokens, req.num_known_tokens)
-                if req.embed_pooling is None:
+                if not req.prefill_only:
                     self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids, done,
                                                        salt=req.cache_salt, chain=req.block_chain)
+                elif done >= req.num_prompt_tokens:  # its prompt's states are all it asked for
+                    req.finish(FinishReason.STOP)
                 self.kv_cache_manager.free_behind_window(req.request_id, done)
             if req.is_finished:
                 finished.append(req)

@@ -7,12 +7,12 @@ build_speculator once it exists) and called at these points of a step:
 
   plan    Scheduler._num_drafts   draft_slots(req, room, batch_tokens): the draft
                                   slots a request about to decode one token reserves
-  draft   LLMEngine._launch       propose(out): drafts for the reserved slots, which
+  draft   EngineCore._launch      propose(out): drafts for the reserved slots, which
                                   the constraints then the scheduler fit the plan to
   verify  ModelRunner.launch      verify(logits, items, sampler): after the forward,
                                   every speculating request at once, read with the samples
   read    Scheduler.update        on_verified(req, drafted, accepted)
-          LLMEngine._complete     on_step(out, seconds): what the step cost
+          EngineCore._complete    on_step(out, seconds): what the step cost
   finish  Scheduler._remove       on_finish(request_id)
 
 Nothing outside this folder reads the policy or the proposer."""

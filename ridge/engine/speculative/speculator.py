@@ -26,7 +26,7 @@ class Speculator:
             return 0
         return min(room, self.policy.choose_k(req.request_id, batch_tokens))
 
-    # -- draft: LLMEngine, before the forward ------------------------------------------------
+    # -- draft: EngineCore, before the forward ------------------------------------------------
     def propose(self, out) -> dict:
         """request id -> Draft for the slots reserved in out; never edits the plan (the engine
         has the constraints and then Scheduler.accept_drafts fit them)."""
@@ -44,7 +44,7 @@ class Speculator:
         self.policy.record(req.request_id, drafted, accepted, req.draft_source)
 
     def on_step(self, out, seconds: float) -> None:
-        """LLMEngine._complete: a read step's cost from its launch, drafting excluded. Only a
+        """EngineCore._complete: a read step's cost from its launch, drafting excluded. Only a
         step without prompt tokens prices verified tokens against plain ones."""
         if all(s.start >= s.request.num_prompt_tokens for s in out.scheduled):
             self.policy.observe_step(sum(s.num_scheduled_tokens for s in out.scheduled), seconds)

@@ -3,15 +3,15 @@
 The engine reaches this folder through one object, Constraints (constraints.py), called
 at these points:
 
-  add     LLMEngine.add_request   compile(params): refused at admission if it does not
+  add     EngineCore.add_request  compile(params): refused at admission if it does not
                                   compile; matcher(compiled): one per sample, on Request.matcher
-  plan    LLMEngine.step          needs_last_token(running): read the step in flight first
-  draft   LLMEngine._launch       fit_drafts(scheduled, drafts): deterministic drafts cut to
+  plan    EngineCore.step         needs_last_token(running): read the step in flight first
+  draft   EngineCore._launch      fit_drafts(scheduled, drafts): deterministic drafts cut to
                                   what the constraint allows, before the plan is fitted to them
   sample  ModelRunner.launch      mask(scheduled, spans, logits): every constrained row of the
                                   step, plain and verified, in one operation before sampling
-  read    LLMEngine._complete     advance(out): the matchers consume the step's tokens
-  finish  LLMEngine._forget       on_finish(req): the matcher holds the whole output
+  read    EngineCore._complete    advance(out): the matchers consume the step's tokens
+  finish  EngineCore._forget      on_finish(req): the matcher holds the whole output
 
 The daemon's validator compiles with the engine's GrammarCompiler; its chat grammar
 (daemon/frontend/chat_grammar.py: tools, reasoning) takes JSON_WHITESPACE and named_grammars."""

@@ -15,7 +15,7 @@ class Constraints:
         # Compiled formats, cached for this tokenizer; the daemon's validator shares the compiler.
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
-    # -- add: LLMEngine.add_request -------------------------------------------------------
+    # -- add: EngineCore.add_request -------------------------------------------------------
     def compile(self, params) -> CompiledConstraint | None:
         """The request's compiled response_format, or None. Raises InvalidRequest at admission
         for one that does not compile, so that no step ever meets it."""
@@ -27,14 +27,14 @@ class Constraints:
         """One sample's own position in the constraint (each sample of n > 1 has its own)."""
         return compiled.matcher() if compiled is not None else None
 
-    # -- plan: LLMEngine.step, before it plans a step while one is in flight ----------------
+    # -- plan: EngineCore.step, before it plans a step while one is in flight ----------------
     @staticmethod
     def needs_last_token(running) -> bool:
         """Whether the next step's masks need the step in flight read first: a matcher must have
         consumed its request's whole output before its next mask."""
         return any(r.matcher is not None for r in running)
 
-    # -- draft: LLMEngine._launch, between the proposer and Scheduler.accept_drafts -----------
+    # -- draft: EngineCore._launch, between the proposer and Scheduler.accept_drafts -----------
     @staticmethod
     def fit_drafts(scheduled, drafts: dict) -> dict:
         """Deterministic drafts cut to the prefix each constraint allows (step.prune_drafts)."""
@@ -50,7 +50,7 @@ class Constraints:
             return logits, False
         return apply_token_bitmask(logits, masks.bitmask, masks.rows), True
 
-    # -- after sampling: LLMEngine._complete, once Scheduler.update read the tokens in -------
+    # -- after sampling: EngineCore._complete, once Scheduler.update read the tokens in -------
     @staticmethod
     def advance(out) -> None:
         """Each running constrained request's matcher consumes the tokens the step gave it."""
@@ -59,7 +59,7 @@ class Constraints:
             if r.matcher is not None and not r.is_finished:
                 r.matcher.sync(r.output_token_ids)
 
-    # -- finish: LLMEngine, when a request leaves ---------------------------------------------
+    # -- finish: EngineCore, when a request leaves ---------------------------------------------
     @staticmethod
     def on_finish(req) -> None:
         """The matcher consumes the request's last tokens, so that it holds the whole output (a
