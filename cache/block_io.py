@@ -20,7 +20,7 @@ ALIGN = 16
 
 class BlockLayout:
     def __init__(self, caches: list[KVCache]):
-        self.tensors = [t for c in caches for layer in c.layers
+        self.tensors = [t for c in caches for layer in c.layers if layer is not None  # None: an MLP block's
                         for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
         self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.offsets, off = [], 0

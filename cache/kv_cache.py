@@ -73,6 +73,9 @@ class KVCache:
                 self.state_bytes += st.nbytes
                 self.layers.append(st)
                 continue
+            if not cfg.holds_kv(i):  # an MLP block without a token mixer: no cache
+                self.layers.append(None)
+                continue
             shape = (of_layer[i], block_size, *cfg.layer_kv_shape(i))
             scales = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(2)] if fp8 else [None, None]
             self.layers.append(LayerKV(zeros(shape, dt, device), zeros(shape, dt, device), *scales))

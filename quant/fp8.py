@@ -27,7 +27,8 @@ FP8_MAX = 448.0
 SEARCH_CHUNK = 1 << 22  # the values quantize_fp8 searches scales for at once
 # Internal (fused) names of the decoder layers' linear weights.
 LINEAR_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight",
-                   "in_proj.weight", "out_proj.weight")  # the last two: a recurrent layer's (Gated DeltaNet, LFM2's short convolution)
+                   "in_proj.weight", "out_proj.weight",  # these two: a recurrent layer's (Gated DeltaNet, LFM2's short convolution)
+                   "up_proj.weight")  # an MLP without a gate
 
 
 def is_linear_weight(name: str) -> bool:

@@ -38,6 +38,9 @@ class WeightLayout:
     # path): its further tensors of layer i. None: none.
     global_tensors: Callable | None = None
     layer_tensors: Callable | None = None
+    # mlp(sd, cfg, i, out, path): a family's own MLP of layer i into out (an MLP without a gate, a
+    # layer without an MLP), in place of the gated MLP or experts read below; None: those.
+    mlp: Callable | None = None
 
 
 def _row_scale(sd, prefix: str, rows: int) -> torch.Tensor | None:
@@ -116,7 +119,9 @@ def fuse_layer(sd, cfg: ModelConfig, i: int, out: dict, path, layout: WeightLayo
         cat_rows(sd, [a + "qkv_proj"] if shipped else [a + "q_proj", a + "k_proj", a + "v_proj"], out, q + "qkv_proj",
              path, cfg.attention_bias)
         cat_rows(sd, [a + "o_proj"], out, q + "o_proj", path, cfg.o_bias)
-    if cfg.is_moe_layer(i):
+    if layout.mlp is not None:
+        layout.mlp(sd, cfg, i, out, path)
+    elif cfg.is_moe_layer(i):
         fuse_experts(sd, cfg, i, out, path, layout)
     else:
         cat_rows(sd, [m + "gate_up_proj"] if shipped else [m + "gate_proj", m + "up_proj"], out, q + "gate_up_proj",

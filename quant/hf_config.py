@@ -106,6 +106,10 @@ class HFFamily:
     # Each batch of tensors read, rewritten in place before fusion (a norm stored otherwise than
     # the model takes it); None: as they are.
     tensors: Callable[[dict], None] | None = None
+    # A checkpoint's tensor name -> the one the converter reads, for checkpoints that name their
+    # tensors otherwise than the family's transformers model holds them (its conversion mapping's
+    # renames); None: as they are.
+    rename: Callable[[str], str] | None = None
 
     @property
     def fields(self) -> set[str]:

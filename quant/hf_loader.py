@@ -95,6 +95,8 @@ class HFTensors:
         # A wrapper gives its text model's tensors under the family's names; the other
         # modalities' are never read.
         rename = wrapper.tensor_name if wrapper is not None else None
+        if wrapper is None and spec.hf.rename is not None:
+            rename = lambda name, f: spec.hf.rename(name)  # noqa: E731
         self._where: dict[str, tuple[str, Path]] = {}  # our name -> (its name in the file, the file)
         skipped = 0
         for f in files:
@@ -111,7 +113,7 @@ class HFTensors:
                 if dst in self._where:
                     raise ModelLoadError(f, f"tensor {name}: a second copy of {dst}")
                 self._where[dst] = (name, f)
-        if rename:
+        if wrapper is not None:
             log.info("%s: %s served as text: its %d %s tensors are not loaded", path, wrapper.model_type, skipped,
                      wrapper.skipped)
         self._where = with_model_prefix(self._where)

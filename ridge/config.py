@@ -87,9 +87,15 @@ class ModelConfig:
     # [Dk, Dv] matrix per value head and the short convolution's last K - 1 inputs):
     # {"num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"}; LFM2's
     # gated short convolution (its last K - 1 inputs only): {"kind": "short_conv", "channels",
-    # "conv_kernel"}. None: none.
+    # "conv_kernel"}. Mamba2 (Granite 4 hybrid, Nemotron-H: a [P, N] state per head plus the
+    # convolution's last K - 1 inputs of x, B and C): {"kind": "mamba2", "num_heads", "head_dim",
+    # "state_size", "n_groups", "conv_kernel", "conv_bias", "proj_bias", "dt_limit"}. None: none.
     linear_layers: list[int] | None = None
     linear_attention: dict | None = None
+    # A stack of single sublayers (Nemotron-H): the layers listed are MLP (or experts) blocks
+    # without a token mixer, which hold neither KV blocks nor a state, and the others are a token
+    # mixer without an MLP. None: every layer runs a token mixer and an MLP.
+    mixerless_layers: list[int] | None = None
     # The full-attention layers' own head size and KV heads where they differ from the others'
     # (Gemma 4's global layers: wider heads, fewer KV heads); None: head_dim, num_kv_heads.
     global_head_dim: int | None = None
@@ -111,10 +117,14 @@ class ModelConfig:
         """Whether layer i keeps a recurrent state (Gated DeltaNet, a short convolution) instead of KV."""
         return bool(self.linear_layers) and i in self.linear_layers
 
+    def holds_kv(self, i: int) -> bool:
+        """Whether layer i attends, over KV in the paged cache (not a recurrent layer, not an MLP block)."""
+        return not self.is_linear_layer(i) and not (self.mixerless_layers and i in self.mixerless_layers)
+
     @property
     def num_kv_layers(self) -> int:
         """The layers that hold KV in the paged cache."""
-        return self.num_layers - len(self.linear_layers or ())
+        return sum(map(self.holds_kv, range(self.num_layers)))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """One request's states in each linear layer, by pool (cache/state_cache.py LayerState): the
@@ -123,6 +133,9 @@ class ModelConfig:
         la = self.linear_attention
         if la.get("kind") == "short_conv":
             return {"conv": (la["conv_kernel"] - 1, la["channels"])}
+        if la.get("kind") == "mamba2":
+            return {"conv": (la["conv_kernel"] - 1, mamba2_conv_channels(la)),
+                    "recurrent": (la["num_heads"], la["head_dim"], la["state_size"])}
         channels = 2 * la["num_key_heads"] * la["key_head_dim"] + la["num_value_heads"] * la["value_head_dim"]
         return {"conv": (la["conv_kernel"] - 1, channels),
                 "recurrent": (la["num_value_heads"], la["key_head_dim"], la["value_head_dim"])}
@@ -154,7 +167,7 @@ class ModelConfig:
         first, then the sliding layers of each window."""
         by_window: dict = {}
         for i in range(self.num_layers):
-            if self.is_linear_layer(i):  # its state is in the slot pool, not in blocks
+            if not self.holds_kv(i):  # a state in the slot pool, or nothing, instead of blocks
                 continue
             by_window.setdefault(self.layer_window(i), []).append(i)
         order = sorted(by_window, key=lambda w: -1 if w is None else w)
@@ -192,6 +205,11 @@ class ModelConfig:
         if linear and self.linear_attention.get("kind") == "short_conv":  # LFM2: in_proj [B | C | x], out_proj
             gdn = 4 * self.hidden_size * self.hidden_size
             attn_total = (self.num_layers - linear) * attn + linear * gdn
+        elif linear and self.linear_attention.get("kind") == "mamba2":  # in_proj [gate | x B C | dt], out_proj
+            la = self.linear_attention
+            inner = la["num_heads"] * la["head_dim"]
+            mixer = self.hidden_size * (inner + mamba2_conv_channels(la) + la["num_heads"]) + inner * self.hidden_size
+            attn_total = (self.num_layers - linear) * attn + linear * mixer
         elif linear:  # a Gated DeltaNet layer's projections in place of the attention's
             la = self.linear_attention
             kd, vd, hv = la["num_key_heads"] * la["key_head_dim"], la["num_value_heads"] * la["value_head_dim"], \
@@ -200,12 +218,22 @@ class ModelConfig:
             attn_total = (self.num_layers - linear) * attn + linear * gdn
         else:
             attn_total = self.num_layers * attn
-        mlps = (self.num_layers - moe) * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
+        mixerless = len(self.mixerless_layers or ())
+        dense = self.num_layers - moe
+        if self.mixerless_layers is not None:  # MLP and experts blocks apart from the mixers, which have none
+            attn_total -= mixerless * attn
+            dense = mixerless - moe
+        mlps = dense * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
         mlps += moe * 3 * self.hidden_size * self.shared_expert_intermediate_size
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
                           attn_total + mlps + embeddings, self.sliding_window if sliding else None,
                           sliding, self.num_experts if moe else 0, self.num_experts_per_tok if moe else 0,
-                          expert if moe else 0, moe, linear, self.state_bytes_per_request())
+                          expert if moe else 0, moe, linear, self.state_bytes_per_request(), mixerless)
+
+
+def mamba2_conv_channels(la: dict) -> int:
+    """A Mamba2 layer's convolved channels: x (heads x head_dim), then B and C (groups x state)."""
+    return la["num_heads"] * la["head_dim"] + 2 * la["n_groups"] * la["state_size"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,10 +265,11 @@ class ModelShape:
     # in all (whatever the context) instead of KV.
     state_layers: int = 0
     state_bytes_per_request: int = 0
+    mixerless_layers: int = 0  # MLP blocks of a stack of single sublayers: neither KV nor state
 
     @property
     def num_kv_layers(self) -> int:
-        return self.num_layers - self.state_layers
+        return self.num_layers - self.state_layers - self.mixerless_layers
 
     @property
     def num_active_params(self) -> int | None:

@@ -39,6 +39,10 @@ FAMILIES = (
     "llama4_text",
     "qwen3_5",
     "lfm2",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "granitemoehybrid",
+    "nemotron_h",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts decoders (Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5): llama's layer with its MLP
 replaced, in the layers ModelConfig.is_moe_layer names, by a router and stacked FP8 experts
 (gpt-oss: biases on the router and the experts, the clamped SwiGLU, and attention sinks;
-GLM-4.5: a sigmoid router with a correction bias and expert groups, and shared experts).
+GLM-4.5: a sigmoid router with a correction bias and expert groups, and shared experts; Qwen3-Next
+and Qwen3.5-MoE: a shared expert behind a sigmoid gate, on their own layers through SparseMlp).
 
 The router's logits are computed in fp32 from fp32 weights, whatever the activations' dtype,
 and each family's rule turns them into k experts and their weights (ModelConfig.moe_router).
@@ -67,23 +68,30 @@ class Router(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """A gated MLP every token runs beside the routed experts (GLM-4.5's shared experts)."""
+    """A gated MLP every token runs beside the routed experts (GLM-4.5's shared experts). Gated
+    (Qwen3-Next's, cfg.extra["shared_expert_gate"]): its output times sigmoid(gate . h), the
+    gate a [1, H] row kept in fp32 as a router's."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = FP8Linear(cfg.hidden_size, 2 * cfg.shared_expert_intermediate_size)
         self.down_proj = FP8Linear(cfg.shared_expert_intermediate_size, cfg.hidden_size)
         self.act_and_mul = ACT_AND_MUL[cfg.hidden_act]
+        self.gated = bool(cfg.extra.get("shared_expert_gate"))
+        self.register_buffer("gate", None)  # [1, H] fp32 where gated
 
     def forward(self, h):
-        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
+        out = self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
+        if not self.gated:
+            return out
+        return out * torch.sigmoid(F.linear(h.float(), self.gate)).to(out.dtype)
 
 
-class MoeDecoderLayer(DecoderLayer):
-    """A sparse layer: attention as llama's, then router -> experts in place of the dense MLP."""
+class SparseMlp:
+    """A layer whose MLP is a mixture of experts: make_experts replaces the dense MLP (built by
+    the layer's own __init__) with a router, the stacked experts and any shared experts."""
 
-    def __init__(self, cfg: ModelConfig, index: int = 0):
-        super().__init__(cfg, index)
+    def make_experts(self, cfg: ModelConfig) -> None:
         del self.gate_up_proj, self.down_proj  # the dense MLP's, which this layer has not
         self.router = Router(cfg)
         self.experts = FP8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -96,6 +104,14 @@ class MoeDecoderLayer(DecoderLayer):
         return out if self.shared_experts is None else out + self.shared_experts.forward(h)
 
 
+class MoeDecoderLayer(SparseMlp, DecoderLayer):
+    """A sparse layer: attention as llama's, then router -> experts in place of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.make_experts(cfg)
+
+
 class MoeCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return MoeDecoderLayer(cfg, index) if cfg.is_moe_layer(index) else DecoderLayer(cfg, index)
@@ -105,7 +121,7 @@ class MoeCausalLM(CausalLM):
         layer = self.layers[i]
         if self.cfg.attention_sinks:
             layer.sinks = sd[f"layers.{i}.sinks"].float().to(device)
-        if isinstance(layer, MoeDecoderLayer):
+        if isinstance(layer, SparseMlp):
             p = f"layers.{i}."
             layer.router.weight = sd[p + "router.weight"].float().to(device)
             if p + "router.bias" in sd:
@@ -114,6 +130,8 @@ class MoeCausalLM(CausalLM):
                 layer.router.correction = sd[p + "router.correction"].float().to(device)
             layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")},
                                device, dtype)
+            if layer.shared_experts is not None and layer.shared_experts.gated:
+                layer.shared_experts.gate = sd[p + "shared_experts.gate.weight"].float().to(device)
 
     def expert_modules(self) -> list[FP8Experts]:
         return [m for m in self.modules() if isinstance(m, FP8Experts)]

@@ -118,7 +118,10 @@ class GatedDeltaNetLayer(nn.Module):
         h, residual = self.input_layernorm.forward(h, residual)
         h = self.linear_attention(h, meta, kv)
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h))), residual
+        return self.mlp(h), residual
+
+    def mlp(self, h):  # a sparse layer's own (ridge/models/qwen3_next/model.py)
+        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
 
 
 class Qwen35CausalLM(CausalLM):

@@ -1,0 +1,58 @@
+"""Qwen3.5-MoE (Qwen3_5MoeTextConfig): Qwen3.5's hybrid layers (ridge/models/qwen3_5/: Gated DeltaNet
+beside gated attention, its tensors and their names, mrope read as the plain rotation for text)
+with Qwen3-Next's sparse MLP in every layer (ridge/models/qwen3_next/: num_experts_per_tok of
+num_experts experts of moe_intermediate_size, the softmax's top k always renormalised, beside a
+shared expert of shared_expert_intermediate_size scaled by sigmoid(shared_expert_gate . h)). The
+config class has no dense MLP, nor intermediate_size, decoder_sparse_step, mlp_only_layers or
+norm_topk_prob: its model reads none of them; num_experts 0 is refused.
+
+The Hub ships it as Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe), served as its text
+model: text_config (a qwen3_5_moe_text), the wrapper's tie_word_embeddings tying the head (as
+transformers ties it); the vision tower (model.visual.) and the multi-token-prediction layers
+(mtp.) are not loaded."""
+from __future__ import annotations
+
+from ridge.quant.fuse import WeightLayout
+from ridge.quant.hf_config import (MOE_IGNORED, HFConfig, HFFamily, HFWrapper, experts_count, moe_fields,
+                                    nested_text_config, wrapper_names)
+from ridge.quant.spec import ModelSpec
+
+from .. import qwen3_5, qwen3_next
+from ..qwen3_next import Qwen3NextCausalLM
+
+DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, rope_parameters=None, attention_bias=False, head_dim=256,
+                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                num_experts_per_tok=8, num_experts=256, layer_types=None, full_attention_interval=4,
+                partial_rotary_factor=0.25, rope_theta=10000.0)
+
+
+def read_qwen3_5_moe(c: HFConfig, kw: dict) -> dict:
+    n = kw["num_layers"]
+    experts, k = experts_count(c, "num_experts")
+    if not experts:
+        c.refuse("num_experts", experts, "every Qwen3.5-MoE layer routes to experts")
+    width = qwen3_next.experts_width(c)
+    # intermediate_size: the dense MLP's, which no layer keeps (each is built, then its MLP replaced)
+    return dict(qwen3_5.read_qwen3_5(c, kw), **moe_fields(experts, k, width, list(range(n)), n, True),
+                **qwen3_next.shared_expert(c), intermediate_size=width)
+
+
+# -- Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe) served as text.
+WRAPPER_DEFAULTS = dict(qwen3_5.WRAPPER_DEFAULTS)  # the same token ids and tie default as Qwen3.5's wrapper
+
+
+def text_config(c: HFConfig) -> HFConfig:
+    return nested_text_config(c, "qwen3_5_moe_text", DEFAULTS, "Qwen3.5-MoE")
+
+
+text_name = wrapper_names((("model.language_model.", "model."), ("lm_head.", "lm_head.")), ("model.visual.", "mtp."),
+                          "vision tower's or the multi-token-prediction layers", "Qwen3_5MoeForConditionalGeneration")
+
+SPEC = ModelSpec("qwen3_5_moe_text", Qwen3NextCausalLM,
+                 HFFamily(DEFAULTS, read_qwen3_5_moe, MOE_IGNORED, tensors=qwen3_5.shift_norms),
+                 weights=WeightLayout(experts=qwen3_next.experts, attention=qwen3_5.fuse_mixer),
+                 hf_wrappers=(HFWrapper("qwen3_5_moe", WRAPPER_DEFAULTS, text_config, text_name,
+                                        "vision tower and multi-token-prediction"),))
