@@ -198,7 +198,9 @@ class DiskTier:
     # -- files ------------------------------------------------------------------------
     def _header(self, block_hash: bytes, parent: bytes, tokens) -> bytes:
         return (HEADER.pack(MAGIC, VERSION, block_hash, parent, len(tokens), self.block_bytes)
-                + np.asarray(tokens, dtype="<i4").tobytes())
+                # An image's placeholders stand as 62-bit ids of its content (engine/request.py
+                # image_token_ids): their low 32 bits here, the keyed hash above names all of them.
+                + (np.asarray(tokens, dtype=np.int64) & 0xFFFFFFFF).astype("<u4").tobytes())
 
     def write(self, block_hash: bytes, parent: bytes, tokens, payload) -> bool:
         """payload: one block row (a C-contiguous buffer of block_bytes)."""

@@ -130,6 +130,9 @@ class HFWrapper:
     text_config: Callable[[HFConfig], HFConfig]
     tensor_name: Callable[[str, Path], str | None]
     skipped: str  # what the unread tensors are, for the log
+    # An image model's encoder, read beside its text model (path, device, dtype -> an object with
+    # encode(inputs) and weight_bytes(), or None where the directory holds none); None: text only.
+    vision: Callable | None = None
 
 
 class TextConfigView(HFConfig):

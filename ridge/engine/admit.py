@@ -25,6 +25,7 @@ class Admitted:
     """A prompt and its params that passed admission: the engine's proof that it need not check them."""
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: tuple = ()  # ridge.vision.inputs.ImageInput each, in prompt order: the encoder's inputs
 
 
 @dataclass(frozen=True, slots=True)

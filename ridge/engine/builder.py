@@ -24,6 +24,7 @@ from ridge.models.loader import LoadedModel, load_model
 from .budget import default_token_budget, pooled_token_budget
 from .config import EngineConfig
 from .cpu_format import CpuFormats, choose_cpu_format, fp8_max_tokens, invariant_unavailable, keep_freed_memory
+from .encoder import EncoderStep
 from .hybrid import hybrid_config
 from .kv_tiers import build_tiers
 from .pooling import resolve_pooling
@@ -126,7 +127,9 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
     act = measure_activation_peak(lambda: profile_forward(loaded, sched_config, kv_dtype, config.max_num_seqs,
                                                           max_model_len), device)
     state_slots, state_checkpoints = state_pools(config, loaded, spec is not None)
-    state_pool = (state_slots.pool_size if state_slots else 0) + (state_checkpoints.count if state_checkpoints is not None else 0)
+    # (the pools define __len__: an empty one is falsy, so `is not None`)
+    state_pool = (state_slots.pool_size if state_slots is not None else 0) + \
+        (state_checkpoints.count if state_checkpoints is not None else 0)
     memory = plan_memory(loaded.config, kv_dtype, config.block_size, device,
                          loaded.weight_bytes + (spec.weight_bytes if spec else 0), act,
                          gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
@@ -147,7 +150,8 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
     constraints = Constraints(loaded.tokenizer, loaded.config.vocab_size)
     runner = ModelRunner(model, kv_cache, config.max_num_seqs, max_model_len, config.cuda_graph, budget,
                          sampler=sampler, speculator=speculator, constraints=constraints,
-                         pooling=pooling is not None, state_slots=state_slots, state_checkpoints=state_checkpoints)
+                         pooling=pooling is not None, state_slots=state_slots, state_checkpoints=state_checkpoints,
+                         encoder=EncoderStep(loaded.vision) if loaded.vision is not None else None)
     scheduler = Scheduler(sched_config, kv_cache_manager, speculator, state_slots, state_checkpoints)
     caches = [kv_cache] + (speculator.caches if speculator else [])  # what the block ids index
     tiers = build_tiers(config, loaded, draft, caches, kv_dtype)

@@ -98,6 +98,8 @@ class EngineCore:
         else:
             admitted = self.admit(prompt, params)
         ids, params = admitted.prompt_token_ids, admitted.params
+        if admitted.images and self.runner.encoder is None:
+            raise InvalidRequest("images: this model takes no image input")
         params, cache_salt = self._resolve_deterministic(params, cache_salt)
         compiled = self.compile_constraint(params)
         samples = []
@@ -107,7 +109,7 @@ class EngineCore:
                 params.derive(seed=(params.seed + i) % (1 << 63))  # distinct samples
             req = Request(iid, ids, sp, tuple(self.tokenizer.eos_token_ids),
                           group_id=request_id if params.n > 1 else None, client_id=request_id, index=i,
-                          cache_salt=cache_salt,
+                          cache_salt=cache_salt, images=admitted.images,
                           matcher=self.constraints.matcher(compiled))  # one per sample
             self.requests[iid] = req
             self.scheduler.add_request(req)

@@ -59,6 +59,19 @@ class Timings:
         return (n - 1) / span if span > 0 else None
 
 
+def image_token_ids(token_ids: list[int], images) -> list[int]:
+    """token_ids with each image's placeholders replaced by ids of its content: negative (a
+    client's ids never are), the j-th of an image 62 bits of its content hash plus j. A block
+    holding part of an image is then named, and compared in the rule of a hit (cache/block_hash.py),
+    by that image: the same image and prompt hit, another image with the same placeholders never does."""
+    out = list(token_ids)
+    for im in images:
+        base = int(im.content[:16], 16)
+        for j in range(im.length):
+            out[im.offset + j] = -1 - ((base + j) & ((1 << 62) - 1))
+    return out
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -89,13 +102,20 @@ class Request:
     # An embedding request's pooling (last | mean; engine/pooling.py) and its pooled state so far.
     embed_pooling: str | None = None
     pooled: object = None
+    # Its prompt's encoder inputs (ridge.vision.inputs.ImageInput), in prompt order: each replaces a
+    # run of placeholder tokens with the encoder's output rows (engine/encoder.py).
+    images: tuple = ()
     # Prompt and output in one list that grows by append: what a step reads about a request
     # costs O(new tokens), not O(context). output_token_ids grows with it (append_output).
     all_token_ids: list[int] = field(init=False, repr=False)
+    # What the prefix cache names its blocks by: all_token_ids itself, but where the prompt holds
+    # images, each placeholder stands as an id made of its image's content (image_token_ids).
+    block_token_ids: list[int] = field(init=False, repr=False)
     block_chain: BlockChain = field(init=False, repr=False)  # its full blocks' names, for the prefix cache
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.block_token_ids = image_token_ids(self.all_token_ids, self.images) if self.images else self.all_token_ids
         self.block_chain = BlockChain(self.cache_salt)
 
     @property
@@ -108,6 +128,8 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.block_token_ids is not self.all_token_ids:
+            self.block_token_ids.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,12 +64,14 @@ class StepHandle:
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int | None,
                  cuda_graph: bool | None, max_num_batched_tokens: int | None, *, sampler: Sampler | None = None,
-                 speculator=None, constraints=None, pooling: bool = False, state_slots=None, state_checkpoints=None):
+                 speculator=None, constraints=None, pooling: bool = False, state_slots=None, state_checkpoints=None,
+                 encoder=None):
         """The values come from EngineConfig (through builder.py), their one declaration. The hooks
         between the forward and the samples (None: none to call): constraints (structured.Constraints),
         speculator (speculative.Speculator, whose proposer shares `sampler`); pooling: an embedding
         model's engine, whose steps pool their requests' states and sample nothing; state_slots and
-        state_checkpoints: a hybrid model's StateSlots and StateCheckpoints (cache/state_cache.py)."""
+        state_checkpoints: a hybrid model's StateSlots and StateCheckpoints (cache/state_cache.py);
+        encoder: an image model's encoder.EncoderStep."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -94,7 +96,7 @@ class ModelRunner:
             if self.graphs.pool is not None:  # capture writes the static buffers: before any step does
                 self.graphs.capture()
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next
-        self.constraints, self.speculator, self.pooling = constraints, speculator, pooling
+        self.constraints, self.speculator, self.pooling, self.encoder = constraints, speculator, pooling, encoder
         self.batch_invariant = False  # the next step's attention must not depend on its batch (set per step)
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
@@ -167,15 +169,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
         """Run the model over the step; -> (batch, hidden states [num tokens, H])."""
+        images = self.encoder is not None and self.encoder.needed(out)
         with section("batch_build"):
             shape = None
-            if self.graphs is not None:
+            if self.graphs is not None and not images:
                 pure_decode = all(s.num_scheduled_tokens == 1 for s in out.scheduled)
                 num_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
                 shape = self.graphs.shape_for(len(out.scheduled), num_tokens, pure_decode)
             batch = self.plan(out, graph=shape)
         if shape is not None:
             hidden = self.graphs.run(shape, batch)
+        elif images:
+            with section("encoder"):
+                embeds = self.encoder.embeds(out, batch.last_row)
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers, embeds=embeds)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.layers)
         return batch, hidden

@@ -175,9 +175,9 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if not req.prefill_only:
-                hits, cached = kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt,
+                hits, cached = kv.get_computed_blocks(req.request_id, req.block_token_ids, req.cache_salt,
                                                       req.block_chain)
-                offloaded = kv.get_offloaded_blocks(req.request_id, req.all_token_ids, len(hits), req.cache_salt,
+                offloaded = kv.get_offloaded_blocks(req.request_id, req.block_token_ids, len(hits), req.cache_salt,
                                                     req.block_chain)
             else:  # it needs every token's state (an embedding's mean) and keeps no KV
                 hits, cached, offloaded = [], 0, 0
@@ -285,7 +285,7 @@ class Scheduler:
                     self.kv_cache_manager.truncate(req.request_id, req.num_computed_tokens)
                 done = min(req.num_computed_tokens, req.num_known_tokens)
                 if not req.prefill_only:
-                    self.kv_cache_manager.cache_blocks(req.request_id, req.all_token_ids, done,
+                    self.kv_cache_manager.cache_blocks(req.request_id, req.block_token_ids, done,
                                                        salt=req.cache_salt, chain=req.block_chain)
                 elif done >= req.num_prompt_tokens:  # its prompt's states are all it asked for
                     req.finish(FinishReason.STOP)

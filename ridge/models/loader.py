@@ -20,7 +20,7 @@ from ridge.quant.source import resolve_model_path
 from .cpu_image import load_image, save_image
 from .fp8_calibrate import STREAMED, calibrate
 from .layers.decoder import CausalLM
-from .registry import convert, model_class
+from .registry import convert, load_vision, model_class
 
 
 @dataclass
@@ -34,6 +34,7 @@ class LoadedModel:
     from_cache: bool
     weights: str  # what they hold (`--weights`): fp8, or the source's values in bf16 or fp32
     identity: str = ""  # what the weights are (quant/convert.py, and weights): the KV tiers' disk key starts from it
+    vision: object = None  # an image model's encoder (its family's load_vision), whose encode() the engine calls
 
     @property
     def weight_bytes(self) -> int:
@@ -82,8 +83,10 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     if imaged and image is None:
         save_image(conv.identity, model, str(resolve_model_path(path)))
     model.eval()
+    # An image model's encoder in the text model's compute dtype: it has no FP8 path yet.
+    vision = load_vision(resolve_model_path(path), device, dtype)
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
-                       time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}")
+                       time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}", vision)
 
 
 def _wants_image(conv, device: torch.device, weights: str, use_cache: bool) -> bool:

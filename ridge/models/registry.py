@@ -43,6 +43,7 @@ FAMILIES = (
     "qwen3_5_moe",
     "granitemoehybrid",
     "nemotron_h",
+    "idefics3",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 
@@ -56,3 +57,17 @@ convert = partial(converter.convert, registry=REGISTRY)
 read_config = partial(source.read_config, registry=REGISTRY)
 read_hf_config = partial(hf_loader.read_hf_config, registry=REGISTRY)
 read_gguf_config = partial(gguf_config.read_config, registry=REGISTRY)
+
+
+def load_vision(path, device, dtype):
+    """The image encoder of an HF directory whose model_type is a wrapper with one (HFWrapper.vision),
+    read beside its text model; None for any other model (text only)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        return None
+    found = REGISTRY.hf(json.loads((p / "config.json").read_text()).get("model_type"))
+    wrapper = found[1] if found else None
+    return wrapper.vision(p, device, dtype) if wrapper is not None and wrapper.vision is not None else None

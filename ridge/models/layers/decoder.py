@@ -123,11 +123,14 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list, num_layers: int | None = None) -> torch.Tensor:
+                kv_caches: list, num_layers: int | None = None, embeds=None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden].
-        num_layers runs only the first L layers (the self-draft)."""
+        num_layers runs only the first L layers (the self-draft); embeds: (rows, values) that
+        replace those rows' token embeddings (an image's encoder output: engine/encoder.py)."""
         with section("embed"):
             h = self.embed(input_ids)
+            if embeds is not None:
+                h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         residual = None
         for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
             h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv)
