@@ -63,9 +63,8 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: KVCache, max_num_seqs: int, max_model_len: int | None,
-                 cuda_graph: bool | None, max_num_batched_tokens: int | None, *, sampler: Sampler | None = None,
-                 speculator=None, constraints=None, pooling: bool = False, state_slots=None, state_checkpoints=None,
-                 encoder=None):
+                 cuda_graph: bool | None, max_num_batched_tokens: int | None, *, sampler: Sampler, speculator,
+                 constraints, pooling: bool, state_slots, state_checkpoints, encoder):
         """The values come from EngineConfig (through builder.py), their one declaration. The hooks
         between the forward and the samples (None: none to call): constraints (structured.Constraints),
         speculator (speculative.Speculator, whose proposer shares `sampler`); pooling: an embedding
@@ -76,7 +75,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = model.cos_sin.device
-        self.sampler = sampler if sampler is not None else Sampler()
+        self.sampler = sampler
         max_len = max_model_len or model.max_model_len
         max_tokens = max(max_num_batched_tokens or max_num_seqs, max_num_seqs)
         # Drafts and the padded graph shapes never exceed the step budget; a draft model's
