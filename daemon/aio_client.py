@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from .client import (VERSION, Completion, Delta, Inbox, Joined, JoinedStream, RidgeError, generate_message,
-                     make_socket, pack, resolve_endpoint, unpack)
+                     make_socket, message_frames, pack, resolve_endpoint, unpack)
 
 log = logging.getLogger("ridge.client")
 
@@ -78,7 +78,7 @@ class AsyncClient:
         return self._prefix + str(next(self._ids))
 
     async def _send(self, msg: dict) -> None:
-        await self.sock.send(pack(msg))
+        await self.sock.send_multipart(message_frames(msg))
 
     # -- reading ---------------------------------------------------------------------
     async def _reader(self) -> None:

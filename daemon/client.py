@@ -21,7 +21,8 @@ from ridge.request import GENERATE
 
 from .transport.endpoint import find_daemon, ipc_path, probe
 
-VERSION = 4  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
+VERSION = 5  # docs/protocol.md; 2: tool calls and reasoning (§3.2.3); 3: embed (§3.9); 4: rerank (§3.11);
+#             5: images as frames (§3.2.5)
 # Frames the socket holds unread, as many as the daemon's send high-water mark: past them the daemon
 # sees a slow reader and merges its deltas (docs/protocol.md §4.4) instead of this process buffering
 # without bound. What a reader has not taken yet is merged per request here too (Inbox).
@@ -202,6 +203,17 @@ def resolve_endpoint(endpoint: str | None = None, environ=os.environ) -> str:
 BESIDE_PARAMS = tuple(k for k in GENERATE if k != "stream")
 
 
+def message_frames(msg: dict) -> list[bytes]:
+    """A message as the frames it travels in: its map, then a generate's image bytes, each a frame
+    of its own (docs/protocol.md §3.2.5), the map saying how many follow."""
+    images = msg.get("images")
+    if not isinstance(images, (list, tuple)):
+        return [pack(msg)]
+    if not all(isinstance(x, (bytes, bytearray, memoryview)) for x in images):
+        raise TypeError("images: give each image's encoded bytes (PNG, JPEG, WebP, GIF or BMP)")
+    return [pack({**msg, "images": len(images)}), *(bytes(x) for x in images)]
+
+
 def generate_message(rid: str, prompt=None, messages=None, token_ids=None, stream=True, params=None) -> dict:
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
@@ -264,7 +276,7 @@ class Client:
         return self._prefix + str(next(self._ids))
 
     def _send(self, msg: dict) -> None:
-        self.sock.send(pack(msg))
+        self.sock.send_multipart(message_frames(msg))
         self._last_send = time.monotonic()
 
     def _next_for(self, rid: str, timeout: float | None = None) -> dict:

@@ -1,4 +1,5 @@
-"""Wire format of docs/protocol.md: msgpack maps in single ZeroMQ frames.
+"""Wire format of docs/protocol.md: msgpack maps in single ZeroMQ frames, and a generate's
+images as raw frames after its map (§3.2.5).
 
 Everything here is plain data in, plain data out: decoding a frame into a
 checked message, and building the daemon's replies. No sockets, no engine."""
@@ -8,10 +9,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from ridge.request import is_int, is_num  # noqa: F401 (the wire's number rules, the declaration's)
+from ridge.request import MAX_IMAGE_BYTES, MAX_IMAGES, is_int, is_num  # noqa: F401 (the wire's number rules)
 
-VERSION = 4  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9); 4: rerank (§3.11)
-SUPPORTED = (1, 2, 3, 4)
+VERSION = 5  # 2: tool calls and reasoning (docs/protocol.md §3.2.3); 3: embed (§3.9); 4: rerank (§3.11);
+#              5: images (§3.2.5)
+SUPPORTED = (1, 2, 3, 4, 5)
 # The version each feature came in: the one place a version gate's number is written. A message in
 # an older version may not use the feature (a refusal naming the version), and a peer speaking an
 # older one is not sent its frames.
@@ -21,12 +23,14 @@ SINCE = {
     "embed": 3,  # the embed message (§3.9)
     "models": 3,  # model and keep_alive fields, the models message, loading events (§3.10)
     "rerank": 4,  # the rerank message (§3.11)
+    "images": 5,  # a generate's image frames, its images count and image parts in messages (§3.2.5)
 }
 PUB_TOPIC = b"stats"
 MAX_ID_BYTES = 128
 MAX_MESSAGES = 1024
 MAX_DEPTH = 32
 MAX_EMBED_INPUTS = 2048  # inputs in one embed (OpenAI's limit)
+MAX_IMAGE_FRAME_BYTES = 20 << 20  # one image, encoded: ridge/vision/decode.ImageLimits.max_bytes (Pillow-free here)
 
 CLIENT_TYPES = ("hello", "generate", "abort", "tokenize", "detokenize", "stats", "health", "heartbeat", "embed",
                 "models", "rerank")
@@ -226,10 +230,32 @@ class Envelope:
     id: str | None
     body: dict = field(default_factory=dict)
     v: int = VERSION  # the version the message speaks
+    frames: list = field(default_factory=list)  # a generate's image frames, in order (§3.2.5)
 
 
-def envelope(msg: dict) -> Envelope:
-    """Checks v, type and id. Raises ProtocolError."""
+def image_frames(body: dict, frames: list, v: int, t: str, rid: str | None) -> list:
+    """The frames after a message's map: a generate's images (version 5 on), as many as its
+    `images` says, each within MAX_IMAGE_FRAME_BYTES and all within MAX_IMAGE_BYTES."""
+    if not frames:
+        return []
+    if t != "generate" or not speaks(v, "images"):
+        raise ProtocolError(BAD_FRAME, f"a {t} message is exactly one frame; got {1 + len(frames)} (image frames "
+                            f"follow only a generate, from version {SINCE['images']})", rid)
+    n = body.get("images")
+    if not is_int(n) or n != len(frames):
+        raise ProtocolError(BAD_FRAME, f"{len(frames)} image frame(s) follow the message and its images field "
+                            f"says {n!r}", rid)
+    if len(frames) > MAX_IMAGES:
+        raise fail("images", f"at most {MAX_IMAGES}", rid)
+    if (big := max(len(f) for f in frames)) > MAX_IMAGE_FRAME_BYTES:
+        raise ProtocolError(TOO_LARGE, f"an image frame of {big} bytes; the limit is {MAX_IMAGE_FRAME_BYTES}", rid)
+    if (total := sum(len(f) for f in frames)) > MAX_IMAGE_BYTES:
+        raise ProtocolError(TOO_LARGE, f"image frames of {total} bytes together; the limit is {MAX_IMAGE_BYTES}", rid)
+    return list(frames)
+
+
+def envelope(msg: dict, frames: list = ()) -> Envelope:
+    """Checks v, type and id, and the image frames after the map. Raises ProtocolError."""
     rid = reply_id_of(msg)
     if "v" not in msg:
         raise ProtocolError(MISSING_FIELD, "v (the protocol version) is required", rid)
@@ -250,4 +276,4 @@ def envelope(msg: dict) -> Envelope:
     if t in ("generate", "abort", "embed", "rerank") and rid is None:
         raise ProtocolError(MISSING_FIELD, f"id is required on {t}", None)
     body = {k: v for k, v in msg.items() if k not in ("v", "type", "id")}
-    return Envelope(t, rid, body, msg["v"])
+    return Envelope(t, rid, body, msg["v"], image_frames(body, list(frames), msg["v"], t, rid))

@@ -22,6 +22,7 @@ from ridge.durations import FOREVER
 from .frontend.admission import Admission
 from .frontend.control import Control
 from .frontend.engine_loop import EngineLoop
+from .frontend.images import rules_for
 from .frontend.models import Models
 from .frontend.registry import Entry, Registry
 from .frontend.requests import RequestFlow
@@ -62,7 +63,8 @@ class ServerConfig:
 def make_validator(engine, model: dict, limits: Limits) -> Validator:
     return Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"], model["block_size"],
                      model["num_kv_blocks"], limits, engine.grammars,
-                     model["hidden_size"] if model.get("pooling") else None, model.get("pooling") == "rank")
+                     model["hidden_size"] if model.get("pooling") else None, model.get("pooling") == "rank",
+                     image_rules=rules_for(model.get("path")))
 
 
 class Server(SocketLoop, RequestFlow, Control):

@@ -313,11 +313,10 @@ class BodyField:
 
 
 MAX_SALT_BYTES = 1024
-MAX_IMAGES = 64
-
-
-def _images(v) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_IMAGES and all(isinstance(x, (str, bytes)) and x for x in v)
+# Images in one request (its image frames, docs/protocol.md §3.2.5) and their encoded bytes together:
+# each image is bounded apart too (ridge/vision/decode.ImageLimits).
+MAX_IMAGES = 16
+MAX_IMAGE_BYTES = 64 << 20
 
 
 GENERATE = {f.name: f for f in (
@@ -332,10 +331,10 @@ GENERATE = {f.name: f for f in (
     BodyField("tool_choice", "none, auto, required, or a named function", since="tools"),
     BodyField("parallel_tool_calls", "more than one call in a sample", since="tools"),
     BodyField("chat_template_kwargs", "extra variables for the chat template", since="tools"),
-    # What comes next, declared now so that a client is told by name that it is not served yet.
-    BodyField("images", "images the prompt refers to: references (URLs, paths) or bytes", check=_images,
-              what=f"an array of up to {MAX_IMAGES} non-empty strings or byte strings",
-              refusal="this model takes no image input"),
+    # Served by some models only (images), or not yet (adapter): a client is told by name.
+    BodyField("images", "how many image frames follow the message (§3.2.5): the prompt's images, in order",
+              since="images", check=lambda v: is_int(v) and 0 <= v <= MAX_IMAGES,
+              what=f"an integer in [0, {MAX_IMAGES}]", refusal="this model takes no image input"),
     BodyField("adapter", "the id of an adapter (LoRA) to run the model with",
               check=lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 256),
               what="an adapter id (a string of 1-256 characters), or nil", refusal="this daemon serves no adapters"),
@@ -350,9 +349,10 @@ def body_problem(body: dict) -> tuple[str, str] | None:
     return None
 
 
-def refusal(body: dict) -> str | None:
-    """The first field given that the daemon cannot honour yet, as its refusal, naming it."""
+def refusal(body: dict, served: frozenset = frozenset()) -> str | None:
+    """The first field given that the daemon cannot honour yet, as its refusal, naming it.
+    served: the fields this daemon's model honours after all (images, for a model that takes them)."""
     for name, f in GENERATE.items():
-        if f.refusal is not None and body.get(name) not in (None, []):
+        if f.refusal is not None and name not in served and body.get(name) not in (None, [], 0):
             return f"{name}: {f.refusal}"
     return None

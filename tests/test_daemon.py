@@ -70,7 +70,7 @@ def raw(daemon):
 # -- hello, security, systemd ------------------------------------------------------------
 def test_hello_model_info_and_socket_modes(daemon, raw):
     h = raw.call({"type": "hello", "id": "h", "versions": [1, 7], "client": "test"})
-    assert h["type"] == "hello" and h["version"] == 1 and h["supported"] == [1, 2, 3, 4] and h["state"] == "ok"
+    assert h["type"] == "hello" and h["version"] == 1 and h["supported"] == [1, 2, 3, 4, 5] and h["state"] == "ok"
     assert h["v"] == 1  # answered in the version it was asked in
     m = h["model"]
     assert m["name"] == "tiny-llama" and m["arch"] == "llama" and m["block_size"] == 16
@@ -84,7 +84,7 @@ def test_hello_model_info_and_socket_modes(daemon, raw):
     sock_path = daemon.endpoint[len("ipc://"):]
     assert stat.S_IMODE(os.stat(os.path.dirname(sock_path)).st_mode) == 0o700  # the user socket directory
     assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
-    assert raw.call({"type": "hello", "id": "h2", "versions": [5, 6]})["code"] == "unsupported_version"
+    assert raw.call({"type": "hello", "id": "h2", "versions": [6, 7]})["code"] == "unsupported_version"
 
 
 def test_sd_notify_ready_status_watchdog(daemon, notify):
@@ -301,7 +301,7 @@ def test_bad_input_gets_an_error_frame(raw, name, frames, code, rid):
     assert reply["code"] == code, reply
     assert reply["id"] == rid and reply["message"]
     if code == "unsupported_version":
-        assert reply["supported"] == [1, 2, 3, 4]
+        assert reply["supported"] == [1, 2, 3, 4, 5]
 
 
 def test_oversize_frame(raw):
@@ -382,7 +382,7 @@ def test_fuzz_random_frames_leave_the_daemon_serving(daemon):
         c.send({"type": "health", "id": f"live{seen['n']}"})
         while True:
             msg = c.recv(10)
-            assert isinstance(msg, dict) and msg["v"] in (1, 2, 3, 4) and isinstance(msg["type"], str)
+            assert isinstance(msg, dict) and msg["v"] in (1, 2, 3, 4, 5) and isinstance(msg["type"], str)
             seen["errors"] += msg["type"] == "error"
             if msg.get("id") == f"live{seen['n']}":
                 assert msg["status"] == "ok"

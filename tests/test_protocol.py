@@ -62,8 +62,8 @@ def test_envelope_checks_version_type_and_id():
     assert code_of(P.envelope, {"type": "stats"}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": True, "type": "stats"}) == P.INVALID_FIELD
     with pytest.raises(P.ProtocolError) as e:
-        P.envelope({"v": 5, "type": "stats", "id": "q"})
-    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2, 3, 4]} and e.value.request_id == "q"
+        P.envelope({"v": 6, "type": "stats", "id": "q"})
+    assert e.value.code == P.UNSUPPORTED_VERSION and e.value.extra == {"supported": [1, 2, 3, 4, 5]} and e.value.request_id == "q"
     assert code_of(P.envelope, {"v": 1}) == P.MISSING_FIELD
     assert code_of(P.envelope, {"v": 1, "type": "boom"}) == P.UNKNOWN_TYPE
     assert code_of(P.envelope, {"v": 1, "type": "generate"}) == P.MISSING_FIELD
@@ -157,7 +157,7 @@ def test_small_operations(validator):
     ids = validator.tokenize(P.Envelope("tokenize", None, {"text": "the"}))
     assert validator.detokenize(P.Envelope("detokenize", None, {"token_ids": ids})) == "the"
     assert validator.hello(P.Envelope("hello", None, {"versions": [0, 1]})) == 1
-    assert code_of(validator.hello, P.Envelope("hello", None, {"versions": [5]})) == P.UNSUPPORTED_VERSION
+    assert code_of(validator.hello, P.Envelope("hello", None, {"versions": [6]})) == P.UNSUPPORTED_VERSION
     assert code_of(validator.tokenize, P.Envelope("tokenize", None, {})) == P.MISSING_FIELD
     assert code_of(validator.no_fields, P.Envelope("stats", None, {"x": 1})) == P.INVALID_FIELD
 

@@ -110,13 +110,13 @@ def test_every_wire_field_is_taken_on_the_wire(validator):
 
 
 def test_images_and_an_adapter_are_refused_by_name_until_they_are_served(validator):
-    e = refused(validator, {"prompt": "x", "images": ["https://example.com/cat.png"]})
+    e = refused(validator, {"prompt": "x", "images": 1})  # a text model (tests/test_image_input.py: frames)
     assert (e.code, e.message) == (P.INVALID_REQUEST, "images: this model takes no image input")
     e = refused(validator, {"prompt": "x", "adapter": "sql-lora"})
     assert (e.code, e.message) == (P.INVALID_REQUEST, "adapter: this daemon serves no adapters")
     e = refused(validator, {"prompt": "x", "images": "cat.png"})
-    assert e.code == P.INVALID_FIELD and e.message.startswith("images must be an array")
-    assert validator.generate(P.Envelope("generate", "g", {"prompt": "x", "images": []})).params
+    assert e.code == P.INVALID_FIELD and e.message.startswith("images must be an integer")
+    assert validator.generate(P.Envelope("generate", "g", {"prompt": "x", "images": 0})).params
 
 
 # -- admission: one set of rules ------------------------------------------------------------------------------

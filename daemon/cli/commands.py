@@ -4,6 +4,7 @@ what `ridge generate` shares with them (daemon/cli/generate.py)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -167,7 +168,8 @@ def stream_reply(client, **kw) -> tuple[str, object]:
     return s.text, s.final
 
 
-CHAT_HELP = "Commands: /reset forgets the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply."
+CHAT_HELP = ("Commands: /image PATH attaches an image to your next message (repeatable), /reset forgets the "
+             "conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply.")
 
 
 def run_chat(args) -> int:
@@ -182,6 +184,8 @@ def run_chat(args) -> int:
           f"at {client.endpoint}\n{CHAT_HELP}")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
+    images: list[bytes] = []  # the conversation's, each named by its index in a message's image part
+    attached: list[bytes] = []  # /image's, for the next message
     try:
         while True:
             try:
@@ -198,14 +202,21 @@ def run_chat(args) -> int:
             if text in ("/exit", "/quit"):
                 return 0
             if text == "/reset":
-                history.clear()
+                history.clear(), images.clear(), attached.clear()
                 print("(conversation cleared)")
                 continue
-            history.append({"role": "user", "content": line})
+            if text.startswith("/image "):
+                attached += _attach(text.removeprefix("/image ").strip())
+                continue
+            history.append({"role": "user", "content": user_content(line, len(images), len(attached))})
+            images += attached
+            sent, attached = len(attached), []
             try:
-                reply, final = stream_reply(client, messages=system + history, **sampling_fields(args))
+                reply, final = stream_reply(client, messages=system + history, **sampling_fields(args),
+                                            **({"images": images} if images else {}))
             except RidgeError as e:
                 history.pop()
+                del images[len(images) - sent:]
                 hint = " Try /reset." if e.code == "invalid_request" else ""
                 print(f"ridge: {e.message}.{hint}", file=sys.stderr)
                 continue
@@ -214,6 +225,26 @@ def run_chat(args) -> int:
                 print("(the reply hit max_tokens)", file=sys.stderr)
     finally:
         client.close()
+
+
+def user_content(text: str, first: int, count: int) -> str | list[dict]:
+    """A user message's content with `count` images first (the request's images from index `first`),
+    as docs/protocol.md §3.2.5 writes image parts; without images, the text alone."""
+    if not count:
+        return text
+    return [{"type": "image", "image": first + i} for i in range(count)] + [{"type": "text", "text": text}]
+
+
+def _attach(path: str) -> list[bytes]:
+    """/image PATH: the file's bytes for the next message (the daemon checks them), or nothing."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        print(f"ridge: {path}: {e.strerror}", file=sys.stderr)
+        return []
+    print(f"(image {path} attached to your next message)")
+    return [data]
 
 
 def _gib(n) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .commands import add_client_args, add_sampling_args, connect, sampling_fields, stream_reply
+from .commands import add_client_args, add_sampling_args, connect, sampling_fields, stream_reply, user_content
 
 
 def add_generate_parser(sub) -> None:
@@ -16,6 +16,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as text")
     p.add_argument("--local", action="store_true", help="run the engine in this process")
+    p.add_argument("--image", metavar="FILE", action="append", default=[],
+                   help="an image for a model that takes them (repeatable): placed before the prompt in its user "
+                        "message; with --raw, the prompt marks each image's place with <__media__>, in order")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="FILE", default=None,
                      help="the reply is JSON valid against the JSON schema in FILE ('-': standard input)")
@@ -32,8 +35,13 @@ def add_generate_parser(sub) -> None:
 def run_generate(args) -> int:
     try:
         fmt = response_format(args)
+        args.images = read_images(args.image)
     except (OSError, ValueError) as e:
         print(f"ridge: {e}", file=sys.stderr)
+        return 2
+    if args.images and args.local:
+        print("ridge: --image goes through the daemon (its admission decodes and checks images); drop --local",
+              file=sys.stderr)
         return 2
     if fmt is not None:
         args.response_format = fmt
@@ -68,7 +76,16 @@ def _fields(args) -> dict:
 
 def _messages(args) -> list[dict]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
+        [{"role": "user", "content": user_content(args.prompt, 0, len(args.image))}]
+
+
+def read_images(paths: list[str]) -> list[bytes]:
+    """The files' bytes (the daemon decodes and checks them); OSError names the file."""
+    out = []
+    for path in paths:
+        with open(path, "rb") as f:
+            out.append(f.read())
+    return out
 
 
 def run_local(args) -> int:
@@ -111,6 +128,8 @@ def run_through_daemon(args) -> int:
         print(f"ridge: note: --model applies to --local only; the daemon serves {model['name']}", file=sys.stderr)
     print(f"[ridge daemon at {client.endpoint}, serving {model['name']}]", file=sys.stderr)
     kw = {"prompt": args.prompt} if args.raw else {"messages": _messages(args)}
+    if args.images:
+        kw["images"] = args.images
     try:
         _, final = stream_reply(client, **kw, **_fields(args))
     except RidgeError as e:

@@ -1,4 +1,4 @@
-"""Client messages -> checked, tokenized requests, on the socket thread.
+"""Client messages -> checked, tokenized requests, on the admission workers (admission.py).
 
 The fields' types and ranges are the request's declaration (ridge/request.py);
 whether the engine can serve the request is its admission rules
@@ -8,7 +8,7 @@ fitted to the context, the constraint compiled) the engine takes as it is."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ridge.engine import rerank as judging
 from ridge.engine.admit import Admitted, Rules, Unconstrainable
@@ -19,10 +19,13 @@ from ridge.errors import InvalidRequest
 from ridge.request import (GENERATE, MAX_BIAS_ENTRIES, FieldError, body_problem, from_wire, refusal, specs,
                            wire_specs)
 
+from ridge.vision.decode import ImageLimits
+from ridge.vision.prompt import RAW_MARKER
+
 from ..protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED, UNSUPPORTED_VERSION, Envelope,
                         MAX_EMBED_INPUTS, Limits, ProtocolError, check_keys, fail, is_int, is_num, speaks,
                         token_list, too_old)
-from . import harmony
+from . import harmony, images
 from .chat_format import HARMONY, chat_format, render_chat, ridge_tool_messages
 from .chat_grammar import closed, turn_grammar
 from .chat_output import OutputSpec
@@ -83,9 +86,12 @@ class EmbedRequest:
 class Validator:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
                  limits: Limits, grammars: GrammarCompiler | None = None, embedding_size: int | None = None,
-                 ranks: bool = False):
+                 ranks: bool = False, image_rules=None, image_limits: ImageLimits = ImageLimits()):
         """embedding_size: an embedding model's (engine/pooling.py); None: the model generates.
-        ranks: the model is a reranker (engine/rerank.py), answering rerank, not embed."""
+        ranks: the model is a reranker (engine/rerank.py), answering rerank, not embed.
+        image_rules: the model's image prompt rules (ridge/vision/prompt.py); None: it takes no
+        images; a string: why its images cannot be served (a preprocessor field ridge cannot honour)."""
+        self.image_rules, self.image_limits = image_rules, image_limits
         self.embedding_size, self.ranks = embedding_size, ranks
         self.tokenizer, self.vocab, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.num_blocks, self.limits = block_size, num_blocks, limits
@@ -107,19 +113,46 @@ class Validator:
         check_keys(body, {*PROMPT_KEYS, "params", *(k for k, f in GENERATE.items() if f.since != "models")}, rid)
         if (bad := body_problem(body)) is not None:
             raise fail(*bad, rid)
-        if (why := refusal(body)) is not None:
+        if (why := refusal(body, self.served)) is not None:
             raise ProtocolError(INVALID_REQUEST, why, rid)
         stream, salt = body.get("stream", True), body.get("cache_salt")
         d, budget = self.param_fields(body.get("params", {}), env.v, rid)
-        output = None
+        pictures = self.pictures(env)
+        output, order = None, []
         if "messages" in body and speaks(env.v, "tools"):
-            ids, text, turn = self.chat_prompt(body, rid)
+            ids, text, turn, order = self.chat_prompt(body, rid, pictures, env.v)
             d, output = self.chat_output(turn, text, d, budget, rid)
         else:
             if given := [k for k in V2_FIELDS if k in body]:
                 raise fail(given[0], "given only with messages", rid)
-            ids = self.prompt(body, rid)
-        return GenerateRequest(rid, self.admit(ids, self.sampling(d, rid), rid), stream, salt, output, env.v)
+            ids = self.prompt(body, rid, pictures)
+            order = list(range(len(pictures)))
+        admitted = self.admit(ids, self.sampling(d, rid), rid)
+        if pictures:
+            placed = [pictures[i] for i in order]
+            admitted = replace(admitted, images=images.located(ids, placed, self.image_rules.image_token_id, rid))
+        return GenerateRequest(rid, admitted, stream, salt, output, env.v)
+
+    @property
+    def served(self) -> frozenset:
+        """The declared fields served only by some models (ridge/request.refusal) that this one honours."""
+        return frozenset({"images"}) if self.image_rules is not None else frozenset()
+
+    def pictures(self, env: Envelope) -> list:
+        """A generate's image frames, decoded, preprocessed and expanded (images.py): on the
+        admission worker that runs this validation."""
+        n, rid = env.body.get("images", 0), env.id
+        if n != len(env.frames):
+            raise ProtocolError(INVALID_REQUEST, f"images says {n} image frame(s) follow the message and "
+                                f"{len(env.frames)} came", rid)
+        if not n:
+            return []
+        if isinstance(self.image_rules, str):
+            raise ProtocolError(INVALID_REQUEST, f"images: this model takes no image input: {self.image_rules}", rid)
+        if "prompt_token_ids" in env.body:
+            raise fail("images", "given with prompt or messages (whose markers place them), not prompt_token_ids",
+                       rid)
+        return images.expand_all(self.image_rules, images.decode_all(env.frames, self.image_limits, rid), rid)
 
     def chat_output(self, turn: ChatTurn, text: str, d: dict, budget: int | None,
                     rid: str | None) -> tuple[dict, OutputSpec | None]:
@@ -263,7 +296,7 @@ class Validator:
         except InvalidRequest as e:
             raise ProtocolError(INVALID_FIELD, f"params: {e}", rid) from None
 
-    def prompt(self, body: dict, rid: str | None) -> list[int]:
+    def prompt(self, body: dict, rid: str | None, pictures: list = ()) -> list[int]:
         given = [k for k in PROMPT_KEYS if k in body]
         if not given:
             raise ProtocolError(MISSING_FIELD, "one of prompt, messages or prompt_token_ids is required", rid)
@@ -276,20 +309,33 @@ class Validator:
         if key == "prompt":
             if not isinstance(body[key], str):
                 raise fail("prompt", "a string", rid)
-            return self.encode_text(body[key], True, rid)
+            text = body[key]
+            if pictures:  # llama-server's way: the marker where each image goes, in order
+                text = images.expand_markers(text, RAW_MARKER, pictures, True, rid)
+            return self.encode_text(text, True, rid)
         return self.encode_chat(check_messages(body[key], rid, self.limits.max_messages, tools=False), rid)
 
-    def chat_prompt(self, body: dict, rid: str | None) -> tuple[list[int], str, ChatTurn]:
-        """A version-2 chat: -> (its ids, its rendered text, the turn)."""
+    def chat_prompt(self, body: dict, rid: str | None, pictures: list = (),
+                    version: int = 2) -> tuple[list[int], str, ChatTurn, list[int]]:
+        """A version-2 chat: -> (its ids, its rendered text, the turn, the image each image part
+        names, in the prompt's order). From version 5 a user message's content may be an array
+        of text and image parts (§3.2.5), rendered through the chat template as such."""
         if given := [k for k in PROMPT_KEYS if k in body and k != "messages"]:
             raise ProtocolError(INVALID_FIELD, f"give exactly one of prompt, messages, prompt_token_ids "
                                 f"(got messages, {', '.join(given)})", rid)
-        turn = check_turn(body, check_messages(body["messages"], rid, self.limits.max_messages, tools=True), rid)
+        refs = images.split_parts(body["messages"], len(pictures), rid) if speaks(version, "images") else None
+        messages = body["messages"] if refs is None else refs.checked
+        turn = check_turn(body, check_messages(messages, rid, self.limits.max_messages, tools=True), rid)
         if turn.calls and self.chat.tool_format is None:
             raise ProtocolError(INVALID_REQUEST, "this model's chat template writes tool calls in a format ridge "
                                 "does not read (docs/protocol.md §3.2.3)", rid)
+        order = refs.order if refs is not None else []
+        if order:
+            turn.messages = refs.rendered
         text = self.render(turn, rid)
-        return self.tokenizer.encode_rendered(text), text, turn
+        if order:
+            text = images.expand_markers(text, self.image_rules.marker, [pictures[i] for i in order], False, rid)
+        return self.tokenizer.encode_rendered(text), text, turn, order
 
     def render(self, turn: ChatTurn, rid: str | None) -> str:
         messages = template_messages(turn.messages)

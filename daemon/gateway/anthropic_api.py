@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..client import RidgeError
-from . import turn
-from .anthropic_schemas import (CountTokensRequest, MessagesRequest, Prompted, RedactedThinkingBlock, TextBlock,
-                                ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from . import images, turn
+from .anthropic_schemas import (CountTokensRequest, ImageBlock, MessagesRequest, Prompted, RedactedThinkingBlock,
+                                TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock, UrlSource)
 from .generation import SSEResponse, model_fields, served, until_disconnect
 from .dialects import ANTHROPIC
 from .openai_api import ApiError, Generation, bad, ceiling, dialect_params
@@ -65,21 +65,30 @@ def _assistant(i: int, blocks) -> dict:
     return m
 
 
+def _image(where: str, b: ImageBlock) -> dict:
+    if isinstance(b.source, UrlSource):
+        return images.from_url(b.source.url, where)
+    return images.from_base64(b.source.data, where, media_type=b.source.media_type)
+
+
 def _user(i: int, blocks) -> list[dict]:
-    """A user turn: its tool results each a `tool` message, its text between them user messages."""
-    out, texts = [], []
+    """A user turn: its tool results each a `tool` message, its text and images between them user
+    messages."""
+    out, parts = [], []
     for j, b in enumerate(blocks):
         if isinstance(b, TextBlock):
-            texts.append(b.text)
+            parts.append({"type": "text", "text": b.text})
+        elif isinstance(b, ImageBlock):
+            parts.append(_image(f"messages[{i}].content[{j}]", b))
         elif isinstance(b, ToolResultBlock):
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": images.joined(parts)})
+                parts = []
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content or "")})
         else:
             raise bad(f"messages[{i}].content[{j}]: a user message holds no {b.type} block", "messages")
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if parts or not out:
+        out.append({"role": "user", "content": images.joined(parts)})
     return out
 
 
@@ -218,13 +227,18 @@ async def messages(request: Request) -> Response:
 
 
 def _counted(prompt: dict) -> dict:
-    """A generate's prompt fields -> a tokenize's: what renders the prompt."""
-    return {k: v for k, v in prompt.items() if k in ("messages", "tools", "chat_template_kwargs")}
+    """A generate's prompt fields -> a tokenize's: what renders the prompt. tokenize takes no images:
+    their parts are left out (message_start's count is then the text's alone)."""
+    out = {k: v for k, v in prompt.items() if k in ("messages", "tools", "chat_template_kwargs")}
+    return {**out, "messages": images.text_only(out["messages"])}
 
 
 async def count_tokens(request: Request) -> Response:
     link, client, body, req = await turn.checked(request, CountTokensRequest)
     prompt = {"messages": chat_of(req), **chat_fields(req)}
+    if images.text_only(prompt["messages"]) != prompt["messages"]:
+        raise bad("count_tokens does not count images (their tokens depend on the model's preprocessing); "
+                  "count the text without them", "messages")
     reply = await until_disconnect(request, link.call("tokenize", **_counted(prompt)))
     return JSONResponse({"input_tokens": reply["count"]})
 

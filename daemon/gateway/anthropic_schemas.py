@@ -44,7 +44,23 @@ class RedactedThinkingBlock(Body):
     data: Str
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+class Base64Source(Body):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: Str
+
+
+class UrlSource(Body):
+    type: Literal["url"]
+    url: Str = Field(description="http(s): fetched only when the gateway's allow_image_urls is on")
+
+
+class ImageBlock(Body):
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, UrlSource], Field(discriminator="type")]
+
+
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
                   Field(discriminator="type")]
 
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..client import RidgeError
 from . import responses as R
+from .images import attach
 from .openai_api import ApiError, Generation, bad, cache_salt, chat_request, completion_request
 
 DEFAULT_BODY_LIMIT = 2 << 20
@@ -149,6 +150,7 @@ async def generate(request: Request, kind: str) -> Response:
     body = await read_json(request, 2 * link.limits.get("max_frame_bytes", DEFAULT_BODY_LIMIT // 2))
     limit = link.limits.get("max_tokens")
     gen = chat_request(body, limit) if kind == R.CHAT else completion_request(body, limit)
+    await attach(request, gen)
     if salt := cache_salt(body, request.headers.get("authorization"), link.hello.get("prefix_sharing"),
                        getattr(request.app.state, "keyed", False)):
         gen.params["cache_salt"] = salt

@@ -15,6 +15,7 @@ import os
 
 from ridge.durations import FOREVER, parse_duration
 
+from . import images
 from .dialects import OLLAMA
 from .openai_api import ApiError, Generation, bad, ceiling, dialect_params
 from .ollama_schemas import ChatRequest, GenerateRequest, Options
@@ -130,14 +131,21 @@ def _calls(i: int, calls) -> list[dict]:
              "function": {"name": c.function.name, "arguments": c.function.arguments}} for j, c in enumerate(calls)]
 
 
+def _with_images(text: str, given: list[str] | None, where: str, param: str = "messages") -> str | list[dict]:
+    """A message's text and its base64 images -> the daemon's content: the images first, then the
+    text, as Ollama renders a message's images ahead of its words."""
+    if not given:
+        return text
+    parts = [images.from_base64(b, f"{where}[{j}]", param) for j, b in enumerate(given)]
+    return parts + ([{"type": "text", "text": text}] if text else [])
+
+
 def chat_messages(req: ChatRequest) -> list[dict]:
     """Ollama's messages -> the daemon's (§3.2.3): an assistant's calls get ids, and a tool's result
     names the latest call of its tool_name that nothing has answered yet."""
     out, open_calls = [], []
     for i, m in enumerate(req.messages):
-        if m.images:
-            raise bad(f"messages[{i}].images: ridge serves text models; a message holds no images", "messages")
-        msg: dict = {"role": m.role, "content": m.content or ""}
+        msg: dict = {"role": m.role, "content": _with_images(m.content or "", m.images, f"messages[{i}].images")}
         if m.thinking:
             msg["reasoning_content"] = m.thinking
         if m.tool_calls:
@@ -170,8 +178,6 @@ def generate_request(req: GenerateRequest, link, model: dict) -> Generation:
     for key in ("suffix", "template"):
         if getattr(req, key):
             raise bad(f"{key} is not supported by ridge (only empty)", key)
-    if req.images:
-        raise bad("images: ridge serves text models", "images")
     if req.context:
         raise bad("context is not supported by ridge: send the conversation as messages to /api/chat", "context")
     params = _params(req, link, model)
@@ -180,9 +186,11 @@ def generate_request(req: GenerateRequest, link, model: dict) -> Generation:
             raise bad("system needs the model's chat template (not with raw, nor a model without one)", "system")
         if req.think is not None:
             raise bad("think needs the model's chat template (not with raw, nor a model without one)", "think")
+        if req.images:
+            raise bad("images need the model's chat template (not with raw, nor a model without one)", "images")
         return Generation([{"prompt": req.prompt}], params, req.stream is not False)
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-        [{"role": "user", "content": req.prompt}]
+        [{"role": "user", "content": _with_images(req.prompt, req.images, "images", "images")}]
     prompt: dict = {"messages": messages}
     if kwargs := template_kwargs(req.think, model):
         prompt["chat_template_kwargs"] = kwargs

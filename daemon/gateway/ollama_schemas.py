@@ -51,7 +51,8 @@ class Message(Body):
     role: Str
     content: Optional[Str] = ""
     thinking: Optional[Str] = None
-    images: Optional[list[Str]] = Field(None, description="refused: ridge serves text models")
+    images: Optional[list[Str]] = Field(None, description="base64 images (a user message's), for a model that "
+                                        "takes them")
     tool_calls: Optional[list[OllamaToolCall]] = None
     tool_name: Optional[Str] = None
     tool_call_id: Optional[Str] = None
@@ -67,7 +68,8 @@ class GenerateRequest(Generating):
     system: Optional[Str] = Field(None, description="the system message the template renders")
     raw: Optional[Bool] = None
     suffix: Optional[Str] = Field(None, description="only empty")
-    images: Optional[list[Str]] = Field(None, description="refused")
+    images: Optional[list[Str]] = Field(None, description="base64 images, placed before the prompt in its user "
+                                        "message, for a model that takes them")
     template: Optional[Str] = Field(None, description="only empty: the model's own template renders the prompt")
     context: Optional[list[Int]] = Field(None, description="refused: send the chat as messages to /api/chat")
 

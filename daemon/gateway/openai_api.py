@@ -9,7 +9,6 @@ vocabulary) and its error becomes the HTTP error. Fields ridge has no use for
 fields that would change the output and that ridge cannot honour are a 400."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -17,30 +16,11 @@ from pydantic import BaseModel, ValidationError
 
 from ..transport.sharing import http_salt
 from .dialects import OPENAI, Dialect, DialectError
+from .errors import ApiError, bad  # noqa: F401 (the gateway's modules import them from here too)
+from .images import from_url, joined
 from .schemas import FORMS, ChatCompletionRequest, CompletionRequest, Sampling
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
-
-
-class ApiError(Exception):
-    """An HTTP error with OpenAI's body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict:
-        h = {}
-        if self.retry_after is not None:
-            h["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        if self.status == 401:
-            h["WWW-Authenticate"] = "Bearer"
-        return h
 
 
 # daemon error code -> (HTTP status, OpenAI error type)
@@ -64,10 +44,6 @@ def from_daemon(code: str, message: str, reply: dict | None = None) -> ApiError:
     if status == 503 and retry is None:
         retry = 5.0 if code == "shutting_down" else 1.0
     return ApiError(status, message, type_, param, code, retry)
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_request")
 
 
 # -- reading bodies ----------------------------------------------------------------------------
@@ -176,22 +152,24 @@ def cache_salt(body: dict, authorization: str | None, sharing: str | None, keyed
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system message
 
 
-def _content(content) -> str:
+def _content(content, where: str) -> str | list[dict]:
+    """Text parts joined; with image_url parts, the daemon's array of text and image parts (images.py)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(part.text for part in content)
+    return joined([{"type": "text", "text": p.text} if p.type == "text" else from_url(p.image_url.url, f"{where}[{j}]")
+                   for j, p in enumerate(content)])
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """OpenAI's messages -> the daemon's (docs/protocol.md §3.2.3): text parts joined, the developer
     role as system, an assistant's calls and the tool results kept for the model's template."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         if m.function_call:
             raise bad("function_call (OpenAI's older calls) is not supported by ridge; send tool_calls", "messages")
-        msg = {"role": ROLES.get(m.role, m.role), "content": _content(m.content)}
+        msg = {"role": ROLES.get(m.role, m.role), "content": _content(m.content, f"messages[{i}].content")}
         if m.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             msg["content"] = None if m.content is None else msg["content"]

@@ -28,12 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..client import RidgeError
-from . import turn
+from . import images, turn
 from .generation import SSEResponse, model_fields, served
 from .dialects import RESPONSES
 from .openai_api import ROLES, ApiError, Generation, bad, ceiling, dialect_params
-from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem, Refusal,
-                                ResponsesRequest)
+from .responses_schemas import (FunctionCallItem, FunctionCallOutputItem, InputImage, MessageItem, ReasoningItem,
+                                Refusal, ResponsesRequest)
 
 # What the store keeps at most, oldest out first: a bound on the gateway's memory whatever clients
 # send. The bytes are the entries' JSON (a conversation stored again with each turn counts each time).
@@ -112,10 +112,19 @@ def _known(value):
     return value
 
 
-def _parts_text(content) -> str:
+def _parts_text(content, where: str = "input") -> str | list[dict]:
+    """Text parts joined; with input_image parts, the daemon's array of text and image parts."""
     if isinstance(content, str):
         return content
-    return "\n".join(p.refusal if isinstance(p, Refusal) else p.text for p in content)
+    return images.joined([_part(p, f"{where}[{j}]") for j, p in enumerate(content)])
+
+
+def _part(p, where: str) -> dict:
+    if not isinstance(p, InputImage):
+        return {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text}
+    if p.image_url is None:
+        raise bad(f"{where}: give the image as image_url (a data: URL); ridge keeps no files for file_id", "input")
+    return images.from_url(p.image_url, where, "input")
 
 
 def item_messages(items) -> list[dict]:
@@ -123,7 +132,7 @@ def item_messages(items) -> list[dict]:
     assistant message before them, a reasoning item goes to the next assistant message."""
     out: list[dict] = []
     thinking: list[str] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             thinking += [c.text for c in item.content or ()] or [t.text for t in item.summary]
             continue
@@ -138,7 +147,8 @@ def item_messages(items) -> list[dict]:
                 continue
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            out.append({"role": ROLES.get(item.role, item.role), "content": _parts_text(item.content)})
+            out.append({"role": ROLES.get(item.role, item.role),
+                        "content": _parts_text(item.content, f"input[{i}].content")})
         if thinking and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"] = "\n".join(thinking)
             thinking = []

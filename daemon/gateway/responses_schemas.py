@@ -29,7 +29,16 @@ class Refusal(Body):
     refusal: Str
 
 
-Part = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+class InputImage(Body):
+    type: Literal["input_image"]
+    image_url: Optional[Str] = Field(None, description="a data: URL; http(s) only when the gateway's "
+                                     "allow_image_urls is on")
+    file_id: Optional[Str] = Field(None, description="refused: ridge keeps no files")
+    detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="ignored: the model's own "
+                                                             "preprocessing sets the resolution")
+
+
+Part = Annotated[Union[InputText, InputImage, OutputText, Refusal], Field(discriminator="type")]
 
 
 class MessageItem(Body):

@@ -132,9 +132,25 @@ class ToolCall(Body):
     function: FunctionCall
 
 
+class ImageUrl(Body):
+    url: Str = Field(description="a data: URL (data:image/png;base64,...); http(s) only when the gateway's "
+                     "allow_image_urls is on")
+    detail: Optional[Literal["auto", "low", "high"]] = Field(None, description="ignored: the model's own "
+                                                             "preprocessing sets the resolution")
+
+
+class ImageUrlPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[Union[TextPart, ImageUrlPart], Field(discriminator="type")]
+
+
 class ChatMessage(Body):
     role: Str
-    content: Optional[text_or(TextPart)] = None
+    content: Optional[text_or(ContentPart)] = Field(None, description="text, or text and image_url parts (images "
+                                                    "in user messages, for a model that takes them)")
     name: Optional[Str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="an assistant's calls")
     tool_call_id: Optional[Str] = Field(None, description="a tool message: the call it answers")

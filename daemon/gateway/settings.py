@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ridge.options import Option
 
+from ..protocol import MAX_IMAGE_FRAME_BYTES
 from ..transport.endpoint import EndpointError, is_loopback
 
 DEFAULT_HTTP = "127.0.0.1:8000"
@@ -25,6 +26,11 @@ HEADER_TIMEOUT = Option("http_header_timeout", float, 10.0, "seconds an HTTP con
                         "headers, from its connect or the first byte of its next request; then it is closed")
 BODY_TIMEOUT = Option("http_body_timeout", float, 30.0, "seconds an HTTP request has to send its body once its "
                       "headers are in; then it is closed")
+FETCH_TIMEOUT_S = 10.0
+ALLOW_IMAGE_URLS = Option("allow_image_urls", bool, False, "fetch the http(s) image URLs clients send in image "
+                          f"parts, each at most {MAX_IMAGE_FRAME_BYTES >> 20} MiB within {FETCH_TIMEOUT_S:g} s "
+                          "(off: such a part is a 400 and clients send images inline as data: URLs or base64; "
+                          "on: the gateway reaches any address its clients name, the operator's network too)")
 ALLOW_PULL = Option("allow_pull", bool, False, "let the Ollama listener's clients download models from the Hugging "
                     "Face Hub into models_dir (/api/pull); off: 403")
 GATEWAY_OPTIONS = [
@@ -42,7 +48,7 @@ GATEWAY_OPTIONS = [
            "addresses and the address it listens on (*.example.com: any name under it; *: any); "
            "other Hosts get 421", example=("ridge.lan",)),
     RESPONSES_TTL, MAX_CONNECTIONS, HEADER_TIMEOUT, BODY_TIMEOUT,
-    ALLOW_PULL,
+    ALLOW_PULL, ALLOW_IMAGE_URLS,
     Option("ollama", str, None, "serve Ollama's API (/api/chat, /api/generate, /api/embed, /api/tags, ...; and "
            "the OpenAI routes, as Ollama does) on HOST:PORT, its own listener with the same rules as --http",
            example=OLLAMA_HTTP),
@@ -65,6 +71,7 @@ class GatewaySettings:
     body_timeout: float = BODY_TIMEOUT.default
     allow_pull: bool = ALLOW_PULL.default  # /api/pull on the Ollama listener (daemon/pull.py)
     models_dir: str | None = None  # where it puts them: the daemon's models_dir (None: its default)
+    allow_image_urls: bool = ALLOW_IMAGE_URLS.default  # fetch http(s) image parts (images.py)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -151,5 +158,6 @@ def gateway_settings(values: dict, default_http: str | None = DEFAULT_HTTP, syst
                            RESPONSES_TTL.default if ttl is None else ttl, keys[1:], given["http_max_connections"],
                            given["http_header_timeout"], given["http_body_timeout"],
                            bool(ALLOW_PULL.convert(values.get("allow_pull"), "allow_pull")),
-                           values.get("models_dir"))
+                           values.get("models_dir"),
+                           bool(ALLOW_IMAGE_URLS.convert(values.get("allow_image_urls"), "allow_image_urls")))
 

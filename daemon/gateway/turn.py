@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..client import RidgeError
 from .generation import DEFAULT_BODY_LIMIT, read_json, until_disconnect
+from .images import attach
 from .openai_api import ApiError, Generation, cache_salt, parsed
 
 
@@ -54,6 +55,7 @@ def ended(reply: dict, what: str) -> dict:
 
 async def whole(request, link, client, gen: Generation):
     """The request's final (daemon/client.Completion), settled."""
+    await attach(request, gen)
     try:
         f = await until_disconnect(request, client.generate(**gen.prompts[0], **gen.params))
     except RidgeError as e:
@@ -64,6 +66,7 @@ async def whole(request, link, client, gen: Generation):
 
 async def opened(request, link, client, gen: Generation):
     """-> (the stream, its first delta or None): started before the HTTP status is sent."""
+    await attach(request, gen)
     stream = client.stream(**gen.prompts[0], **gen.params)
     try:
         first = await until_disconnect(request, anext(stream, None))

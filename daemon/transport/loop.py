@@ -41,7 +41,8 @@ class SocketLoop:
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a closed peer fails (EHOSTUNREACH): liveness
         s.setsockopt(zmq.SNDHWM, 1000)
         s.setsockopt(zmq.RCVHWM, 10000)
-        s.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.limits.max_frame_bytes)
+        # per frame: a message's map, or one of a generate's image frames (§3.2.5), bounded after
+        s.setsockopt(zmq.MAXMSGSIZE, max(4 * self.cfg.limits.max_frame_bytes, P.MAX_IMAGE_FRAME_BYTES))
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings: a TCP peer that vanished is closed after 5 s
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -132,14 +133,16 @@ class SocketLoop:
     def _handle(self, peer: Peer, frames: list[bytes]) -> None:
         rid = None
         try:
-            if len(frames) != 1:
-                raise ProtocolError(P.BAD_FRAME, f"a message is exactly one frame; got {len(frames)}")
+            if not frames or len(frames) > 1 + P.MAX_IMAGES:  # a map, then a generate's image frames (§3.2.5)
+                raise ProtocolError(P.BAD_FRAME, f"a message is one frame, then at most {P.MAX_IMAGES} image "
+                                    f"frames; got {len(frames)}")
             msg = P.unpack(frames[0], self.cfg.limits.max_frame_bytes)
             rid = P.reply_id_of(msg)
             P.check_plain(msg, rid)
-            env = P.envelope(msg)
+            env = P.envelope(msg, frames[1:])
             peer.version = env.v  # what it is answered in, heartbeats too
-            self._frame_bytes = len(frames[0])  # what an admission of this message holds (frontend/admission.py)
+            # what an admission of this message holds (frontend/admission.py)
+            self._frame_bytes = sum(len(f) for f in frames)
             self.handlers[env.type](peer, env)
         except Exception as e:
             self._refuse(peer, e, rid)

@@ -1,0 +1,151 @@
+"""A model's image prompt rules: what its chat template writes for an image, what that marker
+becomes in the prompt, and which runs of placeholder tokens each encoder input fills.
+
+Read from the model's directory (config.json, preprocessor_config.json,
+processor_config.json); torch-free, so the daemon's admission workers run it.
+Two steps, as a processor does them: `expand` turns one decoded image into the
+text that replaces its marker and the encoder inputs in that text's order;
+after the whole prompt is tokenized, `place` gives each input the offset of
+its run of image tokens. A run that is not where an input expects it (the
+client's own text spelling the image token) is refused, never guessed at.
+
+A raw prompt (no chat template) marks each image with RAW_MARKER, llama-server's
+multimodal marker, in the order the images are given."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from ridge.errors import InvalidRequest
+
+from . import processor_class
+from .idefics3 import Idefics3Images
+from .inputs import ImageInput, image_hash
+from .pixels import PreprocessorConfigError
+
+RAW_MARKER = "<__media__>"  # llama-server's mtmd marker: where a raw prompt puts each image
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An encoder input whose run of placeholders is not located yet."""
+    content: str
+    pixel_values: np.ndarray
+    length: int
+    meta: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Expanded:
+    """One image in a prompt: the text that replaces its marker, and its encoder inputs in order."""
+    text: str
+    inputs: tuple[Pending, ...]
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(p.length for p in self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3Prompt:
+    """SmolVLM and Idefics3: each tile a run of image_seq_len `<image>` tokens after
+    `<fake_token_around_image><row_r_col_c>`, a newline after each row of tiles, then the whole
+    image as `<fake_token_around_image><global-img>` + its run + `<fake_token_around_image>`
+    (Idefics3Processor.replace_image_token; SmolVLM's get_image_prompt_string is the same)."""
+    images: Idefics3Images
+    image_token_id: int
+    marker: str = "<image>"  # what the chat template writes per image part, and the placeholder
+    fake: str = "<fake_token_around_image>"
+    global_tag: str = "<global-img>"
+    how: str = ""  # the family and its settings: part of every input's content hash
+
+    def expand(self, image: Image.Image) -> Expanded:
+        pre = self.images.preprocess(image)
+        n, tiles = self.images.image_seq_len, pre.pixel_values
+        run = self.marker * n
+        text, inputs = "", []
+        for r in range(pre.rows):
+            for c in range(pre.cols):
+                text += f"{self.fake}<row_{r + 1}_col_{c + 1}>{run}"
+                inputs.append(self._input(tiles[len(inputs)], {"tile": (r, c)}))
+            text += "\n"
+        text += ("\n" if pre.rows else "") + f"{self.fake}{self.global_tag}{run}{self.fake}"
+        inputs.append(self._input(tiles[len(inputs)], {"tile": "global"}))
+        return Expanded(text, tuple(inputs))
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        return self.images.num_image_tokens(height, width)
+
+    def _input(self, pixels: np.ndarray, meta: dict) -> Pending:
+        return Pending(image_hash(pixels, self.how), pixels, self.images.image_seq_len, meta)
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise PreprocessorConfigError(path.name, None, f"cannot be read: {e}") from None
+
+
+def _encoder_rows(config: dict) -> int | None:
+    """Rows an Idefics3 encoder gives a tile: its patches, pixel-shuffled by scale_factor."""
+    vision, scale = config.get("vision_config") or {}, config.get("scale_factor")
+    size, patch = vision.get("image_size"), vision.get("patch_size")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (size, patch, scale)):
+        return None
+    return (size // patch // scale) ** 2
+
+
+def read_prompt_rules(model_dir) -> Idefics3Prompt | None:
+    """The image prompt rules of the model in `model_dir`; None when it has no image processor
+    (a text model, a GGUF file): such a model takes no images. PreprocessorConfigError names a
+    field ridge cannot honour."""
+    d = Path(model_dir) if model_dir else None
+    if d is None or not d.is_dir() or not (d / "preprocessor_config.json").is_file():
+        return None
+    pre, config = _json(d / "preprocessor_config.json"), _json(d / "config.json")
+    proc = _json(d / "processor_config.json")
+    family = processor_class(pre)
+    if family is not Idefics3Images:
+        raise PreprocessorConfigError("image_processor_type", pre.get("image_processor_type"),
+                                      "ridge writes image prompts for SmolVLM and Idefics3 so far")
+    seq_len, rows = proc.get("image_seq_len"), _encoder_rows(config)
+    if seq_len is None:
+        seq_len = rows
+    elif rows is not None and seq_len != rows:  # the placeholders must be the rows the encoder gives
+        raise PreprocessorConfigError("image_seq_len", seq_len, f"the vision config's encoder gives {rows} rows "
+                                      "a tile (image_size / patch_size squared, over scale_factor squared)")
+    if seq_len is None:
+        raise PreprocessorConfigError("image_seq_len", None, "processor_config.json must give image_seq_len")
+    token_id = config.get("image_token_id")
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise PreprocessorConfigError("image_token_id", token_id, "config.json must give the image token's id")
+    images = Idefics3Images.from_config({k: v for k, v in pre.items() if k != "image_seq_len"}, image_seq_len=seq_len)
+    return Idefics3Prompt(images, token_id, how=f"{config.get('model_type', '')}|{images!r}")
+
+
+def place(ids: list[int], expanded: list[Expanded], image_token_id: int) -> tuple[ImageInput, ...]:
+    """Each encoder input's offset: the runs of image tokens in the tokenized prompt, in order,
+    one per input and of its length. InvalidRequest when they are not (the prompt's own text spells
+    the image token, or an image's text did not tokenize to one run per input)."""
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == image_token_id:
+            j = i
+            while j < n and ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    pending = [p for e in expanded for p in e.inputs]
+    if [r[1] for r in runs] != [p.length for p in pending]:
+        raise InvalidRequest(f"the prompt holds {len(runs)} runs of the model's image token where its "
+                             f"{len(expanded)} image(s) make {len(pending)}: the text must not spell the image "
+                             "token itself; mark each image with an image part (or, in a raw prompt, "
+                             f"{RAW_MARKER})")
+    return tuple(ImageInput(p.content, p.pixel_values, off, p.length, p.meta) for p, (off, _) in zip(pending, runs))
