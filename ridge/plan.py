@@ -4,6 +4,8 @@ Pure Python on purpose: planning must work on a machine without torch or a GPU.
 """
 from __future__ import annotations
 
+import argparse
+
 import re
 import sys
 from dataclasses import dataclass, replace
@@ -347,6 +349,8 @@ def add_plan_parser(subparsers, read_model_shape, weights: Option, block_size: O
     p.add_argument("--memory-gib", type=float)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--list-gpus", action="store_true")
+    p.add_argument("--image", action="append", type=_image_size, default=[], metavar="WxH",
+                   help="count an image of this size in the prompt (its tokens by the model's own rules); repeatable")
     weights.add_to(p)  # the weights' bytes per parameter, as `ridge serve --weights` would hold them
     block_size.add_to(p)  # the unit a sliding layer's window is held in
     p.set_defaults(func=run_plan, read_model_shape=read_model_shape)
@@ -396,15 +400,38 @@ def _gpu_from_args(args) -> GPUSpec | None:
     return spec
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    w, sep, h = text.lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit() or not int(w) or not int(h):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxHEIGHT, e.g. 896x896")
+    return int(w), int(h)
+
+
+def image_tokens(model_path, sizes: list[tuple[int, int]]) -> str:
+    """The prompt tokens each image of `sizes` takes in this model (its directory's rules,
+    ridge/vision/prompt.py), as a line of the plan."""
+    from ridge.vision.prompt import read_prompt_rules
+
+    rules = read_prompt_rules(model_path) if model_path else None
+    if rules is None:
+        raise ValueError("--image: this model takes no image input (its directory has no image processor)")
+    counts = [rules.num_image_tokens(h, w) for w, h in sizes]
+    each = ", ".join(f"{w}x{h}: {n}" for (w, h), n in zip(sizes, counts))
+    return f"images: {sum(counts)} prompt tokens ({each})"
+
+
 def run_plan(args) -> int:
     if args.list_gpus:
         print(format_gpu_table())
         return 0
     try:
         gpu, shape = _gpu_from_args(args), _shape_from_args(args)
+        images = image_tokens(args.model_path, args.image) if args.image else None
     except (ValueError, OSError) as e:  # bad flags, unknown GPU, unreadable model path
         print(f"ridge plan: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(make_plan(shape, args.memory_gib, gpu, args.context, weights=args.weights,
                                 block_size=args.block_size, batch=args.batch)))
+    if images:
+        print(images)
     return 0

@@ -257,3 +257,32 @@ def test_module_does_not_import_torch_at_import_time():
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plan_counts_an_images_tokens_as_the_models_processor_does(tmp_path, capsys):
+    """ridge plan DIR --image WxH: each image's prompt tokens by the model's own rules, equal to
+    the count transformers' processor writes into the prompt for an image of that size."""
+    import io
+
+    import transformers
+    from PIL import Image
+
+    from vlm_models import IMAGE, vlm_vocab, write_tiny_smolvlm
+
+    path = write_tiny_smolvlm(tmp_path / "vlm", "smolvlm")
+    proc = transformers.AutoProcessor.from_pretrained(str(path))
+    image_id = vlm_vocab().index(IMAGE)
+
+    def processor_count(w: int, h: int) -> int:
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (10, 200, 30)).save(buf, "PNG")
+        text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}])
+        ids = proc(text=text, images=[[Image.open(buf)]])["input_ids"][0]
+        return sum(t == image_id for t in ids)
+
+    assert _run(["plan", str(path), "--image", "100x70", "--image", "20x20"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    a, b = processor_count(100, 70), processor_count(20, 20)
+    assert line == f"images: {a + b} prompt tokens (100x70: {a}, 20x20: {b})" and a > 0 and b > 0
+    assert _run(["plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--image", "10x10"]) == 2
+    assert "takes no image input" in capsys.readouterr().err
