@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 # or the top k logits then a softmax over those (gpt-oss), or sigmoids chosen among by the
 # sigmoids plus a correction bias within the best groups, then renormalised where norm_topk_prob
 # and scaled (GLM-4.5, DeepSeek-V3's rule: moe_n_group, moe_topk_group, routed_scaling_factor), or
-# the top k logits then a sigmoid of each (Llama 4, whose experts take their weight on their input).
-MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "topk_sigmoid")
+# the top k logits then a sigmoid of each (Llama 4, whose experts take their weight on their input),
+# or softmax_topk on an RMS-normed, scaled input, renormalised, times a per-expert scale (Gemma 4:
+# its router is the family's own, ridge/models/gemma4/model.py).
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "topk_sigmoid", "softmax_topk_scaled")
 
 
 @dataclass(slots=True)

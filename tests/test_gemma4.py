@@ -113,8 +113,11 @@ VARIANTS = {
                                            rope_parameters=ROPES["half-turning-scaled"]),
     # the default pattern, 5 sliding to 1 full, over 7 layers: transformers makes the last one full
     "default-pattern-no-ple": dict(num_hidden_layers=7, sliding_window=16, hidden_size_per_layer_input=0),
+    # the 26B-A4B-like shape: experts beside every layer's dense MLP
+    "moe-window16": dict(num_hidden_layers=4, sliding_window=16, hidden_size_per_layer_input=0, enable_moe_block=True,
+                         num_experts=6, top_k_experts=2, moe_intermediate_size=24),
 }
-ENGINE_VARIANTS = ["ple-kv-shared-window16", "k-eq-v-biases-window20-softcap"]
+ENGINE_VARIANTS = ["ple-kv-shared-window16", "k-eq-v-biases-window20-softcap", "moe-window16"]
 
 
 def _draw(model) -> None:
@@ -125,6 +128,9 @@ def _draw(model) -> None:
     measures ridge."""
     for layer in model.model.layers:
         layer.layer_scalar.copy_(0.5 + torch.rand(1))
+        if getattr(layer, "enable_moe_block", False):  # the router's scales start at one too
+            layer.router.scale.copy_(0.5 + torch.rand_like(layer.router.scale))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand_like(layer.router.per_expert_scale))
         attn = layer.self_attn
         attn.q_norm.weight.mul_(attn.head_dim ** -0.25)
         if getattr(attn, "k_norm", None) is not None:
@@ -154,7 +160,9 @@ def _exact_logits(model, ids) -> torch.Tensor:
     """transformers' logits computed in fp64: with Gemma 4's softmax scale of 1 these tiny models
     are sensitive enough that transformers' own fp32 result lies about half the 1e-5 budget from
     the exact one, so the exact one is the oracle (ridge runs fp32 against it)."""
-    return hf_logits(copy.deepcopy(model).double(), ids).float()
+    exact = copy.deepcopy(model).double()
+    exact.config._experts_implementation = "eager"  # the grouped product takes no fp64
+    return hf_logits(exact, ids).float()
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -195,6 +203,10 @@ def _with_ridge_weights(model, lm):
             mlp.gate_proj.weight.copy_(gate)
             mlp.up_proj.weight.copy_(up)
             mlp.down_proj.weight.copy_(ours.down_proj.dequantized())
+            if ours.experts is not None:
+                gate_up, down = ours.experts.dequantized()
+                theirs.experts.gate_up_proj.copy_(gate_up)
+                theirs.experts.down_proj.copy_(down)
     return hf
 
 
@@ -257,7 +269,9 @@ def test_fields_are_honoured(tmp_path):
 
 LAYERS3 = ["full_attention", "sliding_attention", "full_attention"]
 REFUSED = [  # (fields, what the message names)
-    (dict(enable_moe_block=True), "enable_moe_block=True: the MoE variant is not read yet"),
+    (dict(enable_moe_block=True), "num_experts=None"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=8), "top_k_experts=5"),
+    (dict(enable_moe_block="yes"), "enable_moe_block='yes'"),
     (dict(global_head_dim=15), "global_head_dim=15"),
     (dict(per_layer_config={"0": {"head_dim": 32}}), "per_layer_config="),  # layer 0 slides
     (dict(attention_k_eq_v=True, num_global_key_value_heads=3), "num_global_key_value_heads=3"),

@@ -14,7 +14,9 @@ What the reading decides (transformers' Gemma4TextConfig.__post_init__ and kv_sh
 - use_double_wide_mlp: the KV-shared layers' MLP is twice intermediate_size;
 - attention_k_eq_v: the full layers' values are their keys' projection (no v_proj);
 - hidden_size_per_layer_input: the per-layer input embeddings (model.py).
-The MoE variant (enable_moe_block) is not read yet, and refused."""
+- enable_moe_block (the 26B-A4B shape): every layer runs a mixture of experts beside its dense
+  MLP (num_experts, top_k_experts of moe_intermediate_size; the router's own rule, model.py), the
+  two branches normed apart and summed."""
 from __future__ import annotations
 
 from ridge.quant.errors import ModelLoadError
@@ -117,6 +119,20 @@ def _full_heads(c: HFConfig, kw: dict, types: list[str]) -> dict:
                 global_kv_heads=heads if heads != kw["num_kv_heads"] else None)
 
 
+def _moe(c: HFConfig) -> dict:
+    """The MoE block's ModelConfig fields (enable_moe_block), or none."""
+    on = c.get("enable_moe_block")
+    if not isinstance(on, bool):
+        c.refuse("enable_moe_block", on, "expected true or false")
+    if not on:
+        return {}
+    experts, k, inter = _int(c, "num_experts", 1), _int(c, "top_k_experts", 1), _int(c, "moe_intermediate_size", 1)
+    if k > experts:
+        c.refuse("top_k_experts", k, f"expected at most num_experts={experts}")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=inter,
+                moe_router="softmax_topk_scaled", norm_topk_prob=True)
+
+
 def _kv_sources(c: HFConfig, types: list[str]) -> list[int | None]:
     """Each layer's source of K and V: None where it computes its own, else the last layer before
     the shared ones of its type (transformers' kv_sharing_modes)."""
@@ -137,8 +153,7 @@ def read_gemma4(c: HFConfig, kw: dict) -> dict:
         c.refuse("hidden_activation", c.get("hidden_activation"), "ridge runs Gemma with gelu_pytorch_tanh")
     if c.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": text tokens stay causal
         c.refuse("use_bidirectional_attention", c.get("use_bidirectional_attention"), "ridge runs causal decoders only")
-    if c.get("enable_moe_block") is not False:
-        c.refuse("enable_moe_block", c.get("enable_moe_block"), "the MoE variant is not read yet")
+    moe = _moe(c)
     for key in ("rope_theta", "rope_scaling"):
         if c.get(key) is not None:
             c.refuse(key, c.get(key), "Gemma 4 reads its RoPE from rope_parameters, per layer type")
@@ -161,7 +176,7 @@ def read_gemma4(c: HFConfig, kw: dict) -> dict:
     pad = c.get("pad_token_id") if placeholders else None
     if placeholders and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < kw["vocab_size"]):
         c.refuse("pad_token_id", pad, "the image, video and audio placeholders are embedded as it: expected a token id")
-    return dict(**_full_heads(c, kw, types), attention_bias=bias, o_bias=bias, qk_norm=True, softmax_scale=1.0,
+    return dict(**_full_heads(c, kw, types), **moe, attention_bias=bias, o_bias=bias, qk_norm=True, softmax_scale=1.0,
                 sliding_window=window if sliding else None, layer_types=types if sliding else None,
                 rope_theta=full_theta, rope_scaling=full_scaling, rope_local_theta=local_theta,
                 rope_local_scaling=local_scaling, final_logit_softcapping=cap(c, "final_logit_softcapping"),
@@ -200,6 +215,30 @@ def fuse_layer_tensors(sd, cfg, i: int, out: dict, path) -> None:
             _take(sd, p + name, out, q + name, path)
 
 
+MOE_NORMS = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+
+
+def fuse_mlp(sd, cfg, i: int, out: dict, path) -> None:
+    """The dense MLP, and where enable_moe_block the experts beside it: the router's projection,
+    input scale and per-expert scale, the stacked experts (transformers 5's [E, 2I, H] and
+    [E, H, I], rows [gate | up]) and the MoE branch's three norms."""
+    p, q = f"model.layers.{i}.", f"layers.{i}."
+    cat_rows(sd, [p + "mlp.gate_proj", p + "mlp.up_proj"], out, q + "gate_up_proj", path)
+    cat_rows(sd, [p + "mlp.down_proj"], out, q + "down_proj", path)
+    if not cfg.num_experts:
+        return
+    E, inter, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for src, dst, shape in (("router.proj.weight", "router.weight", (E, H)), ("router.scale", "router.scale", (H,)),
+                            ("router.per_expert_scale", "router.per_expert_scale", (E,)),
+                            ("experts.gate_up_proj", "experts.gate_up_proj.weight", (E, 2 * inter, H)),
+                            ("experts.down_proj", "experts.down_proj.weight", (E, H, inter))):
+        _take(sd, p + src, out, q + dst, path)
+        if tuple(out[q + dst].shape) != shape:
+            raise ModelLoadError(path, f"tensor {p + src} is {tuple(out[q + dst].shape)}; the config makes it {shape}")
+    for norm in MOE_NORMS:
+        _take(sd, p + norm + ".weight", out, q + norm + ".weight", path)
+
+
 def fuse_global_tensors(sd, out: dict, path) -> None:
     for name in ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
                  "per_layer_projection_norm.weight"):
@@ -208,7 +247,7 @@ def fuse_global_tensors(sd, out: dict, path) -> None:
 
 
 WEIGHTS = WeightLayout(norms=NORMS, attention=fuse_attention, layer_tensors=fuse_layer_tensors,
-                       global_tensors=fuse_global_tensors)
+                       global_tensors=fuse_global_tensors, mlp=fuse_mlp)
 
 
 # -- Gemma 4 as the Hub ships it: model_type gemma4, Gemma4ForConditionalGeneration (transformers

@@ -10,7 +10,11 @@ Gemma4TextModel computes them (the oracle of tests/test_gemma4.py):
 - KV-shared layers (cfg.extra["kv_source"]): they attend over their source layer's paged K and V
   (the same block table: the same layer type, so the same KV group) and write none;
 - full layers with their own head size and KV heads (global_head_dim, global_kv_heads): each
-  layer is built from its own shape, and the full layers' RoPE table spans their heads."""
+  layer is built from its own shape, and the full layers' RoPE table spans their heads;
+- the MoE variant (cfg.num_experts): beside the dense MLP, a router reading the stream before the
+  MLP (RMS-normed without a weight, times its own scale and hidden ** -0.5; softmax over every
+  expert, the top k renormalised, each times its expert's scale) and the experts on the stream
+  normed apart; each branch normed on its own, their sum normed again (post_feedforward_layernorm)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +27,30 @@ from ridge.kernels import ops
 from ridge.kernels.timing import section
 from ridge.quant.linear import FP8Linear
 
+from ridge.quant.experts import FP8Experts
+
 from ..gemma2.model import GemmaCausalLM, GemmaDecoderLayer
 from ..layers.decoder import RMSNorm
+from ..layers.moe import Router
 from ..layers.rope import rope_cos_sin
+
+
+class Gemma4Router(Router):
+    """ModelConfig.moe_router "softmax_topk_scaled": Gemma4TextRouter's rule."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.eps, self.root = cfg.rms_norm_eps, cfg.hidden_size ** -0.5
+        self.register_buffer("input_scale", torch.empty(0))  # [H] fp32: the normed input's own scale
+        self.register_buffer("per_expert_scale", torch.empty(0))  # [E] fp32
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with section("router"):
+            x = h.float()
+            x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5) * self.input_scale * self.root
+            weights, ids = torch.topk(torch.softmax(F.linear(x, self.weight), dim=-1), self.k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            return ids, weights * self.per_expert_scale[ids]
 
 
 class Gemma4DecoderLayer(GemmaDecoderLayer):
@@ -49,6 +74,26 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("layer_scalar", torch.ones(1))
         self.v_scale: torch.Tensor | None = None  # ones: v's RMS norm has no weight (set at load)
+        self.router = self.experts = None
+        if cfg.num_experts:
+            self.router = Gemma4Router(cfg)
+            self.experts = FP8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+                setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def block(self, h, residual, positions, cos_sin, meta, kv):
+        """Gemma's attention and MLP (GemmaDecoderLayer.forward), with the MoE variant's experts
+        beside the MLP."""
+        if self.experts is None:
+            return super().forward(h, residual, positions, cos_sin, meta, kv)
+        h, residual = self.input_layernorm.forward(h, residual)
+        h = self.post_attention_layernorm.forward(self.attention(h, positions, cos_sin, meta, kv))[0]
+        h, residual = self.pre_feedforward_layernorm.forward(h, residual)
+        dense = self.post_feedforward_layernorm_1.forward(self.mlp(h))[0]
+        ids, weights = self.router.forward(residual)
+        sparse = self.experts.forward(self.pre_feedforward_layernorm_2.forward(residual)[0], ids, weights)
+        h = dense + self.post_feedforward_layernorm_2.forward(sparse)[0]
+        return self.post_feedforward_layernorm.forward(h)[0], residual
 
     def attention(self, h, positions, cos_sin, meta, kv):
         cfg = self.cfg
@@ -81,7 +126,7 @@ class Gemma4DecoderLayer(GemmaDecoderLayer):
             # without the model's per-layer inputs
             raise RuntimeError("Gemma 4's per-layer inputs and KV-shared layers need its model's forward: the "
                                "calibrated FP8 recipes do not run it yet (use --fp8-recipe channel)")
-        h, residual = super().forward(h, residual, positions, cos_sin, meta, kv)
+        h, residual = self.block(h, residual, positions, cos_sin, meta, kv)
         h = h + residual  # the layer scalar scales the whole stream
         if self.per_layer:
             gate = F.gelu(F.linear(h, self.per_layer_input_gate), approximate="tanh") * per_layer_input
@@ -152,3 +197,7 @@ class Gemma4CausalLM(GemmaCausalLM):
         if layer.per_layer:
             for name in ("per_layer_input_gate", "per_layer_projection"):
                 setattr(layer, name, sd[p + name + ".weight"].to(device=device, dtype=dtype))
+        if layer.experts is not None:  # the router in fp32, as every family's (layers/moe.py)
+            for ours, name in (("weight", "weight"), ("input_scale", "scale"), ("per_expert_scale", "per_expert_scale")):
+                setattr(layer.router, ours, sd[p + "router." + name].float().to(device))
+            layer.experts.load({k[len(p) + 8:]: t for k, t in sd.items() if k.startswith(p + "experts.")}, device, dtype)

@@ -15,6 +15,7 @@ from ridge.kernels import ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 from ridge.quant.embedding import load_table_and_head
+from ridge.quant.experts import FP8Experts
 from ridge.quant.linear import FP8Linear, packed_image
 
 from .rope import query_log_scale, rope_cos_sin
@@ -196,5 +197,6 @@ class CausalLM(nn.Module):
         tensors = list(self.parameters()) + [b for n, b in self.named_buffers() if n not in tables and b is not None]
         unique = {t.data_ptr(): t for t in tensors}  # a tied head shares the embedding's storage
         lowp = [t for m in self.modules() if isinstance(m, FP8Linear) and m.cpu is not None for t in m.cpu.copies.values()]
+        lowp += [t for m in self.modules() if isinstance(m, FP8Experts) for t in m.cpu_copies()]  # stacked experts'
         # A stand-in expanded from one byte (quant/experts.py shape_only) holds its storage, not its numel.
         return sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in list(unique.values()) + lowp)

@@ -132,11 +132,3 @@ class MoeCausalLM(CausalLM):
                                device, dtype)
             if layer.shared_experts is not None and layer.shared_experts.gated:
                 layer.shared_experts.gate = sd[p + "shared_experts.gate.weight"].float().to(device)
-
-    def expert_modules(self) -> list[FP8Experts]:
-        return [m for m in self.modules() if isinstance(m, FP8Experts)]
-
-    def weight_bytes(self) -> int:
-        """The buffers (llama's count covers the stacked experts and routers) and the experts' CPU copies."""
-        copies = [t for m in self.expert_modules() for t in m.cpu_copies()]
-        return super().weight_bytes() + sum(t.numel() * t.element_size() for t in copies)
