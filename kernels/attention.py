@@ -129,8 +129,10 @@ def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], blo
             longer_than: int, device: torch.device, window: int | None = None) -> list[tuple]:
     """(start, n, keys, blocks, mask) of each query longer than `longer_than` tokens: its blocks
     from the first inside the window of its first token (`keys` keys from that block's start),
-    and the causal, windowed mask over them."""
+    and the causal, windowed mask over them; a query inside a bidirectional run (meta.spans)
+    also sees the run's later keys."""
     out = []
+    ends = meta.key_ends_host()
     for i, n in enumerate(meta.query_lens_host):
         if n > longer_than:
             L = meta.seq_lens_host[i]
@@ -138,7 +140,10 @@ def _chunks(meta: AttentionMetadata, table: torch.Tensor, starts: list[int], blo
             blocks = table[i, first:math.ceil(L / block_size)].long()
             q_pos = torch.arange(L - n, L, device=device)[:, None]
             k_pos = torch.arange(first * block_size, L, device=device)[None, :]
-            mask = k_pos <= q_pos
+            if ends is not None and meta.spans[i]:  # causal OR the same run: keys before the query's run end
+                mask = k_pos < torch.tensor(ends[starts[i]:starts[i] + n], device=device)[:, None]
+            else:
+                mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
             out.append((starts[i], n, L - first * block_size, blocks, mask[None, None]))
@@ -172,7 +177,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. Query token j of a sequence with q_len n and
     context length L sits at position p = L - n + j and sees keys 0 .. p, or with a sliding
-    window keys p - window < key <= p. softcap: scores s (scaled) become softcap * tanh(s / softcap)
+    window keys p - window < key <= p; inside a bidirectional run [a, b) of meta.spans, keys up
+    to b - 1 instead of p (still after p - window). softcap: scores s (scaled) become softcap * tanh(s / softcap)
     before the mask (Gemma 2). sinks [H]: head h's softmax is over its scores and sinks[h], whose
     share goes to no value (gpt-oss): out = sum_j e^s_j v_j / (sum_j e^s_j + e^sinks[h]).
     All single-token queries (decodes) go through one batched call."""
@@ -214,7 +220,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # starts at the tile holding its first query's first key and loads nothing
 # before that key: a block wholly behind the window is never read (it may have
 # been freed and reused). Attention sinks enter once, after the last tile (or in
-# the merge), as one more key of score sinks[h] and value 0.
+# the merge), as one more key of score sinks[h] and value 0. Bidirectional runs
+# (meta.spans) give each query its own key end (meta.key_ends()) in place of its
+# position + 1; a program's KV loop runs to the largest of its queries'.
 
 from .triton_utils import (capability, cdiv, interpreting, jit, native_fp8, next_pow2, num_sms,  # noqa: E402
                            pick_config, tl)
@@ -272,13 +280,16 @@ def _find_seq(query_start_loc, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @jit
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sinks_ptr, out_ptr, part_acc, part_m, part_l,
-        block_table, seq_lens, query_start_loc, num_seqs, num_tokens, num_splits, qk_scale, window, softcap,
+        block_table, seq_lens, query_start_loc, key_end_ptr, num_seqs, num_tokens, num_splits, qk_scale, window,
+        softcap,
         stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_bt,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, FP8_MODE: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
-        SINKS: tl.constexpr):
+        SINKS: tl.constexpr, SPANS: tl.constexpr):
     # window: keys p - window < j <= p (the host passes a bound past any context for none);
+    # SPANS: a query inside a bidirectional run sees keys up to key_end_ptr[token] - 1 instead of p
+    # (AttentionMetadata.key_ends), still after p - window;
     # softcap: Gemma 2's cap times log2(e), as the scores here are in log2 units. SINKS: a
     # per-head logit joins the denominator (after the merge where the context is split).
     q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -303,7 +314,13 @@ def _paged_attn_kernel(
     dot_ty = tl.float32 if DOT_F32 else q_ptr.dtype.element_ty
     q = q.to(dot_ty)
 
-    kv_start, kv_end, t_lo, t_hi = _key_tiles(seq_len, context, q_len, local, window, num_splits, split,
+    if SPANS:
+        k_lim = tl.load(key_end_ptr + q_start + tok, mask=row_ok, other=0)
+        key_hi = tl.max(tl.where(row_ok, k_lim, 0), axis=0)
+    else:
+        k_lim = q_pos + 1
+        key_hi = context + tl.minimum(q_len, (local + 1) * BLOCK_Q)
+    kv_start, kv_end, t_lo, t_hi = _key_tiles(seq_len, key_hi, context, local, window, num_splits, split,
                                               BLOCK_Q, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -324,7 +341,7 @@ def _paged_attn_kernel(
         s = s * qk_scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        sees = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        sees = (n[None, :] < k_lim[:, None]) & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(n_ok[None, :] & sees, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may see no key for a row
@@ -343,12 +360,12 @@ def _paged_attn_kernel(
 
 
 @jit
-def _key_tiles(seq_len, context, q_len, local, window, num_splits, split,
+def _key_tiles(seq_len, key_hi, context, local, window, num_splits, split,
                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
-    """-> (kv_start, kv_end, first tile, end tile) of this program's split. Causal: the program's
-    last query sees keys up to its own position; with a window its first query sees none
-    before kv_start."""
-    kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (local + 1) * BLOCK_Q))
+    """-> (kv_start, kv_end, first tile, end tile) of this program's split. key_hi: past the last
+    key any of its queries sees (causal: its last query's position + 1; further in a run); with a
+    window its first query sees none before kv_start."""
+    kv_end = tl.minimum(seq_len, key_hi)
     kv_start = tl.maximum(context + local * BLOCK_Q - window + 1, 0)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     first_tile = kv_start // BLOCK_N
@@ -476,6 +493,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ks, vs = (k_scale, v_scale) if fp8 else (q, q)  # unused pointers still need a tensor
     sk = q if sinks is None else sinks
     decode = meta.max_query_len <= 1
+    key_ends = meta.key_ends()  # bidirectional runs (meta.spans), or None: causal
     cands = _attn_candidates(q, decode, head_dim, group)
     # The keys one query reads: its window at most, plus the chunk's other queries.
     keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window + meta.max_query_len)
@@ -490,15 +508,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
         _paged_attn_kernel[grid](
             q, kc, vc, ks, vs, sk, out, *parts, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            num_seqs, num_tokens, splits, softmax_scale * LOG2E, min(window or 1 << 30, 1 << 30),
+            meta.seq_lens if key_ends is None else key_ends, num_seqs, num_tokens, splits, softmax_scale * LOG2E,
+            min(window or 1 << 30, 1 << 30),
             (softcap or 1.0) * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             num_kv_heads, group, head_dim, next_pow2(head_dim), cfg["BLOCK_M"], block_q, cfg["BLOCK_N"],
             k_cache.shape[1], splits > 1, fp8_mode, interpreting(q) or q.dtype == torch.float32, softcap is not None,
-            sinks is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            sinks is not None, key_ends is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     key = (decode, head_dim, group, str(k_cache.dtype), str(q.dtype), k_cache.shape[1], splits > 1,
-           softcap is not None)
+           softcap is not None, key_ends is not None)
     launch(pick_config("paged_attention", key, cands, q, launch))
     if splits > 1:
         _merge_splits_kernel[(num_tokens * num_heads,)](*parts, out, sk, splits, num_heads, head_dim,

@@ -58,6 +58,9 @@ class _NativePlan:
         self.batch = (table.data_ptr(), table.stride(0), seq_lens.data_ptr(), loc.data_ptr(), meta.num_seqs,
                       k_cache.shape[1])
         self.tail = (self.work.data_ptr(), torch.get_num_threads())
+        # Bidirectional runs (meta.spans): each query's key end, which the kernel reads in place of p + 1.
+        self.key_ends = meta.key_ends()
+        self.key_end = None if self.key_ends is None else self.key_ends.data_ptr()
         # Batch-invariant: every query through the kernel, whose per-row arithmetic is the same at
         # any chunk length; SDPA's blocked products round a row by the chunk it is in.
         self.max_q = 2 ** 31 - 1 if meta.batch_invariant else NATIVE_MAX_Q
@@ -87,7 +90,7 @@ def paged_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), num_tokens, num_heads, k_cache.shape[2], head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, NATIVE_KV[k_cache.dtype],
         *plan.batch, softmax_scale, 0 if window is None else min(window, 2 ** 31 - 1), softcap or 0.0,
-        None if sinks is None else sinks.data_ptr(), plan.max_q, out.data_ptr(), *plan.tail)
+        None if sinks is None else sinks.data_ptr(), plan.key_end, plan.max_q, out.data_ptr(), *plan.tail)
     if rc != 0:
         raise RuntimeError(f"paged_attention: shapes past the C kernel's limits ({q.shape}, {k_cache.shape}); "
                            "fits() should have refused them")

@@ -36,6 +36,11 @@ class AttentionMetadata:
     # [T] int64 or None: where the state after each token is also kept (-1: nowhere), for a
     # speculative step's rollback (cache/state_cache.py).
     token_state_slots: torch.Tensor | None = None
+    # Bidirectional runs (ModelConfig.image_attention_bidirectional: an image's tokens): per
+    # sequence, the [start, end) positions whose queries also see the run's later keys (Gemma 3's
+    # block mask: causal OR same run, and inside a sliding window). Each lies wholly among its
+    # sequence's queries of this step (the scheduler never splits one). None: causal everywhere.
+    spans: tuple | None = None
 
     def group(self, g: int) -> "AttentionMetadata":
         """The metadata a layer of KV group g reads and writes through."""
@@ -53,6 +58,24 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_host, default=0)
 
+    def key_ends_host(self) -> list[int] | None:
+        """[T]: one past the last key each query sees (its position + 1, or its run's end), on the
+        host; None without spans."""
+        if not self.spans:
+            return None
+        ends = []
+        for L, n, runs in zip(self.seq_lens_host, self.query_lens_host, self.spans):
+            lim = list(range(L - n + 1, L + 1))
+            for a, b in runs:
+                assert L - n <= a < b <= L, f"a bidirectional run [{a}, {b}) outside its step's queries [{L - n}, {L})"
+                lim[a - (L - n):b - (L - n)] = [b] * (b - a)
+            ends += lim
+        return ends
+
+    def key_ends(self) -> torch.Tensor | None:
+        """key_ends_host as [T] int32 on the metadata's device, made once per step."""
+        return None if not self.spans else self.state_for(_key_ends, None)
+
     def state_for(self, build, key, *args):
         """build(self, *args): a backend's state for this step (as vLLM's attention backends each
         build their own metadata), made by the first layer that asks and kept for the others;
@@ -65,9 +88,10 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               slot_mapping: list[int], device: torch.device | str = "cpu",
-              state_slots: list[int] | None = None) -> "AttentionMetadata":
+              state_slots: list[int] | None = None, spans: list | None = None) -> "AttentionMetadata":
         """state_slots: each sequence's state slot (default: slot i for sequence i); a sequence
-        with keys before its queries continues from its slot's state."""
+        with keys before its queries continues from its slot's state. spans: each sequence's
+        bidirectional runs (the field's comment), or None."""
         width = max((len(b) for b in block_tables), default=0)
         table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
         for i, blocks in enumerate(block_tables):
@@ -87,4 +111,9 @@ class AttentionMetadata:
                                      dtype=torch.int64, device=device),
             has_initial_state=torch.tensor([s > q for s, q in zip(seq_lens, query_lens)], dtype=torch.bool,
                                            device=device),
+            spans=None if spans is None else tuple(tuple(map(tuple, runs)) for runs in spans),
         )
+
+
+def _key_ends(meta: AttentionMetadata) -> torch.Tensor:
+    return torch.tensor(meta.key_ends_host(), dtype=torch.int32).to(meta.seq_lens.device)

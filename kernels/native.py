@@ -125,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_moe.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, p, p, p, i32, f32, f32, p, i32, i32]
     lib.fp8_moe.restype = i32
     lib.paged_attention.argtypes = [p, i64, i32, i32, i32, p, p, p, p, i32, p, i64, p, p, i64, i32, f32, i32, f32,
-                                    p, i32, p, p, i32]
+                                    p, p, i32, p, p, i32]
     lib.paged_attention.restype = i32
     lib.rms_norm.argtypes = [p, p, p, f32, p, i64, i64, i32]
     lib.rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32]

@@ -276,7 +276,8 @@ def paged_attention(q, k_cache, v_cache, k_scale, v_scale, meta: AttentionMetada
     """window: a sliding window (a query at p sees keys p - window < j <= p; None: full causal);
     softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2);
     sinks: [num_heads] fp32, one logit per head in its softmax's denominator with no value
-    (gpt-oss). Every backend takes all three and skips the KV blocks wholly behind the window."""
+    (gpt-oss). Every backend takes all three and skips the KV blocks wholly behind the window, and
+    honours meta.spans (bidirectional image runs: a query in a run also sees its later keys)."""
     with section("attention"):
         return _pick("paged_attention", paged_attention_ref, q, _paged_attention_cpu)(
             q, k_cache, v_cache, k_scale, v_scale, meta, softmax_scale, window=window, softcap=softcap,

@@ -31,17 +31,19 @@ def _compile(fn, sig: dict, consts: dict, cc: int, warps: int = 4, stages: int =
     return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def _attn(cc, kv="*fp8e4nv", q="*bf16", mode=1, hd=128, group=4, bm=16, bn=64, splits=1, ones=(), sinks=False):
+def _attn(cc, kv="*fp8e4nv", q="*bf16", mode=1, hd=128, group=4, bm=16, bn=64, splits=1, ones=(), sinks=False,
+          spans=False):
     # ones: integer arguments equal to 1, which a launch specializes into constants.
     from ridge.kernels.attention import _paged_attn_kernel
 
     ptrs = dict(q_ptr=q, k_ptr=kv, v_ptr=kv, ks_ptr="*fp16", vs_ptr="*fp16", sinks_ptr="*fp32", out_ptr=q,
                 part_acc="*fp32",
-                part_m="*fp32", part_l="*fp32", block_table="*i32", seq_lens="*i32", query_start_loc="*i32")
+                part_m="*fp32", part_l="*fp32", block_table="*i32", seq_lens="*i32", query_start_loc="*i32",
+                key_end_ptr="*i32")
     ints = dict.fromkeys(["num_seqs", "num_tokens", "num_splits", "stride_qt", "stride_qh", "stride_cb", "stride_ct", "stride_ch",
                           "stride_bt"], "i32")
     consts = dict(NUM_KV_HEADS=8, GROUP=group, HEAD_DIM=hd, DIM_P=hd, BLOCK_M=bm, BLOCK_Q=bm // group,
-                  BLOCK_N=bn, BLOCK_SIZE=16, SPLIT=splits > 1, FP8_MODE=mode, DOT_F32=False, SINKS=sinks,
+                  BLOCK_N=bn, BLOCK_SIZE=16, SPLIT=splits > 1, FP8_MODE=mode, DOT_F32=False, SINKS=sinks, SPANS=spans,
                   **dict.fromkeys(ones, 1))
     return _compile(_paged_attn_kernel, {**ptrs, **ints, "qk_scale": "fp32", "window": "i32", "softcap": "fp32"},
                     dict(consts, SOFTCAP=False), cc)
@@ -127,6 +129,7 @@ def jobs() -> dict:
         "attn fp8-bits sm80": (lambda: _attn(80, kv="*u8", mode=2), []),
         "attn fp8 sm89 fp16 q": (lambda: _attn(89, q="*fp16"), []),
         "attn fp8 sm90 sinks hd64": (lambda: _attn(90, hd=64, group=8, sinks=True), []),
+        "attn bf16 sm90 image spans": (lambda: _attn(90, kv="*bf16", mode=0, hd=64, bm=64, spans=True), []),
         "write_kv fp8 sm90": (lambda: _write_kv(90), ["e4m3"]),
         "write_kv staged sm80": (lambda: _write_kv(80, cache="*u8", mode=2), []),
         "write_kv bytes sm80": (lambda: _write_kv(80, x="*u8", cache="*u8", staged="*u8", mode=0), []),

@@ -201,15 +201,17 @@ CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int 
    position p = seq_lens[i] - qlen + j and sees keys 0 .. p, or with window > 0 the keys
    p - window < key <= p (transformers' sliding window). softcap > 0: each scaled score s becomes
    softcap * tanh(s / softcap) (Gemma 2); 0: none. sinks: [H] fp32 logits, one per query head, in
-   each head's softmax denominator (gpt-oss), or NULL. Sequences whose query is
+   each head's softmax denominator (gpt-oss), or NULL. key_end: [T] one past the last key each
+   query sees (its position + 1, or past it inside a bidirectional run: Gemma 3's image tokens),
+   or NULL for causal; the window still starts at p - window + 1. Sequences whose query is
    longer than max_q are skipped (their rows of out untouched): a long prefill chunk runs
    faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
    Returns 0, or -1 when a shape is past the kernel's fixed limits. */
 int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
                     const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table,
                     int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
-                    int bs, float scale, int window, float softcap, const float *sinks, int max_q, float *out,
-                    int64_t *work, int nthreads) {
+                    int bs, float scale, int window, float softcap, const float *sinks, const int32_t *key_end,
+                    int max_q, float *out, int64_t *work, int nthreads) {
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
     if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
@@ -223,7 +225,8 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
     for (int64_t w = 0; w < nw; w++) {
         int64_t i = work[w] & ((1 << 20) - 1), tg = work[w] >> 20, t = tg / hkv;
         int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
-        int len = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && len > window ? len - window : 0;
+        int pos1 = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && pos1 > window ? pos1 - window : 0;
+        int len = key_end ? key_end[t] : pos1;
         attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, lo, len,
                    kc, vc, ks, vs, kind, scale, softcap, sinks ? sinks + (int64_t)g * G : NULL,
                    out + (t * H + (int64_t)g * G) * D);

@@ -185,7 +185,8 @@ def plan_budget(c: EngineConfig, loaded: LoadedModel, max_model_len: int,
     if pooling is not None:
         chunk = step = c.prefill_chunk or pooled_token_budget(chunk, c.max_num_seqs)
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=step,
-                            long_prefill_token_threshold=chunk, block_size=c.block_size, max_model_len=max_model_len)
+                            long_prefill_token_threshold=chunk, block_size=c.block_size, max_model_len=max_model_len,
+                            whole_image_runs=mc.image_attention_bidirectional)
     info["prefill_chunk"] = chunk
     log.info("step budget: ridge point %.1f FLOP/B (%s), T* = %.1f tokens, prefill chunk %d, %d tokens per step",
              info["ridge_point"], info["ridge_source"], info["knee_tokens"], chunk, step)

@@ -100,6 +100,8 @@ class EngineCore:
         ids, params = admitted.prompt_token_ids, admitted.params
         if admitted.images and self.runner.encoder is None:
             raise InvalidRequest("images: this model takes no image input")
+        if admitted.images and (why := self.scheduler.refuse_images(admitted.images)):
+            raise InvalidRequest(why)
         params, cache_salt = self._resolve_deterministic(params, cache_salt)
         compiled = self.compile_constraint(params)
         samples = []

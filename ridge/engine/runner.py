@@ -29,7 +29,7 @@ from .graphs import StepGraphs
 from .pooling import pool_step
 from .request import RequestStatus
 from .sampler import SampledRows, Sampler, SampleResult
-from .scheduler import SchedulerOutput
+from .scheduler import SchedulerOutput, image_runs
 from .speculative.verify import Verified
 from .step_batch import StepBatch, StepBuffers, plan_step
 
@@ -59,6 +59,20 @@ class StepHandle:
                     tokens.update(self.verified.resolve(self.sampled.extra))
             self._result = tokens, results
         return self._result
+
+
+def image_spans(out: SchedulerOutput) -> tuple | None:
+    """AttentionMetadata.spans for a model whose image tokens attend each other both ways: each
+    scheduled request's image runs (adjacent ones joined, scheduler.image_runs) this step computes;
+    None when the step holds none. The scheduler keeps a run whole; one whose first tokens came
+    from the KV tiers starts at the step (its keys before it are seen causally anyway)."""
+    spans, any_run = [], False
+    for s in out.scheduled:
+        a, b = s.start, s.start + s.num_scheduled_tokens
+        runs = tuple((max(lo, a), hi) for lo, hi in image_runs(s.request.images) if lo < b and hi > a)
+        spans.append(runs)
+        any_run |= bool(runs)
+    return tuple(spans) if any_run else None
 
 
 class ModelRunner:
@@ -101,8 +115,10 @@ class ModelRunner:
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
         batch = plan_step(out, self.block_size, self.bufs, include_spec, graph, prev)
+        spans = image_spans(out) if self.model.cfg.image_attention_bidirectional else None
         for meta in (batch.meta, *batch.meta.groups):
             meta.batch_invariant = self.batch_invariant
+            meta.spans = spans
         if self.stateful:
             self._state_meta(out, batch.meta, include_spec)
         if batch.feed is not None:

@@ -17,7 +17,13 @@ late (that step's token is dropped).
 
 A request whose prefix is partly in the KV tiers (host RAM, disk) waits in
 `loading` while those blocks are copied into its device blocks, and joins
-`running` with num_computed_tokens past them: a prefix hit that took a while."""
+`running` with num_computed_tokens past them: a prefix hit that took a while.
+
+A model whose image tokens attend each other both ways (whole_image_runs: Gemma 3) needs each
+image's run of placeholders computed in one step, as transformers needs it in one prefill chunk:
+a chunk that would end inside a run ends before it, or, where the run starts the chunk, runs to
+its end if the step's budget holds it (else waits for a step that does); a prefix hit that ends
+inside a run is cut back to the run's first block."""
 from __future__ import annotations
 
 from collections import deque
@@ -68,6 +74,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int  # the largest prefill chunk of one request per step
     block_size: int
     max_model_len: int
+    whole_image_runs: bool = False  # ModelConfig.image_attention_bidirectional: never split an image's run
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
@@ -97,10 +104,49 @@ class Scheduler:
     def num_preempted_waiting(self) -> int:
         return sum(1 for r in self.waiting if r.status == RequestStatus.PREEMPTED)
 
+    def refuse_images(self, images) -> str | None:
+        """Why a request with these image inputs can never be scheduled, or None: a run that must
+        go whole into one step longer than the step's budget."""
+        if self.config.whole_image_runs:
+            longest = max((b - a for a, b in image_runs(images)), default=0)
+            if longest > self.config.max_num_batched_tokens:
+                return (f"images: an image of {longest} tokens, more than the {self.config.max_num_batched_tokens} "
+                        "tokens of one step (this model needs each image in one step)")
+        return None
+
     # -- schedule ---------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens_with_spec - req.num_computed_tokens
-        return min(remaining, budget, self.config.long_prefill_token_threshold if remaining > 1 else remaining)
+        n = min(remaining, budget, self.config.long_prefill_token_threshold if remaining > 1 else remaining)
+        return self._whole_runs(req, n, budget) if self.config.whole_image_runs and req.images else n
+
+    @staticmethod
+    def _whole_runs(req: Request, n: int, budget: int) -> int:
+        """The chunk of n tokens, kept from ending inside an image's run (0: wait for a larger budget)."""
+        start = req.num_computed_tokens
+        for a, b in image_runs(req.images):
+            if a < start + n < b:
+                if a > start:
+                    return a - start  # ends before the run
+                return b - start if b - start <= budget else 0  # the run starts the chunk: all of it
+        return n
+
+    def _whole_hit(self, req: Request, hits):
+        """A prefix hit cut back to the first block of the run it ends inside (whole_image_runs)."""
+        bs, m = self.config.block_size, len(hits)
+        for a, b in reversed(image_runs(req.images)):
+            if a < m * bs < b:  # runs descend: a cut into an earlier run is caught in turn
+                m = a // bs
+        return self._shorten_hit(req, hits, m)
+
+    def _shorten_hit(self, req: Request, hits, m: int):
+        if m >= len(hits):
+            return hits
+        cut = ComputedBlocks(hits[:m]) if isinstance(hits, ComputedBlocks) else hits[:m]
+        if isinstance(hits, ComputedBlocks):
+            cut.others = [o[:m] for o in hits.others]
+        self.kv_cache_manager.shorten_hit(req.request_id, m)
+        return cut
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -177,6 +223,9 @@ class Scheduler:
             if not req.prefill_only:
                 hits, cached = kv.get_computed_blocks(req.request_id, req.block_token_ids, req.cache_salt,
                                                       req.block_chain)
+                if self.config.whole_image_runs and req.images and hits:
+                    hits = self._whole_hit(req, hits)
+                    cached = min(cached, len(hits) * self.config.block_size)
                 offloaded = kv.get_offloaded_blocks(req.request_id, req.block_token_ids, len(hits), req.cache_salt,
                                                     req.block_chain)
             else:  # it needs every token's state (an embedding's mean) and keeps no KV
@@ -186,7 +235,7 @@ class Scheduler:
                 hits, cached, source = self._checkpointed(req, hits)
             req.num_computed_tokens = cached
             n = offloaded * self.config.block_size if offloaded else self._chunk(req, budget)
-            if not kv.can_allocate(req.request_id, cached + n, hits) or (
+            if (n <= 0 and req.images) or not kv.can_allocate(req.request_id, cached + n, hits) or (
                     self.state_slots is not None and not self.state_slots.can_allocate(req.request_id)):
                 req.num_computed_tokens = 0
                 kv.abandon_offloaded(req.request_id)
@@ -301,12 +350,7 @@ class Scheduler:
         (cache/state_cache.py) -> (the hit, tokens it covers, the checkpoint's slot or -1)."""
         hashes = req.block_chain.hashes
         m = self.state_checkpoints.longest(hashes, len(hits))
-        if m < len(hits):
-            cut = ComputedBlocks(hits[:m]) if isinstance(hits, ComputedBlocks) else hits[:m]
-            if isinstance(hits, ComputedBlocks):
-                cut.others = [o[:m] for o in hits.others]
-            hits = cut
-            self.kv_cache_manager.shorten_hit(req.request_id, m)
+        hits = self._shorten_hit(req, hits, m)
         return hits, m * self.config.block_size, self.state_checkpoints.find(hashes[m - 1]) if m else -1
 
     def _state_slot(self, req: Request) -> int:
@@ -341,3 +385,15 @@ class Scheduler:
         self._free_state(req)
         if self.speculator is not None:
             self.speculator.on_finish(req.request_id)
+
+
+def image_runs(images) -> list[tuple[int, int]]:
+    """The [start, end) position runs of a prompt's image inputs, adjacent ones joined (transformers
+    numbers a block of image tokens by contiguity: two inputs side by side are one block)."""
+    runs: list[list[int]] = []
+    for im in sorted(images, key=lambda im: im.offset):
+        if runs and runs[-1][1] == im.offset:
+            runs[-1][1] = im.end
+        else:
+            runs.append([im.offset, im.end])
+    return [(a, b) for a, b in runs]

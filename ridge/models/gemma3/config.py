@@ -42,8 +42,10 @@ def _ropes(c: HFConfig, kw: dict) -> dict:
 
 def read_gemma3(c: HFConfig, kw: dict) -> dict:
     # 5 sliding : 1 full (sliding_window_pattern); QK-norm over head_dim
+    # an image's tokens attend each other both ways (Gemma3Model's block mask; text-only prompts never
+    # carry image runs)
     return dict(read_gemma(c, kw, period=lambda c: c.positive_int("sliding_window_pattern"), rope=_ropes,
-                           attn_cap=False), qk_norm=True)
+                           attn_cap=False), qk_norm=True, image_attention_bidirectional=True)
 
 
 def read_gemma3_gguf(a, kw: dict, names: set[str], reader, path) -> dict:
@@ -58,11 +60,13 @@ def read_gemma3_gguf(a, kw: dict, names: set[str], reader, path) -> dict:
 # model is text_config's gemma3_text, read by read_gemma3; of the wrapper's own fields only these
 # reach text logits: tie_word_embeddings (the wrapper's lm_head ties to the embedding by it, not
 # by text_config's) and image_token_index (an id past the vocabulary is embedded as token 0).
-WRAPPER_READ = frozenset({"text_config", "tie_word_embeddings", "image_token_index"})
-WRAPPER_DEFAULTS = dict(tie_word_embeddings=True, image_token_index=262_144)
-# Images only: the vision tower's config, the image tokens' count and markers.
-WRAPPER_IGNORED = frozenset({"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
-                             "initializer_range"})
+# The images' rows: vision_config (the SigLIP tower) and mm_tokens_per_image (the projector's pool),
+# read by vision.py's load_vision.
+WRAPPER_READ = frozenset({"text_config", "tie_word_embeddings", "image_token_index", "vision_config",
+                          "mm_tokens_per_image"})
+WRAPPER_DEFAULTS = dict(tie_word_embeddings=True, image_token_index=262_144, mm_tokens_per_image=256)
+# The image's markers are prompt tokens like any other; the processor places them.
+WRAPPER_IGNORED = frozenset({"boi_token_index", "eoi_token_index", "initializer_range"})
 
 
 def text_config(c: HFConfig) -> HFConfig:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridge.quant.hf_config import ACTIVATIONS, HFConfig, nested_text_config, wrapper_names
+from ridge.quant.hf_config import HFConfig, nested_text_config, wrapper_names
 
+from ..layers.siglip import positive, read_tower
 from ..llama import SPEC as LLAMA
 
 # The wrappers' model_types (each its transformers class; one layout, one reading).
@@ -28,13 +29,6 @@ VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_laye
 VISION_IGNORED = frozenset({"attention_dropout", "initializer_range"})
 # Where text_config is absent both wrappers build LlamaConfig(rms_norm_eps=1e-5).
 ABSENT_TEXT = {"rms_norm_eps": 1e-5}
-
-
-class _VisionView(HFConfig):
-    """vision_config's values: a refusal names the field as vision_config.<key>."""
-
-    def refuse(self, key: str, value, why: str):
-        super().refuse(f"vision_config.{key}", value, why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,37 +56,15 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
 
-def _int(c: HFConfig, key: str) -> int:
-    v = c.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        # transformers' tower takes image_size // patch_size and a square conv: a list breaks both
-        c.refuse(key, v, "expected a positive integer")
-    return v
-
-
 def read_vision(c: HFConfig, text_hidden_size: int) -> VisionConfig:
     """The wrapper's vision_config and scale_factor, each honoured or refused by name."""
-    values = c.get("vision_config")
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        c.refuse("vision_config", values, "expected the vision tower's config (a JSON object)")
-    v = _VisionView(values, c.path, VISION_DEFAULTS)
-    hidden, heads = _int(v, "hidden_size"), _int(v, "num_attention_heads")
-    if hidden % heads:
-        v.refuse("num_attention_heads", heads, f"does not divide hidden_size={hidden}")
-    act = v.get("hidden_act")
-    if act not in ACTIVATIONS:
-        v.refuse("hidden_act", act, f"ridge runs {', '.join(ACTIVATIONS)}")
+    v, tower = read_tower(c, VISION_DEFAULTS)
     # scale_factor must divide a tile's patches a side: checked per tile (vision.py), whose size
     # the preprocessor's max_image_size sets
-    scale = _int(c, "scale_factor")
-    image, patch = _int(v, "image_size"), _int(v, "patch_size")
-    if patch > image:
-        v.refuse("patch_size", patch, f"larger than image_size={image}: no position table")
-    return VisionConfig(hidden, _int(v, "intermediate_size"), _int(v, "num_hidden_layers"), heads,
-                        _int(v, "num_channels"), image, patch, ACTIVATIONS[act], v.number("layer_norm_eps"),
-                        scale, text_hidden_size)
+    scale = positive(c, "scale_factor")
+    if tower["patch_size"] > tower["image_size"]:
+        v.refuse("patch_size", tower["patch_size"], f"larger than image_size={tower['image_size']}: no position table")
+    return VisionConfig(**tower, scale_factor=scale, text_hidden_size=text_hidden_size)
 
 
 def text_config(c: HFConfig) -> HFConfig:

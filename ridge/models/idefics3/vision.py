@@ -8,7 +8,6 @@ patches becomes one row of their features side by side) -> a bias-free projectio
 model's width: (side / scale_factor)^2 rows per tile, the tile's run of <image> tokens."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +18,12 @@ from torch import nn
 from ridge.quant.errors import ModelLoadError
 from ridge.vision.inputs import ImageInput
 
+from ..layers.siglip import load_encoder, read_config
+
 from .config import MODEL_TYPES
 from .config import VISION_PREFIXES, VisionConfig, read_wrapper
 
 ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def position_ids(rows: int, cols: int, side: int, device) -> torch.Tensor:
@@ -200,53 +200,15 @@ class Idefics3Vision(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-def _tensor_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(path, "no *.safetensors weights in this directory")
-    return files
-
-
 def load_vision(path, device, dtype: torch.dtype) -> Idefics3Vision | None:
     """The tower and the connector of an Idefics3 / SmolVLM directory, their weights in dtype on
     device; None where its safetensors hold neither (a text-only copy). Reads only their tensors,
     one at a time from the files' memory maps."""
-    from safetensors import safe_open
-
     path = Path(path)
-    cfg_file = path / "config.json"
-    try:
-        values = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(cfg_file, f"not a readable config ({e})") from None
-    if not isinstance(values, dict) or values.get("model_type") not in MODEL_TYPES:
-        raise ModelLoadError(cfg_file, f"model_type {values.get('model_type') if isinstance(values, dict) else None!r}"
-                                       f": expected one of {', '.join(MODEL_TYPES)}")
-    _, cfg = read_wrapper(values, cfg_file)
-    sd: dict[str, torch.Tensor] = {}
-    for f in _tensor_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if not name.startswith(VISION_PREFIXES):
-                    continue
-                t = st.get_tensor(name)
-                if t.dtype not in FLOATS:
-                    raise ModelLoadError(f, f"tensor {name}: {t.dtype}; ridge reads the vision tower in "
-                                            "fp32, fp16 or bf16")
-                sd[name[len("model."):]] = t.to(device=device, dtype=dtype)
-    if not sd:
-        return None
-    with torch.device("meta"):
-        model = Idefics3Vision(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name in sorted(set(expected) | set(sd)):
-        if name not in sd:
-            raise ModelLoadError(path, f"tensor model.{name} missing: the vision config declares it")
-        if name not in expected:
-            raise ModelLoadError(path, f"tensor model.{name}: not part of the vision tower or connector ridge runs")
-        if tuple(sd[name].shape) != expected[name]:
-            raise ModelLoadError(path, f"tensor model.{name}: shape {tuple(sd[name].shape)}, the config gives "
-                                       f"{expected[name]}")
-    model.load_state_dict(sd, assign=True)
-    return model.eval()
-
+    values = read_config(path)
+    if values.get("model_type") not in MODEL_TYPES:
+        raise ModelLoadError(path / "config.json", f"model_type {values.get('model_type')!r}: expected one of "
+                                                   f"{', '.join(MODEL_TYPES)}")
+    _, cfg = read_wrapper(values, path / "config.json")
+    return load_encoder(path, lambda name: name[len("model."):] if name.startswith(VISION_PREFIXES) else None,
+                        lambda: Idefics3Vision(cfg), device, dtype)

@@ -1,0 +1,106 @@
+"""What the image families' SigLIP-style encoders share in reading a checkpoint: the tower's
+fields of vision_config (each honoured or refused by name) and the encoder's tensors (read one
+at a time from the files' memory maps, checked name by name and shape by shape against the
+module the config builds). The tower itself is ridge/models/idefics3/vision.py's."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ridge.quant.errors import ModelLoadError
+from ridge.quant.hf_config import ACTIVATIONS, HFConfig
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class VisionView(HFConfig):
+    """vision_config's values: a refusal names the field as vision_config.<key>."""
+
+    def refuse(self, key: str, value, why: str):
+        super().refuse(f"vision_config.{key}", value, why)
+
+
+def positive(c: HFConfig, key: str) -> int:
+    v = c.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        # transformers' tower takes image_size // patch_size and a square conv: a list breaks both
+        c.refuse(key, v, "expected a positive integer")
+    return v
+
+
+def read_tower(c: HFConfig, defaults: dict) -> tuple[VisionView, dict]:
+    """The wrapper's vision_config -> (its view, the tower's fields as the encoder's VisionConfig
+    names them); the family checks image_size and patch_size against its own use."""
+    values = c.get("vision_config")
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        c.refuse("vision_config", values, "expected the vision tower's config (a JSON object)")
+    v = VisionView(values, c.path, defaults)
+    hidden, heads = positive(v, "hidden_size"), positive(v, "num_attention_heads")
+    if hidden % heads:
+        v.refuse("num_attention_heads", heads, f"does not divide hidden_size={hidden}")
+    act = v.get("hidden_act")
+    if act not in ACTIVATIONS:
+        v.refuse("hidden_act", act, f"ridge runs {', '.join(ACTIVATIONS)}")
+    return v, dict(hidden_size=hidden, intermediate_size=positive(v, "intermediate_size"),
+                   num_layers=positive(v, "num_hidden_layers"), num_heads=heads,
+                   num_channels=positive(v, "num_channels"), image_size=positive(v, "image_size"),
+                   patch_size=positive(v, "patch_size"), hidden_act=ACTIVATIONS[act],
+                   layer_norm_eps=v.number("layer_norm_eps"))
+
+
+def read_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    try:
+        values = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(cfg_file, f"not a readable config ({e})") from None
+    if not isinstance(values, dict):
+        raise ModelLoadError(cfg_file, "not a JSON object")
+    return values
+
+
+def load_encoder(path: Path, rename: Callable[[str], str | None], build: Callable[[], nn.Module], device,
+                 dtype: torch.dtype) -> nn.Module | None:
+    """The encoder build() makes, its weights in dtype on device: each tensor of the directory's
+    safetensors that rename() maps to one of its names (None: not the encoder's). None where no
+    tensor is the encoder's (a text-only copy); a missing, extra or misshapen one is refused,
+    named as the checkpoint names it."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "no *.safetensors weights in this directory")
+    sd: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                mine = rename(name)
+                if mine is None:
+                    continue
+                t = st.get_tensor(name)
+                if t.dtype not in FLOATS:
+                    raise ModelLoadError(f, f"tensor {name}: {t.dtype}; ridge reads the vision tower in "
+                                            "fp32, fp16 or bf16")
+                sd[mine], source[mine] = t.to(device=device, dtype=dtype), name
+    if not sd:
+        return None
+    with torch.device("meta"):
+        model = build()
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name in sorted(set(expected) | set(sd)):
+        if name not in sd:
+            raise ModelLoadError(path, f"tensor {name} missing: the vision config declares it")
+        if name not in expected:
+            raise ModelLoadError(path, f"tensor {source[name]}: not part of the encoder ridge runs")
+        if tuple(sd[name].shape) != expected[name]:
+            raise ModelLoadError(path, f"tensor {source[name]}: shape {tuple(sd[name].shape)}, the config gives "
+                                       f"{expected[name]}")
+    model.load_state_dict(sd, assign=True)
+    return model.eval()

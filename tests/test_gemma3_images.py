@@ -1,0 +1,309 @@
+"""Gemma 3 with images (ridge/models/gemma3/vision.py, bidirectional image attention): a tiny
+random Gemma3ForConditionalGeneration built by transformers 5.25 (a 2-layer SigLIP on 64-pixel
+pictures of 8-pixel patches pooled to 16 tokens, a 4-layer Gemma 3 text model whose sliding
+window of 8 is shorter than any image run plus its prompt), saved as an HF directory with its
+tokenizer and processor files. The oracles are transformers' own: get_image_features for the
+tower and projector, the wrapper's logits and generate on Gemma3Processor's input (its
+token_type_ids make each image's tokens attend each other both ways), pan-and-scan off and on."""
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from engine_utils import make_engine
+from test_engine_images import greedy_hf, params, run
+from ridge.cache.kv_cache import KVCache
+from ridge.engine.admit import Admitted
+from ridge.kernels.metadata import AttentionMetadata
+from ridge.models.gemma3.vision import load_vision
+from ridge.models.loader import load_model
+from ridge.quant.errors import ModelLoadError
+from ridge.vision import decode_image
+from ridge.vision.gemma3 import Gemma3Images
+from ridge.vision.inputs import ImageInput, image_hash
+from tiny_models import SPECIALS, tiny_vocab
+
+BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+SIDE, PATCH, TOKENS = 64, 8, 16  # 8 x 8 patches pooled 2 x 2: 16 image tokens a picture
+VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=2, image_size=SIDE, patch_size=PATCH, vision_use_head=False)
+TEXT = dict(model_type="gemma3_text", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, sliding_window_pattern=2,
+            max_position_embeddings=1024, rope_local_base_freq=100.0, query_pre_attn_scalar=16)
+PREPROCESSOR = {
+    "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor", "do_convert_rgb": None,
+    "do_normalize": True, "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": {"height": SIDE, "width": SIDE},
+    # null, as the Hub's files: Gemma3Processor's values (min crop 256, at most 4 crops, ratio 1.2)
+    "image_seq_length": TOKENS, "do_pan_and_scan": None, "pan_and_scan_max_num_crops": None,
+    "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
+}
+
+
+def vocab() -> list[str]:
+    return tiny_vocab()[0] + [BOI, IMAGE, EOI]
+
+
+def write_tokenizer(path: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, _, merges = tiny_vocab()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS + [BOI, IMAGE, EOI]])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "add_bos_token": False, "model_max_length": 1024,
+        "extra_special_tokens": {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}}))
+
+
+def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    v = vocab()
+    cfg = transformers.Gemma3Config(text_config={**TEXT, "vocab_size": len(v) + 5}, vision_config=VISION,
+                                    mm_tokens_per_image=TOKENS, image_token_index=v.index(IMAGE),
+                                    boi_token_index=v.index(BOI), eoi_token_index=v.index(EOI))
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.15)
+    model.save_pretrained(str(path))
+    write_tokenizer(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
+                                                            "image_seq_length": TOKENS}))
+    return path
+
+
+def png(w: int, h: int, seed: int) -> bytes:
+    """Gradients plus noise: every crop and pooled cell differs."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    px = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
+    px = np.clip(px + rng.integers(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(px, "RGB").save(buf, "PNG")
+    return buf.getvalue()
+
+
+WIDE = png(700, 300, 1)  # pan-and-scan: 2 crops of 350 x 300 (each side at least the minimum 256)
+SQUARE = png(70, 64, 2)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3-vlm"), seed=4)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    proc = transformers.AutoProcessor.from_pretrained(str(path))
+    loaded = load_model(path, device="cpu", weights="fp32", use_cache=False)
+    return path, hf, proc, loaded
+
+
+def processor_inputs(proc, images: list[bytes], pan_and_scan: bool, question: str = " What is it?", before: str = ""):
+    text = "<|im_start|>user\n" + before + "".join(BOI for _ in images) + question + "<|im_end|>\n"
+    return proc(text=text, images=[[Image.open(io.BytesIO(d)) for d in images]], return_tensors="pt",
+                do_pan_and_scan=pan_and_scan)
+
+
+def image_inputs(images: list[bytes], ids: list[int], pan_and_scan: bool) -> list[ImageInput]:
+    """ridge's preprocessing of each image (whole, then its crops), one ImageInput per picture at
+    its run of image tokens in ids, in order."""
+    pre = Gemma3Images.from_config(PREPROCESSOR, pan_and_scan=pan_and_scan)
+    pictures = [p for d in images for p in pre.preprocess(decode_image(d)).pixel_values]
+    image_id = vocab().index(IMAGE)
+    starts = [i for i, t in enumerate(ids) if t == image_id and (i == 0 or ids[i - 1] != image_id)]
+    assert len(starts) == len(pictures)
+    return [ImageInput(image_hash(p, f"gemma3|{pan_and_scan}"), p, s, TOKENS) for s, p in zip(starts, pictures)]
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_the_processor_agrees_with_ridges_preprocessing(gemma3, pan_and_scan):
+    _, _, proc, _ = gemma3
+    batch = processor_inputs(proc, [WIDE, SQUARE], pan_and_scan)
+    ids = batch["input_ids"][0].tolist()
+    inputs = image_inputs([WIDE, SQUARE], ids, pan_and_scan)
+    assert len(inputs) == (4 if pan_and_scan else 2)  # the square is never cropped
+    np.testing.assert_allclose(batch["pixel_values"].numpy(), np.stack([i.pixel_values for i in inputs]),
+                               rtol=0, atol=1e-6)
+    # token_type_ids mark exactly the image runs
+    types = batch["token_type_ids"][0].tolist()
+    assert [i for i, t in enumerate(types) if t] == [p for i in inputs for p in range(i.offset, i.end)]
+
+
+def test_encode_matches_get_image_features(gemma3):
+    """Every picture (two images, pan-and-scan on: 4 pictures, one forward) against transformers'
+    tower and projector on the same pixels, in fp32; one alone gives the rows it gives in a batch."""
+    path, hf, proc, _ = gemma3
+    batch = processor_inputs(proc, [WIDE, SQUARE], True)
+    inputs = image_inputs([WIDE, SQUARE], batch["input_ids"][0].tolist(), True)
+    vision = load_vision(path, "cpu", torch.float32)
+    got = vision.encode(inputs)
+    assert [tuple(g.shape) for g in got] == [(TOKENS, TEXT["hidden_size"])] * 4
+    with torch.no_grad():
+        ref = hf.model.get_image_features(torch.from_numpy(np.stack([i.pixel_values for i in inputs])))
+    assert_close(torch.stack(got), ref.pooler_output)
+    assert_close(vision.encode(inputs[2:3])[0], got[2])
+    with pytest.raises(ValueError, match="15 placeholder tokens for a picture worth 16"):
+        vision.encode([ImageInput("x", inputs[0].pixel_values, 0, 15)])
+
+
+def test_the_tower_in_bf16(gemma3):
+    """Weights and activations in bf16 (the GPU's dtype): the fp32 rows to bf16's precision."""
+    path, _, proc, loaded = gemma3
+    batch = processor_inputs(proc, [SQUARE], False)
+    inputs = image_inputs([SQUARE], batch["input_ids"][0].tolist(), False)
+    got = load_vision(path, "cpu", torch.bfloat16).encode(inputs)[0]
+    ref = loaded.vision.encode(inputs)[0]
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_vision_refusals_name_the_field(gemma3, tmp_path):
+    import shutil
+
+    path, _, _, _ = gemma3
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value, named in [("vision_config", {**cfg["vision_config"], "hidden_act": "relu"},
+                               "vision_config.hidden_act='relu'"),
+                              ("vision_config", {**cfg["vision_config"], "patch_size": 7},
+                               "vision_config.patch_size=7"),
+                              ("mm_tokens_per_image", 9, "mm_tokens_per_image=9")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=named.replace("[", r"\[")):
+            load_vision(tmp_path, "cpu", torch.float32)
+
+
+def logits_with_images(model, ids: list[int], inputs: list[ImageInput], vision) -> torch.Tensor:
+    """ridge's text model over the prompt in one step, the encoder's rows in place of the
+    placeholders, each image's run bidirectional (AttentionMetadata.spans)."""
+    n, bs = len(ids), 16
+    nb = math.ceil(n / bs)
+    cache = KVCache(model.cfg, nb, bs, "fp32", torch.device("cpu"))
+    meta = AttentionMetadata.build([n], [n], [list(range(nb))], list(range(n)), torch.device("cpu"),
+                                   spans=[[(i.offset, i.end) for i in inputs]])
+    rows = torch.cat([torch.arange(i.offset, i.end) for i in inputs])
+    embeds = (rows, torch.cat(vision.encode(inputs)))
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta, cache.layers, embeds=embeds))
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_logits_with_images_match_transformers(gemma3, pan_and_scan):
+    """Two images (pan-and-scan on: the wide one as itself and 2 crops), runs of 16 tokens under a
+    sliding window of 8: every position's logits against the wrapper's on the processor's input."""
+    path, hf, proc, loaded = gemma3
+    assert loaded.config.image_attention_bidirectional and loaded.vision is not None
+    batch = processor_inputs(proc, [WIDE, SQUARE], pan_and_scan)
+    ids = batch["input_ids"][0].tolist()
+    got = logits_with_images(loaded.model, ids, image_inputs([WIDE, SQUARE], ids, pan_and_scan), loaded.vision)
+    with torch.no_grad():
+        ref = hf(**batch).logits[0]
+    assert_close(got, ref)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() == 1.0
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+@pytest.mark.parametrize("chunk", [512, 10])
+def test_greedy_equals_transformers(gemma3, pan_and_scan, chunk):
+    """In one prefill, and in chunks of 10 that would cut every run of 16: the scheduler keeps
+    each image whole (a chunk ends before a run, or takes all of it)."""
+    path, hf, proc, loaded = gemma3
+    batch = processor_inputs(proc, [WIDE, SQUARE], pan_and_scan)
+    ids = batch["input_ids"][0].tolist()
+    eng = make_engine(loaded, prefill_chunk=chunk, enable_prefix_caching=False)
+    got, _ = run(eng, {"a": Admitted(ids, params(), tuple(image_inputs([WIDE, SQUARE], ids, pan_and_scan)))})
+    assert got["a"] == greedy_hf(hf, batch)
+
+
+def test_the_same_image_again_hits_the_prefix_cache(gemma3):
+    """The same image and question again: a prefix hit past the image; the same image with
+    another question: the hit ends inside the image's last block, and is cut back to the block
+    where its run starts; both answers are transformers'."""
+    path, hf, proc, loaded = gemma3
+    bs = 16
+    eng = make_engine(loaded, prefill_chunk=24, block_size=bs)
+    b1 = processor_inputs(proc, [SQUARE], True, before="Look at this:")
+    b2 = processor_inputs(proc, [SQUARE], True, " Say more.", before="Look at this:")
+    ids1, ids2 = b1["input_ids"][0].tolist(), b2["input_ids"][0].tolist()
+    in1, in2 = image_inputs([SQUARE], ids1, True), image_inputs([SQUARE], ids2, True)
+    first, _ = run(eng, {"first": Admitted(ids1, params(), tuple(in1))})
+    again, cached = run(eng, {"again": Admitted(ids1, params(), tuple(in1))})
+    assert again["again"] == first["first"] == greedy_hf(hf, b1)
+    assert cached["again"] >= in1[-1].end // bs * bs > 0
+    # the image's last block also holds text the new question changes: the hit ends inside the run
+    a, b = in2[0].offset, in2[0].end
+    differs = next(i for i, (x, y) in enumerate(zip(ids1, ids2)) if x != y)
+    assert a // bs < b // bs and b % bs and differs < (b // bs + 1) * bs and a >= bs
+    other, cached = run(eng, {"other": Admitted(ids2, params(), tuple(in2))})
+    assert cached["other"] == a // bs * bs
+    assert other["other"] == greedy_hf(hf, b2)
+
+
+def test_an_image_longer_than_a_step_is_refused(gemma3):
+    from ridge.errors import InvalidRequest
+
+    path, hf, proc, loaded = gemma3
+    eng = make_engine(loaded, prefill_chunk=4, max_num_seqs=2)  # steps of 6 tokens
+    batch = processor_inputs(proc, [SQUARE], False)
+    ids = batch["input_ids"][0].tolist()
+    with pytest.raises(InvalidRequest, match="an image of 16 tokens, more than the 6 tokens of one step"):
+        eng.add_request("x", Admitted(ids, params(), tuple(image_inputs([SQUARE], ids, False))))
+
+
+def test_the_scheduler_keeps_each_image_run_whole():
+    """Chunks of 10 under a 40-token step over a 60-token prompt whose image inputs lie at [5, 21),
+    [21, 37) (side by side: one run, as transformers numbers them) and [40, 56): each chunk that
+    would end inside a run ends before it, or takes the whole run where the run starts it."""
+    from ridge.cache.manager import KVCacheManager
+    from ridge.engine.request import Request
+    from ridge.engine.scheduler import Scheduler, SchedulerConfig
+
+    px = np.zeros((3, 2, 2), np.float32)
+    images = (ImageInput("a", px, 5, 16), ImageInput("b", px, 21, 16), ImageInput("c", px, 40, 16))
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=40, long_prefill_token_threshold=10, block_size=8,
+                          max_model_len=256, whole_image_runs=True)
+    sched = Scheduler(cfg, KVCacheManager(64, 8))
+    assert sched.refuse_images(images) is None
+    sched.add_request(Request("r", list(range(3, 63)), params(), (2,), images=images))
+    chunks = []
+    for _ in range(5):
+        (s,) = sched.schedule().scheduled
+        chunks.append((s.start, s.num_scheduled_tokens))
+    assert chunks == [(0, 5), (5, 32), (37, 3), (40, 16), (56, 4)]
+    small = Scheduler(SchedulerConfig(2, 20, 10, 8, 256, whole_image_runs=True), KVCacheManager(64, 8))
+    assert "an image of 32 tokens, more than the 20 tokens of one step" in small.refuse_images(images)
+
+
+def test_config_fields_are_declared():
+    """Every field of Gemma3Config and of SiglipVisionConfig read (with transformers' default) or
+    declared ignored."""
+    import dataclasses
+
+    from ridge.models.gemma3.config import WRAPPER_DEFAULTS, WRAPPER_IGNORED, WRAPPER_READ
+    from ridge.models.gemma3.vision import VISION_DEFAULTS, VISION_IGNORED
+    from ridge.quant.hf_config import BASE_IGNORED
+
+    fields = {f.name: f.default for f in dataclasses.fields(transformers.Gemma3Config)}
+    assert not set(fields) - WRAPPER_READ - WRAPPER_IGNORED - BASE_IGNORED
+    assert {k: fields[k] for k in WRAPPER_DEFAULTS} == WRAPPER_DEFAULTS
+    vfields = {f.name: f.default for f in dataclasses.fields(transformers.SiglipVisionConfig)}
+    assert not set(vfields) - set(VISION_DEFAULTS) - VISION_IGNORED - BASE_IGNORED
+    assert {k: vfields[k] for k in VISION_DEFAULTS} == VISION_DEFAULTS
