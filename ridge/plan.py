@@ -269,8 +269,8 @@ def make_plan(model_shape: ModelShape, memory_gib: float | None = None,
         notes.append(f"{m.sliding_layers} sliding layers (window {m.sliding_window}) hold {held} tokens of KV each "
                      f"at context {context_len}: min(window + block, context); bytes/token counts every layer")
     if m.state_layers:
-        notes.append(f"{m.state_layers} of {m.num_layers} layers are linear attention (Gated DeltaNet) or short "
-                     f"convolutions (LFM2): no KV, "
+        notes.append(f"{m.state_layers} of {m.num_layers} layers are linear attention (Gated DeltaNet), Mamba2 or "
+                     f"short convolutions: no KV, "
                      f"{m.state_bytes_per_request / 1024:.1f} KiB of recurrent state per request at any context, "
                      f"counted in bytes/request; bytes/token counts the {m.num_kv_layers} attention layers")
     return Plan(model_shape, context_len, spec, memory, weight_bytes, kv_memory, rows, ridge, knees, notes, weights,
