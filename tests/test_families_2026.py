@@ -377,16 +377,16 @@ def test_mistral3_checkpoint_serves_its_text_model(mistral3):
 
 
 def test_mistral3_config_fields_are_declared():
-    from ridge.models.ministral3 import WRAPPER_DEFAULTS, WRAPPER_IGNORED
+    from ridge.models.mistral3.config import WRAPPER_DEFAULTS, WRAPPER_IGNORED, WRAPPER_READ
 
     fields = {f.name: f.default for f in dataclasses.fields(transformers.Mistral3Config)}
-    undeclared = sorted(set(fields) - {"text_config", "tie_word_embeddings"} - WRAPPER_IGNORED - BASE_IGNORED)
+    undeclared = sorted(set(fields) - WRAPPER_READ - WRAPPER_IGNORED - BASE_IGNORED)
     assert not undeclared, f"Mistral3Config fields neither read nor ignored: {undeclared}"
     assert all(fields[k] == v for k, v in WRAPPER_DEFAULTS.items())
 
 
 @pytest.mark.parametrize("text,named", [
-    (dict(model_type="mistral"), "text_config.model_type='mistral'"),
+    (dict(model_type="llama"), "text_config.model_type='llama'"),
     (dict(model_type="ministral3", rope_parameters={"rope_type": "default"}),
      "text_config.rope_parameters.llama_4_scaling_beta=None"),
 ])

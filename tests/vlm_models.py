@@ -58,19 +58,22 @@ def vlm_vocab() -> list[str]:
     return tiny_vocab()[0] + VLM_SPECIALS
 
 
-def write_vlm_tokenizer(path: Path) -> None:
+def write_vlm_tokenizer(path: Path, specials: list[str] = VLM_SPECIALS, bos: str = "<|im_start|>", eos: str = END,
+                        template: str = CHAT_TEMPLATE) -> None:
+    """tiny_models' byte-level vocabulary with `specials` after it, and the chat template
+    (defaults: SmolVLM's)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     tokens, _, merges = tiny_vocab()
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS + VLM_SPECIALS])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS + specials])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": END,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
         "add_bos_token": False, "model_max_length": 2048}))
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (path / "chat_template.jinja").write_text(template)
 
 
 def build_tiny_vlm(kind: str = "smolvlm", seed: int = 0, **over):
@@ -104,4 +107,78 @@ def write_tiny_smolvlm(path: Path, kind: str = "smolvlm", seed: int = 0, **over)
         {"image_processor_type": CLASSES[kind][2], "processor_class": "Idefics3Processor", **PREPROCESSOR}))
     (path / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Idefics3Processor", "image_seq_len": IMAGE_SEQ_LEN}))
+    return path
+
+
+# -- Mistral 3 (Mistral3ForConditionalGeneration): a tiny mistral or ministral3 beside a 2-layer
+# Pixtral tower. 4-pixel patches merged 2 x 2: an image token is an 8-pixel cell; images are
+# scaled to 64 pixels on the long side, up to 8 x 8 tokens (8 rows, each closed by [IMG_BREAK],
+# the last by [IMG_END]). transformers' PixtralProcessor imports torchvision (not installed):
+# the tests restate its expansion.
+M3_IMG, M3_BREAK, M3_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+M3_INST, M3_INST_END, M3_BOS, M3_EOS = "[INST]", "[/INST]", "<s>", "</s>"
+M3_SPECIALS = [M3_BOS, M3_EOS, M3_INST, M3_INST_END, M3_IMG, M3_BREAK, M3_END]
+M3_PATCH, M3_MERGE, M3_LONGEST_EDGE = 4, 2, 64
+M3_VISION = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=2, image_size=M3_LONGEST_EDGE, patch_size=M3_PATCH, hidden_act="silu")
+M3_TEXT = {"mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                           max_position_embeddings=2048, sliding_window=None, rope_theta=10000.0),
+           "ministral3": dict(model_type="ministral3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                              max_position_embeddings=2048,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                               "llama_4_scaling_beta": 0.1})}
+# Mistral Small 3.1's chat template, reduced to user and assistant turns: an image part as [IMG].
+M3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{{ block['text'] }}{% elif block['type'] in ['image', 'image_url'] %}[IMG]"
+    "{% endif %}{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+M3_PREPROCESSOR = {
+    "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor", "do_convert_rgb": True,
+    "do_resize": True, "size": {"longest_edge": M3_LONGEST_EDGE}, "patch_size": {"height": M3_PATCH, "width": M3_PATCH},
+    "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def mistral3_vocab() -> list[str]:
+    return tiny_vocab()[0] + M3_SPECIALS
+
+
+def build_tiny_mistral3(text: str = "mistral", seed: int = 0, **over):
+    """A random tiny Mistral3ForConditionalGeneration (fp32, eager attention) over a `text` model,
+    its weights widened from transformers' near-zero init so that every layer moves the logits."""
+    import transformers
+
+    vocab = mistral3_vocab()
+    cfg = transformers.Mistral3Config(
+        text_config={**M3_TEXT[text], "vocab_size": len(vocab) + 5, **over.pop("text", {})},
+        vision_config={**M3_VISION, **over.pop("vision", {})}, image_token_index=vocab.index(M3_IMG),
+        spatial_merge_size=M3_MERGE, tie_word_embeddings=False, bos_token_id=vocab.index(M3_BOS),
+        eos_token_id=vocab.index(M3_EOS), **over)
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.3 if "norm" in name else 0.15)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+def write_tiny_mistral3(path: Path, text: str = "mistral", seed: int = 0, **over) -> Path:
+    """A tiny Mistral 3 as a Hugging Face directory: the model saved by transformers, a byte-level
+    tokenizer with Mistral's image and turn tokens, the chat template, preprocessor_config.json and
+    processor_config.json (PixtralProcessor's)."""
+    path = Path(path)
+    build_tiny_mistral3(text, seed, **over).save_pretrained(str(path))
+    write_vlm_tokenizer(path, M3_SPECIALS, M3_BOS, M3_EOS, M3_CHAT_TEMPLATE)
+    (path / "preprocessor_config.json").write_text(json.dumps(M3_PREPROCESSOR))
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": M3_PATCH, "spatial_merge_size": M3_MERGE,
+        "image_token": M3_IMG, "image_break_token": M3_BREAK, "image_end_token": M3_END}))
     return path

@@ -44,6 +44,7 @@ FAMILIES = (
     "granitemoehybrid",
     "nemotron_h",
     "idefics3",
+    "mistral3",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 

@@ -13,6 +13,7 @@ A raw prompt (no chat template) marks each image with RAW_MARKER, llama-server's
 multimodal marker, in the order the images are given."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from . import processor_class
 from .idefics3 import Idefics3Images
 from .inputs import ImageInput, image_hash
 from .pixels import PreprocessorConfigError
+from .pixtral import PixtralImages
 
 RAW_MARKER = "<__media__>"  # llama-server's mtmd marker: where a raw prompt puts each image
 
@@ -84,6 +86,43 @@ class Idefics3Prompt:
         return Pending(image_hash(pixels, self.how), pixels, self.images.image_seq_len, meta)
 
 
+@dataclass(frozen=True, slots=True)
+class PixtralPrompt:
+    """Pixtral and Mistral 3: an image of R x C cells is R rows of C `[IMG]` tokens, each row closed
+    by `[IMG_BREAK]`, the last by `[IMG_END]` instead (PixtralProcessor.replace_image_token). The
+    chat template writes one `[IMG]` per image part: the marker.
+
+    An image's placeholders are R runs, so each row is one encoder input: its length C, its
+    content a hash of the image's and the row's, its meta the image's hash (`image`), the row
+    (`row`) and the grid (`grid`). The encoder runs the whole image once and gives each row its
+    slice of the output (ridge/models/<family>/vision.py)."""
+    images: PixtralImages
+    image_token_id: int
+    marker: str = "[IMG]"  # what the chat template writes per image part, and the placeholder
+    row_break: str = "[IMG_BREAK]"
+    end: str = "[IMG_END]"
+    how: str = ""  # the family and its settings: part of every input's content hash
+
+    def expand(self, image: Image.Image) -> Expanded:
+        pre = self.images.preprocess(image)
+        key = image_hash(pre.pixel_values, self.how)
+        text = "".join(self.marker * pre.cols + (self.end if r == pre.rows - 1 else self.row_break)
+                       for r in range(pre.rows))
+        inputs = tuple(Pending(row_content(key, r), pre.pixel_values, pre.cols,
+                               {"image": key, "row": r, "grid": (pre.rows, pre.cols)}) for r in range(pre.rows))
+        return Expanded(text, inputs)
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """Prompt tokens the image takes: its [IMG] tokens and one [IMG_BREAK] or [IMG_END] a row."""
+        rows, cols = self.images.grid(height, width)
+        return rows * (cols + 1)
+
+
+def row_content(image: str, row: int) -> str:
+    """One row's content hash: hex (the prefix cache reads its first 16 digits) and distinct per row."""
+    return hashlib.sha256(f"{image}|row {row}".encode()).hexdigest()
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -100,7 +139,38 @@ def _encoder_rows(config: dict) -> int | None:
     return (size // patch // scale) ** 2
 
 
-def read_prompt_rules(model_dir) -> Idefics3Prompt | None:
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pixtral_rules(pre: dict, config: dict, proc: dict) -> PixtralPrompt:
+    """PixtralProcessor's settings (processor_config.json: patch_size, spatial_merge_size and the
+    three tokens), checked against the model's own config.json, which the encoder runs by."""
+    patch, merge = proc.get("patch_size", 16), proc.get("spatial_merge_size", 1)
+    vision = config.get("vision_config") or {}
+    for key, value, model in (("patch_size", patch, vision.get("patch_size")),
+                              ("spatial_merge_size", merge, config.get("spatial_merge_size"))):
+        if not _positive(value):
+            raise PreprocessorConfigError(key, value, "processor_config.json: expected a positive integer")
+        if model is not None and model != value:
+            # the placeholders must be the rows the encoder gives
+            raise PreprocessorConfigError(key, value, f"config.json's model is built for {model}")
+    tokens = {k: proc.get(k, d) for k, d in (("image_token", "[IMG]"), ("image_break_token", "[IMG_BREAK]"),
+                                             ("image_end_token", "[IMG_END]"))}
+    for k, v in tokens.items():
+        if not isinstance(v, str) or not v:
+            raise PreprocessorConfigError(k, v, "processor_config.json: expected the token's text")
+    token_id = config.get("image_token_index", config.get("image_token_id"))
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise PreprocessorConfigError("image_token_index", token_id, "config.json must give the image token's id")
+    # the processor resizes to whole cells of its own patch_size times the merge, whatever the
+    # image processor's patch_size says (PixtralProcessor._process_images)
+    images = PixtralImages.from_config({**pre, "patch_size": patch}, spatial_merge_size=merge)
+    return PixtralPrompt(images, token_id, tokens["image_token"], tokens["image_break_token"],
+                         tokens["image_end_token"], how=f"{config.get('model_type', '')}|{images!r}")
+
+
+def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | None:
     """The image prompt rules of the model in `model_dir`; None when it has no image processor
     (a text model, a GGUF file): such a model takes no images. PreprocessorConfigError names a
     field ridge cannot honour."""
@@ -110,9 +180,11 @@ def read_prompt_rules(model_dir) -> Idefics3Prompt | None:
     pre, config = _json(d / "preprocessor_config.json"), _json(d / "config.json")
     proc = _json(d / "processor_config.json")
     family = processor_class(pre)
+    if family is PixtralImages:
+        return _pixtral_rules(pre, config, proc)
     if family is not Idefics3Images:
         raise PreprocessorConfigError("image_processor_type", pre.get("image_processor_type"),
-                                      "ridge writes image prompts for SmolVLM and Idefics3 so far")
+                                      "ridge writes image prompts for Pixtral, Mistral 3, SmolVLM and Idefics3 so far")
     seq_len, rows = proc.get("image_seq_len"), _encoder_rows(config)
     if seq_len is None:
         seq_len = rows

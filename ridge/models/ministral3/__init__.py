@@ -5,17 +5,14 @@ by 1 + llama_4_scaling_beta * log(1 + floor(p / original_max_position_embeddings
 Ministral3Config keeps llama_4_scaling_beta beside YaRN's own keys. Ministral3Config carries no
 layer_types (transformers warns and ignores them), so neither does ridge.
 
-The Hub ships Ministral 3 as Mistral3ForConditionalGeneration (model_type mistral3, a Pixtral
-vision tower beside the text model): read as its text model, text_config (a ministral3), served
-as text; the vision tower and the projector are not loaded. Of the wrapper's own fields only
-tie_word_embeddings reaches text logits (its lm_head ties to the text model's embedding by it).
+The Hub ships Ministral 3 as Mistral3ForConditionalGeneration (a Pixtral vision tower beside
+this text model): ridge/models/mistral3/ reads that wrapper, its text_config through this family.
 
 GGUF: llama.cpp writes these checkpoints as mistral3, whose YaRN and temperature keys ridge does
 not read yet; such a file is refused as an unknown architecture."""
 from __future__ import annotations
 
-from ridge.quant.hf_config import (HFConfig, HFFamily, HFWrapper, nested_text_config, rope_fields, window_all,
-                                    wrapper_names)
+from ridge.quant.hf_config import HFConfig, HFFamily, rope_fields, window_all
 from ridge.quant.spec import ModelSpec
 
 from ..layers.decoder import CausalLM
@@ -54,23 +51,4 @@ MINISTRAL3_DEFAULTS = dict(LLAMA_DEFAULTS, vocab_size=131072, intermediate_size=
                           num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-5,
                           sliding_window=None)
 
-# -- Mistral3ForConditionalGeneration (transformers 5.25's Mistral3Config) served as text.
-WRAPPER_DEFAULTS = dict(tie_word_embeddings=True, image_token_index=10)
-# Images only: the vision tower's config, the projector's, the image token.
-WRAPPER_IGNORED = frozenset({"vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
-                             "multimodal_projector_bias", "spatial_merge_size"})
-
-
-def text_config(c: HFConfig) -> HFConfig:
-    return nested_text_config(c, "ministral3", MINISTRAL3_DEFAULTS, "Mistral 3", required=True)
-
-
-text_name = wrapper_names((("model.language_model.", "model."), ("language_model.model.", "model."),
-                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")),
-                          ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-                           "multi_modal_projector."), "vision tower's or projector", "Mistral3ForConditionalGeneration")
-
-
-SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3),
-                 hf_wrappers=(HFWrapper("mistral3", WRAPPER_DEFAULTS, text_config, text_name,
-                                        "vision tower and projector"),))
+SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3))
