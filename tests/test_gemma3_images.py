@@ -307,3 +307,151 @@ def test_config_fields_are_declared():
     vfields = {f.name: f.default for f in dataclasses.fields(transformers.SiglipVisionConfig)}
     assert not set(vfields) - set(VISION_DEFAULTS) - VISION_IGNORED - BASE_IGNORED
     assert {k: vfields[k] for k in VISION_DEFAULTS} == VISION_DEFAULTS
+
+
+# The daemon's side: Gemma 3's prompt rules (ridge/vision/prompt.py) against Gemma3Processor.
+CHAT_TEMPLATE = (  # Gemma 3's: one <start_of_image> per image part, in this vocabulary's turns
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def variant(path: Path, dest: Path, pre: dict | None = None, **config) -> Path:
+    """The fixture's model in `dest` (links) with the chat template, and preprocessor_config.json
+    or config.json changed."""
+    dest.mkdir()
+    for f in path.iterdir():
+        if f.name not in ("preprocessor_config.json", "config.json"):
+            (dest / f.name).symlink_to(f)
+    (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (dest / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, **(pre or {})}))
+    (dest / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **config}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def rules(gemma3, tmp_path_factory):
+    """pan_and_scan -> (the prompt rules ridge reads from the directory, its Gemma3Processor).
+    The rules take do_pan_and_scan from preprocessor_config.json, as Gemma3ImageProcessor does;
+    Gemma3Processor puts its own default (off) over the file's, so the oracle is told per call."""
+    from ridge.vision.prompt import read_prompt_rules
+
+    path = gemma3[0]
+    out = {}
+    for pan in (False, True):
+        d = variant(path, tmp_path_factory.mktemp("rules") / "model", {"do_pan_and_scan": pan})
+        out[pan] = read_prompt_rules(d), transformers.AutoProcessor.from_pretrained(str(d))
+    return out
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+@pytest.mark.parametrize("images", [[WIDE], [WIDE, SQUARE]])
+def test_the_prompt_rules_expand_as_gemma3_processor(rules, images, pan_and_scan):
+    """The chat's markers expanded by ridge (the daemon's expand_markers), tokenized: the
+    processor's ids; place() puts one input per picture (the image, then its crops) at each run of
+    image tokens, with the processor's pixels and a content hash of them."""
+    from ridge.daemon.frontend.images import expand_markers
+    from ridge.vision.prompt import Gemma3Prompt, place
+
+    ours, proc = rules[pan_and_scan]
+    assert isinstance(ours, Gemma3Prompt) and ours.image_token_id == vocab().index(IMAGE)
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Look:"}]
+             + [{"type": "image"} for _ in images] + [{"type": "text", "text": " What is it?"}]}]
+    text = proc.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.count(BOI) == len(images)
+    pictures = [Image.open(io.BytesIO(d)) for d in images]
+    want = proc(text=text, images=[pictures], return_tensors="pt", do_pan_and_scan=pan_and_scan)
+    expanded = [ours.expand(decode_image(d)) for d in images]
+    ids = proc.tokenizer(expand_markers(text, ours.marker, expanded, False, None))["input_ids"]
+    assert ids == want["input_ids"][0].tolist()
+    placed = place(ids, expanded, ours.image_token_id)
+    assert len(placed) == len(want["pixel_values"]) == len(images) + (2 if pan_and_scan else 0)  # WIDE: 2 crops
+    types = want["token_type_ids"][0].tolist()
+    runs = [i for i, t in enumerate(types) if t and (i == 0 or not types[i - 1])]
+    assert [p.offset for p in placed] == runs and all(p.length == TOKENS for p in placed)
+    assert [i for i, t in enumerate(types) if t] == [k for p in placed for k in range(p.offset, p.end)]
+    np.testing.assert_allclose(np.stack([p.pixel_values for p in placed]), want["pixel_values"].numpy(),
+                               rtol=0, atol=1e-6)
+    assert [p.content for p in placed] == [image_hash(p.pixel_values, ours.how) for p in placed]
+    assert len({p.content for p in placed}) == len(placed)
+
+
+@pytest.mark.parametrize("pan_and_scan", [False, True])
+def test_num_image_tokens_is_the_processors_count(rules, pan_and_scan):
+    """From the size alone: the image tokens Gemma3Processor writes for a picture of that size
+    (crops: 2 across, 2 down, 4 at most, none under the ratio or the minimum crop)."""
+    ours, proc = rules[pan_and_scan]
+    image_id = vocab().index(IMAGE)
+    counts = []
+    for w, h in [(700, 300), (300, 700), (1400, 300), (300, 280), (400, 300), (70, 64)]:
+        ids = proc(text=f"x{BOI}", images=[[Image.new("RGB", (w, h), (9, 99, 199))]],
+                   do_pan_and_scan=pan_and_scan)["input_ids"][0]
+        counts.append(ours.num_image_tokens(h, w))
+        assert counts[-1] == sum(t == image_id for t in ids), (w, h)
+    assert counts == ([3 * TOKENS, 3 * TOKENS, 5 * TOKENS] if pan_and_scan else [TOKENS] * 3) + [TOKENS] * 3
+    if not pan_and_scan:
+        assert counts[0] == proc._get_num_multimodal_tokens(image_sizes=[[300, 700]]).num_image_tokens[0]
+
+
+def test_the_prompt_rules_refuse_a_disagreement_by_name(gemma3, tmp_path):
+    """processor_config.json's image_seq_length against config.json's mm_tokens_per_image, the
+    image processor's size against the tower's, the tokenizer's ids against config.json's."""
+    from ridge.vision.pixels import PreprocessorConfigError
+    from ridge.vision.prompt import read_prompt_rules
+
+    path = gemma3[0]
+    cases = [(dict(mm_tokens_per_image=9), None, "image_seq_length"),
+             ({}, {"image_seq_length": 9}, "image_seq_length"),
+             ({}, {"size": {"height": 32, "width": 32}}, "size"),
+             (dict(image_token_index=vocab().index(EOI)), None, "image_token_index"),
+             (dict(boi_token_index=3), None, "boi_token_index")]
+    for i, (config, pre, named) in enumerate(cases):
+        d = variant(path, tmp_path / str(i), pre, **config)
+        with pytest.raises(PreprocessorConfigError, match=named):
+            read_prompt_rules(d)
+
+
+def test_an_image_through_the_daemon_answers_as_transformers(gemma3, tmp_path):
+    """`ridge serve` on the tiny model in fp32, the `openai` package sending a data: URL image
+    (pan-and-scan on: the image and 2 crops) and a question: the answer's tokens, and their
+    logprobs, are transformers' greedy generate's on Gemma3Processor's input."""
+    import base64
+
+    import openai
+
+    from test_daemon_harness import Daemon
+    from test_gateway import free_port, wait_http
+
+    path, hf, _, _ = gemma3
+    d = variant(path, tmp_path / "model", {"do_pan_and_scan": True})
+    proc = transformers.AutoProcessor.from_pretrained(str(d))
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " What is it?"}]}]
+    batch = proc(text=proc.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
+                 images=[[Image.open(io.BytesIO(WIDE))]], return_tensors="pt", do_pan_and_scan=True)
+    assert len(batch["pixel_values"]) == 3
+    with torch.no_grad():
+        out = hf.generate(**batch, max_new_tokens=8, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    want = out.sequences[0, batch["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(x[0], -1)[t].item() for x, t in zip(out.logits, want)]
+    want = want[:want.index(proc.tokenizer.eos_token_id)] if proc.tokenizer.eos_token_id in want else want
+
+    port = free_port()
+    daemon = Daemon(tmp_path, str(d), "--weights", "fp32", "--kv-dtype", "fp32", "--num-kv-blocks", 64,
+                    "--no-kv-disk", "--http", f"127.0.0.1:{port}", "--served-model-name", "tiny")
+    try:
+        wait_http(f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        url = "data:image/png;base64," + base64.b64encode(WIDE).decode()
+        c = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, logprobs=True, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": " What is it?"}]}])
+    finally:
+        daemon.stop()
+    got = [e.token for e in c.choices[0].logprobs.content]
+    assert got == [proc.tokenizer.decode([t]) for t in want] and len(got) == len(want) > 0
+    assert c.choices[0].message.content == proc.tokenizer.decode(want)
+    # the image's rows, not only its placeholders, reach the model: each token's logprob is the oracle's
+    np.testing.assert_allclose([e.logprob for e in c.choices[0].logprobs.content], logprobs[:len(got)],
+                               rtol=0, atol=1e-4)

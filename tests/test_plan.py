@@ -286,3 +286,30 @@ def test_plan_counts_an_images_tokens_as_the_models_processor_does(tmp_path, cap
     assert line == f"images: {a + b} prompt tokens (100x70: {a}, 20x20: {b})" and a > 0 and b > 0
     assert _run(["plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--image", "10x10"]) == 2
     assert "takes no image input" in capsys.readouterr().err
+
+
+def test_plan_counts_a_gemma3_images_tokens_with_pan_and_scan(tmp_path, capsys):
+    """Gemma 3 with do_pan_and_scan on: a wide image is itself and 2 crops, a near-square one
+    itself; each count is the image tokens Gemma3Processor writes for an image of that size."""
+    import json
+
+    import transformers
+    from PIL import Image
+
+    from test_gemma3_images import BOI, IMAGE, PREPROCESSOR, vocab, write_tiny_gemma3
+
+    path = write_tiny_gemma3(tmp_path / "gemma3")
+    (path / "preprocessor_config.json").write_text(json.dumps({**PREPROCESSOR, "do_pan_and_scan": True}))
+    proc = transformers.AutoProcessor.from_pretrained(str(path))
+    image_id = vocab().index(IMAGE)
+
+    def processor_count(w: int, h: int) -> int:
+        ids = proc(text=f"see {BOI}", images=[[Image.new("RGB", (w, h), (10, 200, 30))]],
+                   do_pan_and_scan=True)["input_ids"][0]
+        return sum(t == image_id for t in ids)
+
+    assert _run(["plan", str(path), "--image", "700x300", "--image", "300x280"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    a, b = processor_count(700, 300), processor_count(300, 280)
+    assert a == 3 * b > 0
+    assert line == f"images: {a + b} prompt tokens (700x300: {a}, 300x280: {b})"

@@ -26,6 +26,7 @@ from ridge.errors import InvalidRequest
 from . import processor_class
 from .idefics3 import Idefics3Images
 from .inputs import ImageInput, image_hash
+from .gemma3 import Gemma3Images
 from .pixels import PreprocessorConfigError
 from .pixtral import PixtralImages
 
@@ -118,6 +119,35 @@ class PixtralPrompt:
         return rows * (cols + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class Gemma3Prompt:
+    """Gemma 3: each picture (the image, then its pan-and-scan crops) is
+    `\\n\\n<start_of_image>` + mm_tokens_per_image `<image_soft_token>` + `<end_of_image>\\n\\n`;
+    with crops, the image's block and the crops' blocks sit in the processor's fixed sentence
+    (Gemma3Processor.replace_image_token). The chat template writes `<start_of_image>` per image
+    part: the marker, which the expansion writes again inside each block."""
+    images: Gemma3Images
+    image_token_id: int
+    marker: str = "<start_of_image>"  # the processor's boi_token
+    image_token: str = "<image_soft_token>"
+    end: str = "<end_of_image>"
+    how: str = ""  # the family and its settings: part of every input's content hash
+
+    def expand(self, image: Image.Image) -> Expanded:
+        pre = self.images.preprocess(image)
+        n = self.images.image_seq_length
+        block = f"\n\n{self.marker}{self.image_token * n}{self.end}\n\n"
+        text = block if not pre.num_crops else (
+            f"Here is the original image {block} and here are some crops to help you see better "
+            + " ".join([block] * pre.num_crops))
+        inputs = tuple(Pending(image_hash(px, self.how), px, n, {"crop": i})
+                       for i, px in enumerate(pre.pixel_values))  # crop 0: the whole image
+        return Expanded(text, inputs)
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        return self.images.num_image_tokens(height, width)
+
+
 def row_content(image: str, row: int) -> str:
     """One row's content hash: hex (the prefix cache reads its first 16 digits) and distinct per row."""
     return hashlib.sha256(f"{image}|row {row}".encode()).hexdigest()
@@ -170,7 +200,55 @@ def _pixtral_rules(pre: dict, config: dict, proc: dict) -> PixtralPrompt:
                          tokens["image_end_token"], how=f"{config.get('model_type', '')}|{images!r}")
 
 
-def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | None:
+def _tokenizer_ids(d: Path) -> dict[str, int]:
+    """The added tokens' ids in tokenizer.json ({} without one)."""
+    return {t.get("content"): t.get("id") for t in _json(d / "tokenizer.json").get("added_tokens") or []
+            if isinstance(t, dict)}
+
+
+def _gemma3_rules(d: Path, pre: dict, config: dict, proc: dict) -> Gemma3Prompt:
+    """Gemma3Processor's settings: image_seq_length (processor_config.json, and the image
+    processor's), checked against config.json's mm_tokens_per_image, the rows the projector gives a
+    picture; the three tokens' texts from the tokenizer, checked against config.json's ids."""
+    mm = config.get("mm_tokens_per_image", 256)  # Gemma3Config's default
+    if not _positive(mm):
+        raise PreprocessorConfigError("mm_tokens_per_image", mm, "config.json: expected a positive integer")
+    for source, fields in (("processor_config.json", proc), ("preprocessor_config.json", pre)):
+        value = fields.get("image_seq_length")
+        if value is not None and value != mm:  # the placeholders must be the rows the projector gives
+            raise PreprocessorConfigError("image_seq_length", value,
+                                          f"{source}: config.json's mm_tokens_per_image is {mm}")
+    tok = _json(d / "tokenizer_config.json")
+    extra = tok.get("extra_special_tokens") if isinstance(tok.get("extra_special_tokens"), dict) else {}
+    ids = _tokenizer_ids(d)
+    tokens = {}
+    # each token's text (the processor's default where the tokenizer names none), its config.json
+    # field and Gemma3Config's default id
+    for key, index, default, default_id in (("boi_token", "boi_token_index", "<start_of_image>", 255999),
+                                            ("image_token", "image_token_index", "<image_soft_token>", 262144),
+                                            ("eoi_token", "eoi_token_index", "<end_of_image>", 256000)):
+        text = extra.get(key, tok.get(key, default))
+        if isinstance(text, dict):  # an AddedToken as older tokenizers save it
+            text = text.get("content")
+        if not isinstance(text, str) or not text:
+            raise PreprocessorConfigError(key, text, "tokenizer_config.json: expected the token's text")
+        want = config.get(index, default_id)
+        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+            raise PreprocessorConfigError(index, want, "config.json must give the token's id")
+        if ids and ids.get(text) != want:  # the runs place() looks for must be this id
+            raise PreprocessorConfigError(index, want, f"tokenizer.json gives {text} the id {ids.get(text)}")
+        tokens[key], tokens[index] = text, want
+    images = Gemma3Images.from_config({**pre, "image_seq_length": mm})
+    side = (config.get("vision_config") or {}).get("image_size")
+    if side is not None and (images.height, images.width) != (side, side):
+        # the tower's position embeddings are for its own square
+        raise PreprocessorConfigError("size", pre.get("size"), f"config.json's vision tower takes {side} x {side} "
+                                      "pictures")
+    return Gemma3Prompt(images, tokens["image_token_index"], tokens["boi_token"], tokens["image_token"],
+                        tokens["eoi_token"], how=f"{config.get('model_type', '')}|{images!r}")
+
+
+def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Prompt | None:
     """The image prompt rules of the model in `model_dir`; None when it has no image processor
     (a text model, a GGUF file): such a model takes no images. PreprocessorConfigError names a
     field ridge cannot honour."""
@@ -182,9 +260,12 @@ def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | None:
     family = processor_class(pre)
     if family is PixtralImages:
         return _pixtral_rules(pre, config, proc)
+    if family is Gemma3Images:
+        return _gemma3_rules(d, pre, config, proc)
     if family is not Idefics3Images:
         raise PreprocessorConfigError("image_processor_type", pre.get("image_processor_type"),
-                                      "ridge writes image prompts for Pixtral, Mistral 3, SmolVLM and Idefics3 so far")
+                                      "ridge writes image prompts for Gemma 3, Pixtral, Mistral 3, SmolVLM and "
+                                      "Idefics3 so far")
     seq_len, rows = proc.get("image_seq_len"), _encoder_rows(config)
     if seq_len is None:
         seq_len = rows
