@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, odd_prompts, run_named
+from hybrid_checks import built_variants
 from ridge.cache.state_cache import LayerState
 from ridge.config import kv_bytes_per_token
 from ridge.engine.sampling_params import SamplingParams
@@ -51,15 +52,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            model, path = build_hf(tmp_path_factory.mktemp(name), "lfm2", VARIANTS[name])
-            ids = torch.randint(3, V, (N,), generator=torch.Generator().manual_seed(7)).tolist()
-            built[name] = name, model, path, ids
-        return built[name]
-    return get
+    return built_variants(tmp_path_factory, "lfm2", VARIANTS)
 
 
 @pytest.fixture(params=list(VARIANTS))

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engine_utils import assert_no_leak, greedy, make_engine, odd_prompts, run_named
+from hybrid_checks import built_variants
 from ridge.cache.state_cache import StateCheckpoints
 from ridge.config import ModelShape, kv_bytes_per_request, kv_bytes_per_token
 from ridge.engine.builder import STATE_CHECKPOINTS_PER_SEQ
@@ -69,15 +70,7 @@ def _centred_norms(model) -> None:
 
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            model, path = build_hf(tmp_path_factory.mktemp(name), "qwen3_5_text", VARIANTS[name], edit=_centred_norms)
-            ids = torch.randint(3, V, (N,), generator=torch.Generator().manual_seed(7)).tolist()
-            built[name] = name, model, path, ids
-        return built[name]
-    return get
+    return built_variants(tmp_path_factory, "qwen3_5_text", VARIANTS, _centred_norms)
 
 
 @pytest.fixture(params=list(VARIANTS))
