@@ -84,3 +84,31 @@ def test_an_embedding_step_samples_nothing(tmp_path_factory):
     out = eng.embed([[5, 6, 7, 8], [9, 10]])
     assert out.finished and out.finish_reason == "stop" and len(out.embeddings) == 2
     assert eng.runner.last.sampled is None and eng.totals["decode_tokens"] == 0
+
+
+def test_a_stop_string_in_outputs_merged_past_the_end_is_the_finish(loaded):
+    """The socket thread held up (engine_loop.HeldOutputs merged every step into one output): the
+    core ran the sample to max_tokens, never told of the stop string. The output processor still
+    ends the text at the stop, keeps the tokens up to it, and says stop, as the in-process engine."""
+    from ridge.daemon.frontend.engine_loop import HeldOutputs
+
+    vocab = loaded.config.vocab_size
+    for p in prompts(vocab, [5, 7, 11, 13, 17], seed=3):
+        full = make_engine(loaded).generate([p], greedy(40))[0].new_text
+        if (stop := _stop_for(full)) is not None:
+            break
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
+    (want,) = make_engine(loaded).generate([p], params)
+    eng = core(loaded)
+    eng.add_request("e1", p, params)
+    held = HeldOutputs()
+    while eng.has_unfinished():
+        held.add(eng.step())
+    (merged,) = held.take()
+    assert merged.finished and merged.finish_reason == "length" and merged.num_output_tokens == 40
+    inf = InFlight(None, "c", "e1", stream=False, n=1, logprobs=False,
+                   detok=lambda: TextState(loaded.tokenizer, p, params))
+    assert inf.add(merged) is False and inf.done  # nothing to tell the core: it has finished
+    (c,) = inf.final()["choices"]
+    assert (c["text"], c["finish_reason"], c["completion_tokens"], c["token_ids"]) == \
+        (want.new_text, "stop", want.num_output_tokens, want.new_token_ids)

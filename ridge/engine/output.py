@@ -42,33 +42,52 @@ class TextState:
         self.sent = 0  # chars of it already emitted
         self.stopped = False  # a stop string ended it: the core was told to finish it
 
-    def add(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
-        """-> (text to emit now, hit a stop string)."""
-        for t in token_ids:
+    def add(self, token_ids: list[int], finished: bool) -> tuple[str, bool, int]:
+        """-> (text to emit now, hit a stop string, how many of token_ids it took: all of them, or
+        those up to the one whose text completed the stop string)."""
+        hit, used = False, len(token_ids)
+        for i, t in enumerate(token_ids):
             self.text += self.detok.add(t)
-        if finished:
+            if self.stops and self._cut():
+                hit, used = True, i + 1
+                break
+        if finished and not hit:
             self.text += self.detok.flush()
-        hit = False
-        if self.stops:
-            start = max(0, self.sent - self.hold)
-            cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                self.text, hit, finished = self.text[:cut], True, True
-        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
+            hit = bool(self.stops) and self._cut()
+        end = len(self.text) if finished or hit else max(self.sent, len(self.text) - self.hold)
         delta = self.text[self.sent:end]
         self.sent = end
-        return delta, hit
+        return delta, hit, used
+
+    def _cut(self) -> bool:
+        """Cut the text at the first stop string in what was not yet emitted (and the tail that
+        could have begun one); -> whether there was one."""
+        start = max(0, self.sent - self.hold)
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+        return cut >= 0
 
     def read(self, o: RequestOutput) -> bool:
-        """Sets o.new_text from o's tokens. -> True where a stop string ends the sample with this
-        output: its caller tells the core to finish the sample (EngineCore.finish_sample), and
-        the outputs the core made past it (steps that ran before it heard) carry nothing."""
+        """Sets o.new_text from o's tokens; where a stop string ends the sample, o keeps only the
+        tokens up to it and says finish_reason stop. -> True where the core has yet to be told
+        to finish the sample (EngineCore.finish_sample); the outputs the core made past it
+        (steps that ran before it heard) then carry nothing."""
         if self.stopped:
             o.new_token_ids, o.logprobs, o.new_text = [], None, ""
             return False
-        o.new_text, hit = self.add(o.new_token_ids, o.finished)
-        self.stopped = hit
-        return hit and not o.finished
+        o.new_text, hit, used = self.add(o.new_token_ids, o.finished)
+        if not hit:
+            return False
+        dropped = len(o.new_token_ids) - used
+        if dropped:
+            o.new_token_ids = o.new_token_ids[:used]
+            o.logprobs = None if o.logprobs is None else o.logprobs[:used]
+            o.num_output_tokens -= dropped
+        self.stopped = True
+        if o.finished:  # it also ended otherwise in the same output: the stop string came first
+            o.finish_reason, o.error = "stop", None
+        return not o.finished
 
 
 class OutputProcessor:
