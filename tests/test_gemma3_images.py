@@ -20,6 +20,7 @@ from PIL import Image
 
 from engine_utils import make_engine
 from test_engine_images import greedy_hf, params, run
+from test_idefics3 import assert_fp8_tower, on_ridge_weights
 from ridge.cache.kv_cache import KVCache
 from ridge.engine.admit import Admitted
 from ridge.kernels.metadata import AttentionMetadata
@@ -172,6 +173,38 @@ def test_the_tower_in_bf16(gemma3):
     ref = loaded.vision.encode(inputs)[0]
     assert got.dtype == torch.bfloat16
     assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_encode_in_fp8_matches_get_image_features_on_ridges_weights(gemma3):
+    """weights "fp8": the tower's Linears and the projector's product are e4m3 (per-output-channel
+    scales); the rows equal transformers' on a copy holding those dequantized weights."""
+    path, hf, proc, _ = gemma3
+    vision = load_vision(path, "cpu", torch.float32, weights="fp8")
+    proj = vision.multi_modal_projector.proj
+    assert_fp8_tower(vision, proj, hf.model.multi_modal_projector.mm_input_projection_weight.T)
+    batch = processor_inputs(proc, [WIDE, SQUARE], True)
+    inputs = image_inputs([WIDE, SQUARE], batch["input_ids"][0].tolist(), True)
+    pixels = torch.from_numpy(np.stack([i.pixel_values for i in inputs]))
+    got = torch.stack(vision.encode(inputs))
+    with torch.no_grad():
+        ref = on_ridge_weights(hf, vision).model.get_image_features(pixels).pooler_output
+        plain = hf.model.get_image_features(pixels).pooler_output
+    assert_close(got, ref)
+    assert not torch.allclose(got, plain, rtol=0, atol=1e-6)
+    assert vision.weight_bytes() < load_vision(path, "cpu", torch.float32).weight_bytes()
+
+
+def test_greedy_in_fp8_through_the_engine_equals_transformers_on_ridges_weights(gemma3):
+    """load_model(weights="fp8"): tower, projector and decoder in e4m3; two images (pan-and-scan:
+    4 pictures) in one prefill, greedy against transformers' generate on ridge's dequantized weights."""
+    path, hf, proc, _ = gemma3
+    lm = load_model(path, device="cpu", weights="fp8", use_cache=False)
+    assert lm.vision.multi_modal_projector.proj.is_fp8
+    batch = processor_inputs(proc, [WIDE, SQUARE], True)
+    ids = batch["input_ids"][0].tolist()
+    eng = make_engine(lm, prefill_chunk=512, enable_prefix_caching=False)
+    got, _ = run(eng, {"a": Admitted(ids, params(), tuple(image_inputs([WIDE, SQUARE], ids, True)))})
+    assert got["a"] == greedy_hf(on_ridge_weights(hf, lm.vision, lm), batch)
 
 
 def test_vision_refusals_name_the_field(gemma3, tmp_path):

@@ -8,6 +8,7 @@ The pixels are ridge's preprocessing (ridge/vision/idefics3.py) of PNG files dec
 decoder: gradients plus noise, of sizes that split into several tiles."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -20,6 +21,7 @@ import torch
 import transformers
 from PIL import Image
 
+from engine_utils import make_engine
 from ridge.cache.kv_cache import KVCache
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.models.idefics3.config import (VISION_DEFAULTS, VISION_IGNORED, WRAPPER_DEFAULTS, WRAPPER_IGNORED,
@@ -30,8 +32,10 @@ from ridge.models.oneshot import prompt_logits
 from ridge.models.registry import read_hf_config
 from ridge.quant.errors import ModelLoadError
 from ridge.quant.hf_config import BASE_IGNORED
+from ridge.quant.linear import FP8Linear
 from ridge.vision import Idefics3Images, decode_image
 from ridge.vision.inputs import ImageInput, image_hash
+from test_engine_images import admitted, greedy_hf, params, prompt, run
 from vlm_models import IMAGE, IMAGE_SEQ_LEN, vlm_vocab, write_tiny_smolvlm
 
 KINDS = ("smolvlm", "idefics3")
@@ -124,6 +128,84 @@ def test_encode_matches_get_image_features(vlm):
     assert_close(vision.encode(inputs[5:6])[0], got[5])
     with pytest.raises(ValueError, match="15 placeholder tokens for a tile worth 16"):
         vision.encode([dataclasses.replace(inputs[0], length=15)])
+
+
+# ridge's fused decoder products -> transformers' pieces, stacked along the output rows in this order
+UNFUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+           "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
+
+
+def on_ridge_weights(hf, vision, lm=None):
+    """A copy of transformers' model holding the weights ridge runs: each FP8Linear's e4m3 values
+    times their scales (FP8Linear.dequantized) in the encoder, and with lm the decoder's too
+    (unfused; the table and head as ridge holds them). ridge's encoder names are the checkpoint's
+    without "model." (Gemma 3: without the tower's "vision_model." too)."""
+    ref = copy.deepcopy(hf)
+    theirs = dict(ref.model.named_parameters())
+    with torch.no_grad():
+        for name, m in vision.named_modules():
+            if not isinstance(m, FP8Linear):
+                continue
+            if name == "multi_modal_projector.proj":  # Gemma 3's product: an [in, out] parameter
+                theirs["multi_modal_projector.mm_input_projection_weight"].copy_(m.dequantized().T)
+                continue
+            alt = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            theirs[next(k for k in (f"{name}.weight", f"{alt}.weight") if k in theirs)].copy_(m.dequantized())
+        if lm is not None:
+            emb = lm.model.embed_tokens
+            ref.get_input_embeddings().weight.copy_(emb.dequantized() if hasattr(emb, "dequantized") else emb.weight)
+            if not lm.config.tie_word_embeddings:
+                ref.get_output_embeddings().weight.copy_(lm.model.lm_head.dequantized())
+            for ours, layer in zip(lm.model.layers, ref.get_decoder().layers):
+                for fused, parts in UNFUSED.items():
+                    targets = [layer.get_submodule(p).weight for p in parts]
+                    for t, w in zip(targets, getattr(ours, fused).dequantized().split([t.shape[0] for t in targets])):
+                        t.copy_(w)
+    return ref
+
+
+def assert_fp8_tower(vision, ours: FP8Linear, source: torch.Tensor) -> None:
+    """Every Linear of the encoder an FP8Linear holding e4m3, the rest (conv, positions, norms)
+    in fp32; ours differs from the checkpoint's source values: really quantized."""
+    linears = [m for m in vision.modules() if isinstance(m, FP8Linear)]
+    assert ours in linears and not any(type(m) is torch.nn.Linear for m in vision.modules())
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.dtype == torch.float32 for m in linears)
+    assert all(p.dtype == torch.float32 for p in vision.parameters())
+    assert ours.dequantized().shape == source.shape and not torch.equal(ours.dequantized(), source)
+
+
+def test_encode_in_fp8_matches_get_image_features_on_ridges_weights(vlm):
+    """weights "fp8": the tower's and connector's Linears are e4m3 (per-output-channel scales);
+    the rows equal transformers' on a copy holding those dequantized weights."""
+    _, path, hf = vlm
+    vision = load_vision(path, "cpu", torch.float32, weights="fp8")
+    assert_fp8_tower(vision, vision.vision_model.encoder.layers[0].self_attn.q_proj,
+                     hf.model.vision_model.encoder.layers[0].self_attn.q_proj.weight)
+    tiles = np.concatenate([preprocess(path, d).pixel_values for d in IMAGES[:2]])
+    inputs = [ImageInput(image_hash(t, "t"), t, i * IMAGE_SEQ_LEN, IMAGE_SEQ_LEN) for i, t in enumerate(tiles)]
+    got = vision.encode(inputs)
+    assert all(g.dtype == torch.float32 for g in got)
+    with torch.no_grad():
+        ref = on_ridge_weights(hf, vision).model.get_image_features(torch.from_numpy(tiles)[None]).pooler_output[0]
+        plain = hf.model.get_image_features(torch.from_numpy(tiles)[None]).pooler_output[0]
+    assert_close(torch.cat(got), ref)
+    assert not torch.allclose(torch.cat(got), plain, rtol=0, atol=1e-6)
+    assert vision.weight_bytes() < load_vision(path, "cpu", torch.float32).weight_bytes()
+
+
+def test_greedy_in_fp8_through_the_engine_equals_transformers_on_ridges_weights(vlm):
+    """load_model(weights="fp8"): tower, connector and decoder in e4m3; two images (22 tiles) in
+    one prefill, greedy against transformers' generate on a copy holding ridge's dequantized weights."""
+    _, path, hf = vlm
+    lm = load_model(path, device="cpu", weights="fp8", use_cache=False)
+    proj = lm.vision.connector.modality_projection.proj
+    assert_fp8_tower(lm.vision, proj, hf.model.connector.modality_projection.proj.weight)
+    proc = transformers.AutoProcessor.from_pretrained(str(path))
+    batch = prompt(proc, IMAGES[:2])
+    ids = batch["input_ids"][0].tolist()
+    eng = make_engine(lm, prefill_chunk=512, enable_prefix_caching=False)
+    got, _ = run(eng, {"a": admitted(path, proc, IMAGES[:2], ids, params())})
+    assert got["a"] == greedy_hf(on_ridge_weights(hf, lm.vision, lm), batch)
 
 
 def test_a_smaller_tile_takes_bucketed_positions(vlm):

@@ -21,7 +21,7 @@ import transformers
 from PIL import Image
 
 from engine_utils import make_engine
-from test_idefics3 import assert_close, assert_logits, png
+from test_idefics3 import assert_close, assert_fp8_tower, assert_logits, on_ridge_weights, png
 from ridge.cache.kv_cache import KVCache
 from ridge.engine.admit import Admitted
 from ridge.engine.sampling_params import SamplingParams
@@ -193,8 +193,13 @@ def test_greedy_through_the_engine_equals_generate(m3, chunk):
     and images anywhere (later rows of an image come from the encoder's kept output)."""
     _, path, hf = m3
     batch = hf_batch(path, IMAGES[:2])
-    ids = batch["input_ids"][0].tolist()
     loaded = load_model(path, device="cpu", weights="fp32", use_cache=False)
+    assert engine_greedy(loaded, path, batch, chunk) == greedy_hf(hf, batch)
+
+
+def engine_greedy(loaded, path, batch: dict, chunk: int) -> list[int]:
+    """The engine's greedy tokens for the batch's prompt, its images' rows by ridge's rules."""
+    ids = batch["input_ids"][0].tolist()
     eng = make_engine(loaded, prefill_chunk=chunk, enable_prefix_caching=False)
     eng.add_request("a", Admitted(ids, SamplingParams(max_tokens=NEW, ignore_eos=True),
                                   ridge_inputs(path, IMAGES[:2], ids)))
@@ -202,7 +207,35 @@ def test_greedy_through_the_engine_equals_generate(m3, chunk):
     while eng.has_unfinished():
         for o in eng.step():
             got += o.new_token_ids
-    assert got == greedy_hf(hf, batch)
+    return got
+
+
+def test_encode_in_fp8_matches_get_image_features_on_ridges_weights(m3):
+    """weights "fp8": the tower's, the patch merger's and the projector's Linears are e4m3
+    (per-output-channel scales); the rows equal transformers' on a copy holding those dequantized
+    weights."""
+    _, path, hf = m3
+    vision = load_vision(path, "cpu", torch.float32, weights="fp8")
+    assert_fp8_tower(vision, vision.multi_modal_projector.linear_1, hf.model.multi_modal_projector.linear_1.weight)
+    inputs = ridge_inputs(path, IMAGES, hf_batch(path, IMAGES)["input_ids"][0].tolist())
+    got = torch.cat(vision.encode(list(inputs)))
+    pixels, sizes = hf_pixels(IMAGES)
+    with torch.no_grad():
+        ref = torch.cat(on_ridge_weights(hf, vision).model.get_image_features(pixels, image_sizes=sizes).pooler_output)
+        plain = torch.cat(hf.model.get_image_features(pixels, image_sizes=sizes).pooler_output)
+    assert_close(got, ref)
+    assert not torch.allclose(got, plain, rtol=0, atol=1e-6)
+    assert vision.weight_bytes() < load_vision(path, "cpu", torch.float32).weight_bytes()
+
+
+def test_greedy_in_fp8_through_the_engine_equals_transformers_on_ridges_weights(m3):
+    """load_model(weights="fp8"): tower, projector and decoder in e4m3; two images (13 rows) in one
+    prefill, greedy against transformers' generate on a copy holding ridge's dequantized weights."""
+    _, path, hf = m3
+    batch = hf_batch(path, IMAGES[:2])
+    lm = load_model(path, device="cpu", weights="fp8", use_cache=False)
+    assert lm.vision.vision_tower.transformer.layers[0].attention.q_proj.is_fp8
+    assert engine_greedy(lm, path, batch, 512) == greedy_hf(on_ridge_weights(hf, lm.vision, lm), batch)
 
 
 def test_the_same_image_again_hits_the_caches_and_another_never_does(m3):

@@ -84,7 +84,7 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
         save_image(conv.identity, model, str(resolve_model_path(path)))
     model.eval()
     # An image model's encoder in the text model's compute dtype: it has no FP8 path yet.
-    vision = load_vision(resolve_model_path(path), device, dtype)
+    vision = load_vision(resolve_model_path(path), device, dtype, weights=weights)
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
                        time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}", vision)
 

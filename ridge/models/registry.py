@@ -60,9 +60,10 @@ read_hf_config = partial(hf_loader.read_hf_config, registry=REGISTRY)
 read_gguf_config = partial(gguf_config.read_config, registry=REGISTRY)
 
 
-def load_vision(path, device, dtype):
+def load_vision(path, device, dtype, weights: str = "fp32"):
     """The image encoder of an HF directory whose model_type is a wrapper with one (HFWrapper.vision),
-    read beside its text model; None for any other model (text only)."""
+    read beside its text model, its Linears in FP8 where weights is "fp8"; None for any other model
+    (text only)."""
     import json
     from pathlib import Path
 
@@ -71,4 +72,4 @@ def load_vision(path, device, dtype):
         return None
     found = REGISTRY.hf(json.loads((p / "config.json").read_text()).get("model_type"))
     wrapper = found[1] if found else None
-    return wrapper.vision(p, device, dtype) if wrapper is not None and wrapper.vision is not None else None
+    return wrapper.vision(p, device, dtype, weights=weights) if wrapper is not None and wrapper.vision is not None else None

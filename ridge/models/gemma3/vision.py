@@ -7,7 +7,11 @@ pre-norm encoder layers (bidirectional attention, a GELU MLP) -> a final LayerNo
 Idefics3's, ridge/models/idefics3/vision.py, whose positions over a whole tile are SigLIP's) ->
 the projector: an average pool of the patch grid to mm_tokens_per_image cells, Gemma's RMSNorm
 (weight 1 + w) and a bias-free product to the text model's width: mm_tokens_per_image rows, the
-picture's run of <image_soft_token>s."""
+picture's run of <image_soft_token>s.
+
+With FP8 weights every Linear of the tower (attention, MLP) and the projector's product are e4m3
+with per-output-channel scales (FP8Linears, ridge/models/layers/siglip.py); the patch conv, the
+position table and the norms stay in the compute dtype."""
 from __future__ import annotations
 
 import math
@@ -19,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ridge.quant.fp8 import quantize_fp8
 from ridge.quant.hf_config import HFConfig
 from ridge.vision.inputs import ImageInput
 
 from ..idefics3.vision import VisionTower
-from ..layers.siglip import load_encoder, positive, read_config, read_tower
+from ..layers.siglip import TowerLinear, load_encoder, positive, read_config, read_tower, tower_bytes
 from .config import VISION_PREFIXES, WRAPPER_DEFAULTS, text_config
 
 # SiglipVisionConfig's defaults (transformers 5.25).
@@ -97,12 +102,23 @@ class Projector(nn.Module):
         self.mm_input_projection_weight = nn.Parameter(torch.zeros(cfg.hidden_size, cfg.text_hidden_size))
         self.mm_soft_emb_norm = GemmaRMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
         self.side, self.kernel = cfg.patches_per_side, cfg.patches_per_side // cfg.tokens_per_side
+        self.proj: TowerLinear | None = None  # the product in FP8 (quantize), in place of the parameter
+
+    def quantize(self, device, dtype: torch.dtype) -> None:
+        """The [in, out] product as an FP8Linear: e4m3, one scale per output channel."""
+        w = self.mm_input_projection_weight.detach()
+        self.proj = TowerLinear(*w.shape)
+        self.proj.load(*quantize_fp8(w.T.float(), grouping="channel"), None, torch.device(device), dtype)
+        del self.mm_input_projection_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, _, d = x.shape  # [N, side * side, D], patches row by row
         grid = x.transpose(1, 2).reshape(n, d, self.side, self.side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [N, tokens, D]
-        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(x)
+        normed = self.mm_soft_emb_norm(pooled)
+        if self.proj is not None:
+            return self.proj(normed).type_as(x)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
 
 
 class Gemma3Vision(nn.Module):
@@ -117,11 +133,11 @@ class Gemma3Vision(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.multi_modal_projector.mm_input_projection_weight.dtype
+        return self.multi_modal_projector.mm_soft_emb_norm.weight.dtype  # the compute dtype, FP8 or not
 
     @property
     def device(self) -> torch.device:
-        return self.multi_modal_projector.mm_input_projection_weight.device
+        return self.multi_modal_projector.mm_soft_emb_norm.weight.device
 
     @torch.no_grad()
     def encode(self, inputs: list[ImageInput]) -> list[torch.Tensor]:
@@ -142,7 +158,7 @@ class Gemma3Vision(nn.Module):
         return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return tower_bytes(self)
 
 
 def _module_name(name: str) -> str | None:
@@ -157,14 +173,18 @@ def _module_name(name: str) -> str | None:
     return None if name.startswith(HEAD) else name
 
 
-def load_vision(path, device, dtype: torch.dtype) -> Gemma3Vision | None:
-    """The tower and the projector of a Gemma 3 directory, their weights in dtype on device; None
-    for Gemma3ForCausalLM's (no tower) and where its safetensors hold neither (a text-only copy).
-    Reads only their tensors, one at a time from the files' memory maps."""
+def load_vision(path, device, dtype: torch.dtype, weights: str = "fp32") -> Gemma3Vision | None:
+    """The tower and the projector of a Gemma 3 directory, their weights in dtype on device (their
+    Linears and the projector's product e4m3 where weights is "fp8"); None for Gemma3ForCausalLM's
+    (no tower) and where its safetensors hold neither (a text-only copy). Reads only their tensors,
+    one at a time from the files' memory maps."""
     path = Path(path)
     values = read_config(path)
     if values.get("model_type") != "gemma3":
         return None
     c = HFConfig(values, path / "config.json", WRAPPER_DEFAULTS)
     cfg = read_vision(c, text_config(c).positive_int("hidden_size"))
-    return load_encoder(path, _module_name, lambda: Gemma3Vision(cfg), device, dtype)
+    model = load_encoder(path, _module_name, lambda: Gemma3Vision(cfg), device, dtype, weights)
+    if model is not None and weights == "fp8":  # a parameter, not an nn.Linear: load_encoder left it
+        model.multi_modal_projector.quantize(device, dtype)
+    return model

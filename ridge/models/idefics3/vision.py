@@ -5,7 +5,11 @@ One tile (ridge/vision/idefics3.py's preprocessing) -> patches of patch_size (a 
 plus a learned position per patch -> pre-norm encoder layers (bidirectional attention, a GELU
 MLP) -> a final LayerNorm -> the pixel shuffle (each scale_factor x scale_factor block of
 patches becomes one row of their features side by side) -> a bias-free projection to the text
-model's width: (side / scale_factor)^2 rows per tile, the tile's run of <image> tokens."""
+model's width: (side / scale_factor)^2 rows per tile, the tile's run of <image> tokens.
+
+With FP8 weights every Linear (attention, MLP, the connector's projection) is e4m3 with per-output-
+channel scales (an FP8Linear, ridge/models/layers/siglip.py); the patch conv, the position table
+and the LayerNorms stay in the compute dtype."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +22,7 @@ from torch import nn
 from ridge.quant.errors import ModelLoadError
 from ridge.vision.inputs import ImageInput
 
-from ..layers.siglip import load_encoder, read_config
+from ..layers.siglip import load_encoder, read_config, tower_bytes
 
 from .config import MODEL_TYPES
 from .config import VISION_PREFIXES, VisionConfig, read_wrapper
@@ -153,11 +157,11 @@ class Idefics3Vision(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.connector.modality_projection.proj.weight.dtype
+        return self.vision_model.post_layernorm.weight.dtype  # the compute dtype: FP8Linears hold e4m3
 
     @property
     def device(self) -> torch.device:
-        return self.connector.modality_projection.proj.weight.device
+        return self.vision_model.post_layernorm.weight.device
 
     def rows_per_tile(self, height: int, width: int) -> int:
         """The placeholder tokens one tile of height x width pixels is worth."""
@@ -197,13 +201,13 @@ class Idefics3Vision(nn.Module):
         return out
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return tower_bytes(self)
 
 
-def load_vision(path, device, dtype: torch.dtype) -> Idefics3Vision | None:
+def load_vision(path, device, dtype: torch.dtype, weights: str = "fp32") -> Idefics3Vision | None:
     """The tower and the connector of an Idefics3 / SmolVLM directory, their weights in dtype on
-    device; None where its safetensors hold neither (a text-only copy). Reads only their tensors,
-    one at a time from the files' memory maps."""
+    device (their Linears e4m3 where weights is "fp8"); None where its safetensors hold neither (a
+    text-only copy). Reads only their tensors, one at a time from the files' memory maps."""
     path = Path(path)
     values = read_config(path)
     if values.get("model_type") not in MODEL_TYPES:
@@ -211,4 +215,4 @@ def load_vision(path, device, dtype: torch.dtype) -> Idefics3Vision | None:
                                                    f"{', '.join(MODEL_TYPES)}")
     _, cfg = read_wrapper(values, path / "config.json")
     return load_encoder(path, lambda name: name[len("model."):] if name.startswith(VISION_PREFIXES) else None,
-                        lambda: Idefics3Vision(cfg), device, dtype)
+                        lambda: Idefics3Vision(cfg), device, dtype, weights)

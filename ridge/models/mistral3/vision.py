@@ -11,7 +11,11 @@ torch's unfold lays it out, through a bias-free linear), linear, activation, lin
 
 Images batched into one pass are one sequence whose attention mask is block-diagonal: a patch
 sees only its own image's patches. The ImageInputs are rows of an image's token grid (see the
-package's docstring); encode() runs each image once and slices its rows out."""
+package's docstring); encode() runs each image once and slices its rows out.
+
+With FP8 weights every Linear (attention, the gated MLP, the patch merger, the projector's two) is
+e4m3 with per-output-channel scales (an FP8Linear, ridge/models/layers/siglip.py); the patch conv
+and the RMSNorms stay in the compute dtype."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -24,7 +28,7 @@ from torch import nn
 
 from ridge.vision.inputs import ImageInput
 
-from ..layers.siglip import load_encoder, read_config
+from ..layers.siglip import load_encoder, read_config, tower_bytes
 from .config import VISION_PREFIXES, VisionConfig, read_wrapper
 
 ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -180,11 +184,11 @@ class Mistral3Vision(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.multi_modal_projector.linear_1.weight.dtype
+        return self.multi_modal_projector.norm.weight.dtype  # the compute dtype: FP8Linears hold e4m3
 
     @property
     def device(self) -> torch.device:
-        return self.multi_modal_projector.linear_1.weight.device
+        return self.multi_modal_projector.norm.weight.device
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
         """(rows, cols) of image tokens an image of height x width pixels gives."""
@@ -237,16 +241,16 @@ class Mistral3Vision(nn.Module):
         return out
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return tower_bytes(self)
 
 
-def load_vision(path, device, dtype: torch.dtype) -> Mistral3Vision | None:
-    """The tower and the projector of a Mistral 3 directory, their weights in dtype on device;
-    None where its safetensors hold neither (a text-only copy)."""
+def load_vision(path, device, dtype: torch.dtype, weights: str = "fp32") -> Mistral3Vision | None:
+    """The tower and the projector of a Mistral 3 directory, their weights in dtype on device (their
+    Linears e4m3 where weights is "fp8"); None where its safetensors hold neither (a text-only copy)."""
     path = Path(path)
     _, cfg = read_wrapper(read_config(path), path / "config.json")
     model = load_encoder(path, lambda name: name.removeprefix("model.") if name.startswith(VISION_PREFIXES) else None,
-                         lambda: Mistral3Vision(cfg), device, dtype)
+                         lambda: Mistral3Vision(cfg), device, dtype, weights)
     if model is not None:  # the rotary's frequencies are no tensor of the checkpoint: built where it runs
         model.vision_tower.inv_freq = inverse_frequencies(cfg, device)
     return model
