@@ -229,6 +229,8 @@ class ModelConfig:
         if self.mixerless_layers is not None:  # MLP and experts blocks apart from the mixers, which have none
             attn_total -= mixerless * attn
             dense = mixerless - moe
+        if self.extra.get("moe_beside_mlp"):  # Gemma 4's experts run beside each layer's dense MLP
+            dense += moe
         mlps = dense * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
         mlps += moe * 3 * self.hidden_size * self.shared_expert_intermediate_size
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,

@@ -375,3 +375,13 @@ def test_kv_blocks_take_each_layers_shape(tmp_path):
     assert cache.bytes_per_token == 2 * (2 * 2 * (16 + 2) + 1 * (64 + 2))
     assert cache.total_bytes == 16 * (3 * 2 * (64 + 2) + 5 * 2 * 2 * 2 * (16 + 2))
     assert layers_kv_bytes_per_token(cfg, "fp32", [2]) == 2 * 64 * 4
+
+
+def test_plan_counts_the_moe_variants_parameters(built):
+    """ridge plan's parameter count (norms, biases and per-channel scalars left out) equals the
+    transformers model's: the dense MLP beside the experts counted on every layer."""
+    model, path, _ = built("moe-window16")
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    scalars = ("norm", "layer_scalar", "router.scale", "per_expert_scale")
+    want = sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in scalars))
+    assert lm.config.shape().num_params == want

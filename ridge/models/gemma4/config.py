@@ -180,7 +180,7 @@ def read_gemma4(c: HFConfig, kw: dict) -> dict:
                 sliding_window=window if sliding else None, layer_types=types if sliding else None,
                 rope_theta=full_theta, rope_scaling=full_scaling, rope_local_theta=local_theta,
                 rope_local_scaling=local_scaling, final_logit_softcapping=cap(c, "final_logit_softcapping"),
-                extra=dict(per_layer_input=per_layer, kv_source=_kv_sources(c, types),
+                extra=dict(per_layer_input=per_layer, kv_source=_kv_sources(c, types), moe_beside_mlp=bool(moe),
                            double_wide_mlp=c.flag("use_double_wide_mlp"), k_eq_v=c.flag("attention_k_eq_v"),
                            placeholders=list(placeholders), pad_token_id=pad))
 
