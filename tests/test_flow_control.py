@@ -460,12 +460,13 @@ def blocker(endpoint: str, seconds: float, started: threading.Event) -> None:
         async with AsyncClient(endpoint) as c:
             await c.hello()
             async with c.stream("block", n=16, max_tokens=4000, ignore_eos=True) as s:
-                t0, running = time.monotonic(), set()
+                t0, running = None, set()
                 async for d in s:
                     running.add(d.index)
-                    if len(running) == 16:  # every slot taken (the samples start one step apart)
+                    if len(running) == 16 and t0 is None:  # every slot taken (the samples start one step apart):
+                        t0 = time.monotonic()  # the `seconds` count from here, whatever the start took
                         started.set()
-                    if time.monotonic() - t0 > seconds:
+                    if t0 is not None and time.monotonic() - t0 > seconds:
                         break
 
     asyncio.run(main())
