@@ -355,6 +355,9 @@ def wait_for(pred, timeout: float, what: str):
 
 
 STUCK = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+# The HTTP reader's tokens first fill the gateway's socket buffers (a few MB once the kernel has grown
+# them), so its stream must outlast that and the stuck timer too: nearly the model's whole context.
+STUCK_HTTP = {**STUCK, "max_tokens": 4000}
 
 
 def oldest_untaken(client: AsyncClient) -> tuple[int, float | None]:
@@ -364,7 +367,7 @@ def oldest_untaken(client: AsyncClient) -> tuple[int, float | None]:
 
 
 def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, quick_gateway):
-    """2,000 tokens (with their top-20 logprobs, so that the kernel's and uvicorn's buffers fill early)
+    """4,000 tokens (with their top-20 logprobs, so that the kernel's and uvicorn's buffers fill early)
     streamed to an HTTP client that reads none of them: the gateway holds one merged delta, not a
     frame per token, and aborts the request once nothing was taken for client_timeout."""
     gw = quick_gateway
@@ -374,7 +377,7 @@ def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, qu
         base = tracemalloc.get_traced_memory()[0]
         s = http_post(gw.addr, "/v1/chat/completions",
                       {"model": "tiny", "messages": [{"role": "user", "content": "talk"}], "stream": True,
-                       "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 20, **STUCK},
+                       "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 20, **STUCK_HTTP},
                       rcvbuf=4096)
         held, stuck_for = [], []
         deadline = time.monotonic() + 30
@@ -395,11 +398,11 @@ def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, qu
     reasons = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
     (usage,) = [e["usage"] for e in events if e.get("usage")]
     print(f"\nheld by the gateway: at most {max(held)} B; traced peak {peak / MIB:.2f} MiB; aborted "
-          f"{max(stuck_for):.2f} s after the client stopped taking; {usage['completion_tokens']} of 2000 tokens")
+          f"{max(stuck_for):.2f} s after the client stopped taking; {usage['completion_tokens']} of 4000 tokens")
     assert reasons[-1] == "abort" and "data: [DONE]" in body
     assert max(held) < 1 * MIB and peak < 4 * MIB
     assert QUICK_TIMEOUT - 0.05 < max(stuck_for) < QUICK_TIMEOUT + QUICK_HEARTBEAT + 0.5
-    assert 0 < usage["completion_tokens"] < 2000
+    assert 0 < usage["completion_tokens"] < STUCK_HTTP["max_tokens"]
 
 
 def test_a_zmq_client_that_reads_nothing_is_aborted_with_bounded_daemon_memory(quick):
