@@ -201,8 +201,10 @@ class ModelConfig:
     def shape(self, name: str | None = None) -> "ModelShape":
         """The numbers `ridge plan` needs. The parameter count leaves out norms and biases."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        mats = 3 if self.extra.get("gated_mlp", True) else 2  # Nemotron-H's MLPs and experts: up and down
+        latent = self.extra.get("moe_latent_size") or self.hidden_size  # experts between two latent projections
+        mlp = mats * self.hidden_size * self.intermediate_size
+        expert = mats * latent * self.moe_intermediate_size
         moe = sum(map(self.is_moe_layer, range(self.num_layers)))
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         sliding = sum(1 for i in range(self.num_layers) if self.layer_window(i) is not None
@@ -232,7 +234,9 @@ class ModelConfig:
         if self.extra.get("moe_beside_mlp"):  # Gemma 4's experts run beside each layer's dense MLP
             dense += moe
         mlps = dense * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
-        mlps += moe * 3 * self.hidden_size * self.shared_expert_intermediate_size
+        mlps += moe * mats * self.hidden_size * self.shared_expert_intermediate_size
+        if latent != self.hidden_size:
+            mlps += moe * 2 * self.hidden_size * latent
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,
                           attn_total + mlps + embeddings, self.sliding_window if sliding else None,
                           sliding, self.num_experts if moe else 0, self.num_experts_per_tok if moe else 0,

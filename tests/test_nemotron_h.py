@@ -216,3 +216,14 @@ def test_older_names_and_the_pattern(variants, tmp_path):
     la = cfg.linear_attention
     assert (la["n_groups"], la["conv_kernel"], la["conv_bias"], la["dt_limit"]) == (4, 2, False, [0.0, 3.0])
     assert (ref.n_groups, ref.conv_kernel, ref.use_conv_bias, list(ref.time_step_limit)) == (4, 2, False, [0.0, 3.0])
+
+
+def test_plan_counts_the_parameters(variant):
+    """ridge plan's parameter count (norms, biases, the convolution, A, D and dt's bias left out)
+    equals the transformers model's: the MLPs and experts ungated (up and down), the experts in
+    their latent width between the two latent projections."""
+    name, model, path, _ = variant
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    left_out = ("norm", "bias", "conv1d", "A_log", ".D", "e_score_correction")
+    want = sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in left_out))
+    assert lm.config.shape().num_params == want, name

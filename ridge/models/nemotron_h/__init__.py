@@ -116,7 +116,7 @@ def read_nemotron_h(c: HFConfig, kw: dict) -> dict:
                 nope_layers=list(range(n)),
                 linear_layers=[i for i, t in enumerate(types) if t == "linear_attention"] or None,
                 linear_attention=la, mixerless_layers=[i for i, t in enumerate(types) if t in ("mlp", "moe")],
-                **(_experts(c, kw, moe) if moe else {}))
+                **(_experts(c, kw, moe) if moe else {"extra": {"gated_mlp": False}}))
 
 
 def _experts(c: HFConfig, kw: dict, layers: list[int]) -> dict:
@@ -134,7 +134,7 @@ def _experts(c: HFConfig, kw: dict, layers: list[int]) -> dict:
     return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=width,
                 norm_topk_prob=c.flag("norm_topk_prob"), **sigmoid_group_router(c, experts, k),
                 shared_expert_intermediate_size=shared or kw["intermediate_size"], moe_layers=layers,
-                extra={"moe_latent_size": c.positive_int("moe_latent_size")})
+                extra={"moe_latent_size": c.positive_int("moe_latent_size"), "gated_mlp": False})
 
 
 def checkpoint_name(name: str) -> str:
