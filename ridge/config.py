@@ -77,10 +77,11 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
-    # The placeholder tokens of one image see each other both ways (Gemma 3): full attention within
-    # an image's run, causal elsewhere, still inside a sliding layer's window. The runner hands
-    # attention the runs (AttentionMetadata.spans); the scheduler never splits one across steps.
-    image_attention_bidirectional: bool = False
+    # The placeholder tokens of one image see each other both ways: full attention within an
+    # image's run, causal elsewhere, still inside a sliding layer's window. True: on every layer
+    # (Gemma 3); "sliding": on the sliding layers only, the full ones causal (Gemma 4). The runner
+    # hands attention the runs (AttentionMetadata.spans); the scheduler never splits one across steps.
+    image_attention_bidirectional: bool | str = False
     # Layers whose q and k enter attention unrotated (NoPE): SmolLM3's every fourth, EXAONE 4's
     # global layers. None: every layer applies RoPE.
     nope_layers: list[int] | None = None

@@ -314,11 +314,7 @@ def multimodal(tmp_path_factory):
     config = Gemma4Config(text_config=text.to_dict(), vision_config=vision, **PLACEHOLDER_IDS)
     torch.manual_seed(0)
     model = Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.model.language_model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-        _draw(_Wrapped(model))
+    draw_text_model(model)
     path = tmp_path_factory.mktemp("gemma4") / "gemma4"
     model.save_pretrained(path)
     from tiny_models import write_tokenizer_files
@@ -333,6 +329,15 @@ class _Wrapped:
 
     def __init__(self, model):
         self.model = model.model.language_model
+
+
+@torch.no_grad()
+def draw_text_model(model) -> None:
+    """A multimodal model's text norms near 1 and _draw's scalars."""
+    for name, p in model.model.language_model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+    _draw(_Wrapped(model))
 
 
 def test_multimodal_checkpoint_served_as_text(multimodal):

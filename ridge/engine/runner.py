@@ -111,14 +111,17 @@ class ModelRunner:
         self.last: StepHandle | None = None  # the latest launched step, whose samples feed the next
         self.constraints, self.speculator, self.pooling, self.encoder = constraints, speculator, pooling, encoder
         self.batch_invariant = False  # the next step's attention must not depend on its batch (set per step)
+        # each KV group's window, in the metadata's order (group 0, then meta.groups)
+        self.kv_windows = [g.window for g in model.cfg.kv_groups()] or [None]
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
         batch = plan_step(out, self.block_size, self.bufs, include_spec, graph, prev)
-        spans = image_spans(out) if self.model.cfg.image_attention_bidirectional else None
-        for meta in (batch.meta, *batch.meta.groups):
+        bidirectional = self.model.cfg.image_attention_bidirectional
+        spans = image_spans(out) if bidirectional else None
+        for g, meta in enumerate((batch.meta, *batch.meta.groups)):
             meta.batch_invariant = self.batch_invariant
-            meta.spans = spans
+            meta.spans = spans if bidirectional is True or self.kv_windows[g] is not None else None
         if self.stateful:
             self._state_meta(out, batch.meta, include_spec)
         if batch.feed is not None:

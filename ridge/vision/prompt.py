@@ -27,6 +27,7 @@ from . import processor_class
 from .idefics3 import Idefics3Images
 from .inputs import ImageInput, image_hash
 from .gemma3 import Gemma3Images
+from .gemma4 import Gemma4Images
 from .pixels import PreprocessorConfigError
 from .pixtral import PixtralImages
 
@@ -148,6 +149,34 @@ class Gemma3Prompt:
         return self.images.num_image_tokens(height, width)
 
 
+@dataclass(frozen=True, slots=True)
+class Gemma4Prompt:
+    """Gemma 4: the chat template writes the image token once per image part (the marker), and the
+    processor puts `<|image>` + one image token per pooled cell + `<image|>` in its place
+    (Gemma4Processor.replace_image_token). One image is one encoder input: its own patches (the
+    processor's padding to the patch budget left off: the encoder runs each image at its length)
+    and its patch grid."""
+    images: Gemma4Images
+    image_token_id: int
+    marker: str = "<|image|>"  # the processor's image_token
+    boi: str = "<|image>"
+    eoi: str = "<image|>"
+    how: str = ""  # the family and its settings: part of every input's content hash
+
+    def expand(self, image: Image.Image) -> Expanded:
+        pre = self.images.preprocess(image)
+        xy = pre.image_position_ids
+        mine = xy[:, 0] >= 0
+        grid = (int(xy[mine, 1].max()) + 1, int(xy[mine, 0].max()) + 1)  # rows, columns of patches
+        pixels = np.ascontiguousarray(pre.pixel_values[mine])
+        n = pre.num_image_tokens
+        return Expanded(f"{self.boi}{self.marker * n}{self.eoi}",
+                        (Pending(image_hash(pixels, f"{self.how}|{grid}"), pixels, n, {"grid": grid}),))
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        return self.images.num_image_tokens(height, width)
+
+
 def row_content(image: str, row: int) -> str:
     """One row's content hash: hex (the prefix cache reads its first 16 digits) and distinct per row."""
     return hashlib.sha256(f"{image}|row {row}".encode()).hexdigest()
@@ -248,7 +277,38 @@ def _gemma3_rules(d: Path, pre: dict, config: dict, proc: dict) -> Gemma3Prompt:
                         tokens["eoi_token"], how=f"{config.get('model_type', '')}|{images!r}")
 
 
-def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Prompt | None:
+def _gemma4_rules(d: Path, pre: dict, config: dict) -> Gemma4Prompt:
+    """Gemma4Processor's settings: the image processor's patch budget and pooling, checked against
+    the tower's (config.json's vision_config); the three tokens' texts from the tokenizer, the image
+    token's checked against config.json's image_token_id."""
+    images = Gemma4Images.from_config(pre)
+    vision = config.get("vision_config") or {}
+    for key, default in (("patch_size", 16), ("pooling_kernel_size", 3)):
+        if vision.get(key, default) != getattr(images, key):  # the encoder's grid must be the processor's
+            raise PreprocessorConfigError(key, getattr(images, key), f"config.json's vision tower takes "
+                                          f"{vision.get(key, default)}")
+    tok = _json(d / "tokenizer_config.json")
+    extra = tok.get("extra_special_tokens") if isinstance(tok.get("extra_special_tokens"), dict) else {}
+    texts = {}
+    for key, default in (("image_token", "<|image|>"), ("boi_token", "<|image>"), ("eoi_token", "<image|>")):
+        text = extra.get(key, tok.get(key, default))
+        if isinstance(text, dict):  # an AddedToken as older tokenizers save it
+            text = text.get("content")
+        if not isinstance(text, str) or not text:
+            raise PreprocessorConfigError(key, text, "tokenizer_config.json: expected the token's text")
+        texts[key] = text
+    want = config.get("image_token_id", 258_880)  # Gemma4Config's default
+    if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+        raise PreprocessorConfigError("image_token_id", want, "config.json must give the image token's id")
+    ids = _tokenizer_ids(d)
+    if ids and ids.get(texts["image_token"]) != want:  # the runs place() looks for must be this id
+        raise PreprocessorConfigError("image_token_id", want,
+                                      f"tokenizer.json gives {texts['image_token']} the id {ids.get(texts['image_token'])}")
+    return Gemma4Prompt(images, want, texts["image_token"], texts["boi_token"], texts["eoi_token"],
+                        how=f"{config.get('model_type', '')}|{images!r}")
+
+
+def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Prompt | Gemma4Prompt | None:
     """The image prompt rules of the model in `model_dir`; None when it has no image processor
     (a text model, a GGUF file): such a model takes no images. PreprocessorConfigError names a
     field ridge cannot honour."""
@@ -262,9 +322,11 @@ def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Promp
         return _pixtral_rules(pre, config, proc)
     if family is Gemma3Images:
         return _gemma3_rules(d, pre, config, proc)
+    if family is Gemma4Images:
+        return _gemma4_rules(d, pre, config)
     if family is not Idefics3Images:
         raise PreprocessorConfigError("image_processor_type", pre.get("image_processor_type"),
-                                      "ridge writes image prompts for Gemma 3, Pixtral, Mistral 3, SmolVLM and "
+                                      "ridge writes image prompts for Gemma 3, Gemma 4, Pixtral, Mistral 3, SmolVLM and "
                                       "Idefics3 so far")
     seq_len, rows = proc.get("image_seq_len"), _encoder_rows(config)
     if seq_len is None:

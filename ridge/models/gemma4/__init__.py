@@ -8,7 +8,8 @@ from ridge.quant.spec import ModelSpec
 
 from .config import GEMMA4_DEFAULTS, WEIGHTS, WRAPPER_DEFAULTS, read_gemma4, text_config, text_name
 from .model import Gemma4CausalLM
+from .vision import load_vision
 
 SPEC = ModelSpec("gemma4_text", Gemma4CausalLM, HFFamily(GEMMA4_DEFAULTS, read_gemma4, act_field="hidden_activation"),
                  weights=WEIGHTS, hf_wrappers=(HFWrapper("gemma4", WRAPPER_DEFAULTS, text_config, text_name,
-                                                         "vision and audio towers"),))
+                                                         "audio tower", vision=load_vision),))

@@ -182,7 +182,10 @@ def read_gemma4(c: HFConfig, kw: dict) -> dict:
                 rope_local_scaling=local_scaling, final_logit_softcapping=cap(c, "final_logit_softcapping"),
                 extra=dict(per_layer_input=per_layer, kv_source=_kv_sources(c, types), moe_beside_mlp=bool(moe),
                            double_wide_mlp=c.flag("use_double_wide_mlp"), k_eq_v=c.flag("attention_k_eq_v"),
-                           placeholders=list(placeholders), pad_token_id=pad))
+                           placeholders=list(placeholders), pad_token_id=pad),
+                # "vision": an image's tokens see each other both ways on the sliding layers (transformers'
+                # create_masks_for_vision_model), the full layers causal
+                image_attention_bidirectional="sliding" if c.get("use_bidirectional_attention") == "vision" else False)
 
 
 # -- tensors: Hugging Face names -> the model's

@@ -161,12 +161,17 @@ class Gemma4CausalLM(GemmaCausalLM):
         return (proj + table.reshape(T, L, P)) * 2.0 ** -0.5
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta, kv_caches: list, num_layers: int | None = None):
+    def forward(self, input_ids, positions, meta, kv_caches: list, num_layers: int | None = None, embeds=None):
+        """embeds: (rows, values), an image's rows (encoder.py) in place of its placeholders'. Their
+        per-layer inputs look the pad token up in the per-layer table and project the image's rows,
+        as transformers' text model does with the embeddings it is handed."""
         if self.placeholders is not None:  # the multimodal model's text path embeds them as the pad token
             input_ids = torch.where(torch.isin(input_ids, self.placeholders.to(input_ids.device)),
                                     self.cfg.extra["pad_token_id"], input_ids)
         with section("embed"):
             h = self.embed(input_ids)
+        if embeds is not None:
+            h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         per_layer = self.per_layer_inputs(input_ids, h) if self.cfg.extra["per_layer_input"] else None
         residual = None
         sources = self.cfg.extra["kv_source"]
