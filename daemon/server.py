@@ -64,7 +64,7 @@ def make_validator(engine, model: dict, limits: Limits) -> Validator:
     return Validator(engine.tokenizer, model["vocab_size"], model["max_model_len"], model["block_size"],
                      model["num_kv_blocks"], limits, engine.grammars,
                      model["hidden_size"] if model.get("pooling") else None, model.get("pooling") == "rank",
-                     image_rules=rules_for(model.get("path")))
+                     image_rules=rules_for(model.get("path"), model.get("mmproj"), engine.tokenizer))
 
 
 class Server(SocketLoop, RequestFlow, Control):

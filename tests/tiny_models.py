@@ -188,12 +188,13 @@ def _family_metadata(w, cfg: ModelConfig) -> None:
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: str = "F32",
-               tokenizer: bool = True, raw: dict | None = None, split_max_tensors: int = 0) -> Path:
+               tokenizer: bool = True, raw: dict | None = None, split_max_tensors: int = 0,
+               extra_tokens: tuple[str, ...] = ()) -> Path:
     """Matrices in `qtype` (norms and biases stay F32), llama's Q/K rows permuted
     as llama.cpp's converter does. raw: GGUF tensor name -> (bytes array, type
     name), written as given instead (types gguf-py can read but not write). split_max_tensors: as
     llama.cpp's gguf-split --split-max-tensors, parts PATH.stem-0000k-of-0000n.gguf beside PATH;
-    the first part's path is returned."""
+    the first part's path is returned. extra_tokens: control tokens after the tiny vocabulary's."""
     import gguf
     from gguf.quants import quantize
 
@@ -217,6 +218,7 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype:
     _moe_metadata(w, cfg)
     if tokenizer:
         tokens, types, merges = tiny_vocab()
+        tokens, types = tokens + list(extra_tokens), types + [3] * len(extra_tokens)  # 3: CONTROL
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ridge.errors import InvalidRequest
 from ridge.vision.decode import ImageLimits, decode_image
 from ridge.vision.pixels import PreprocessorConfigError
+from ridge.models.mmproj import mmproj_prompt_rules
 from ridge.vision.prompt import Expanded, place, read_prompt_rules
 
 from ..protocol import INVALID_REQUEST, ProtocolError, fail
@@ -107,11 +108,14 @@ def located(ids: list[int], expanded: list[Expanded], token_id: int, rid: str | 
         raise ProtocolError(INVALID_REQUEST, str(e), rid) from None
 
 
-def rules_for(model_dir) -> object:
-    """The image prompt rules of a model directory (ridge/vision/prompt.py); None when it has no
+def rules_for(model_dir, mmproj=None, tokenizer=None) -> object:
+    """The image prompt rules of a model directory (ridge/vision/prompt.py), or of a GGUF model's
+    projector file (models/mmproj.py: its tokens' ids from the tokenizer); None when it has no
     image processor; the reason, as a string, when its preprocessing is one ridge cannot honour
     exactly (its text is still served: only its images are refused, naming the field)."""
     try:
+        if mmproj is not None:
+            return mmproj_prompt_rules(mmproj, tokenizer.backend.token_to_id)
         return read_prompt_rules(model_dir)
     except (PreprocessorConfigError, ValueError) as e:
         return str(e)

@@ -87,7 +87,7 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
         native.start_build()  # ridge's CPU kernels compile (first start) while the model loads
     if loaded is None:
         loaded = load_model(config.model, device=config.device, max_model_len=config.max_model_len,
-                            weights=config.weights, recipe=config.fp8_recipe)
+                            weights=config.weights, recipe=config.fp8_recipe, mmproj=config.mmproj)
         # ridge bench loading --model reads this line: the load apart from the process's start
         log.info("weights loaded in %.2f s (%s)", loaded.load_seconds,
                  "from the converted cache" if loaded.from_cache else "converted from the source")

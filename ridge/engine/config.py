@@ -26,6 +26,9 @@ def _opt(default, help: str, **meta):
 class EngineConfig:
     model: str | None = _opt(None, "GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)",
                              example="/path/to/model.gguf")
+    mmproj: str | None = _opt(None, "a GGUF model's image encoder: llama.cpp's projector file, as llama-server's "
+                              "--mmproj (an HF directory carries its own)", example="/path/to/mmproj.gguf",
+                              per_model=True)
     device: str | None = _opt(None, "cuda or cpu (default: cuda if available)", example="cuda")
     kv_dtype: str | None = _opt(None, "KV cache dtype (default: fp8 on CUDA; on CPU bf16 with ridge's C kernels, "
                                 "else fp32; by measurement)",

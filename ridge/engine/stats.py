@@ -117,6 +117,7 @@ def model_info(engine) -> dict:
     budget = engine.budget_info
     return {
         "name": cfg.name or engine.loaded.path.stem, "path": str(engine.loaded.path), "arch": cfg.arch,
+        "mmproj": None if engine.loaded.mmproj is None else str(engine.loaded.mmproj),
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
         "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "max_model_len": engine.max_model_len,

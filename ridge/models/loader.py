@@ -19,6 +19,7 @@ from ridge.quant.source import resolve_model_path
 
 from .cpu_image import load_image, save_image
 from .fp8_calibrate import STREAMED, calibrate
+from .mmproj import load_mmproj
 from .layers.decoder import CausalLM
 from .registry import convert, load_vision, model_class
 
@@ -35,6 +36,7 @@ class LoadedModel:
     weights: str  # what they hold (`--weights`): fp8, or the source's values in bf16 or fp32
     identity: str = ""  # what the weights are (quant/convert.py, and weights): the KV tiers' disk key starts from it
     vision: object = None  # an image model's encoder (its family's load_vision), whose encode() the engine calls
+    mmproj: Path | None = None  # the projector file the encoder came from, for a GGUF model (models/mmproj.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -46,11 +48,12 @@ def default_device() -> torch.device:
 
 
 def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use_cache=True,
-               show_progress=True, rule="mse", recipe=None) -> LoadedModel:
+               show_progress=True, rule="mse", recipe=None, mmproj=None) -> LoadedModel:
     """weights: fp8 (e4m3 made by the FP8 recipe `recipe`, None for RIDGE_FP8_RECIPE or the declared
     default: quant/recipe.py, measured on the calibration text by fp8_calibrate where it asks), or
     bf16 / fp32 (the source's values unquantized in that dtype). The engine passes its `--weights`; this default
-    is for callers without options (tests, tools)."""
+    is for callers without options (tests, tools). mmproj: a GGUF model's image encoder, llama.cpp's
+    projector file (models/mmproj.py)."""
     if weights not in WEIGHT_BYTES:
         raise ValueError(f"--weights {weights!r}: choose {', '.join(WEIGHT_BYTES)}")
     t0 = time.perf_counter()
@@ -85,8 +88,13 @@ def load_model(path=None, *, device=None, weights="fp8", max_model_len=None, use
     model.eval()
     # An image model's encoder in the text model's compute dtype: it has no FP8 path yet.
     vision = load_vision(resolve_model_path(path), device, dtype, weights=weights)
+    if mmproj is not None:
+        if vision is not None or resolve_model_path(path).is_dir():
+            raise ModelLoadError(mmproj, "--mmproj is for a GGUF model: an HF directory carries its own image encoder")
+        vision = load_mmproj(mmproj, device, dtype, weights, conv.config.hidden_size)
     return LoadedModel(conv.config, model, conv.tokenizer, resolve_model_path(path), device,
-                       time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}", vision)
+                       time.perf_counter() - t0, conv.from_cache, weights, f"{conv.identity}:{weights}", vision,
+                       None if mmproj is None else Path(mmproj))
 
 
 def _wants_image(conv, device: torch.device, weights: str, use_cache: bool) -> bool:

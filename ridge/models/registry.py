@@ -47,6 +47,9 @@ FAMILIES = (
     "mistral3",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
+# llama.cpp's projector files (--mmproj, models/mmproj.py): clip.projector_type -> the folder whose
+# mmproj.py reads it
+PROJECTORS = {"gemma3": "gemma3"}
 
 
 def model_class(cfg: ModelConfig) -> type:

@@ -52,7 +52,9 @@ def read_gemma3_gguf(a, kw: dict, names: set[str], reader, path) -> dict:
     out = read_gemma_gguf("gemma3", a, kw, names, path, period=6, layers_27b=62, window=None, attn_cap=None,
                           final_cap=None)
     theta = positive(path, "gemma3.rope.freq_base_swa", a("rope.freq_base_swa", 10000.0))
-    return dict(out, rope_local_theta=float(theta))
+    # images come with a projector file (--mmproj): their tokens see each other both ways, as in the
+    # HF checkpoint (and llama.cpp's mtmd decodes them non-causally)
+    return dict(out, rope_local_theta=float(theta), image_attention_bidirectional=True)
 
 
 # -- Gemma 3 as the Hub ships 4B, 12B and 27B: model_type gemma3, Gemma3ForConditionalGeneration

@@ -101,6 +101,14 @@ def load_encoder(path: Path, rename: Callable[[str], str | None], build: Callabl
                 sd[mine], source[mine] = (t if weights == "fp8" else t.to(device=device, dtype=dtype)), name
     if not sd:
         return None
+    return place_encoder(sd, source, path, build, device, dtype, weights)
+
+
+def place_encoder(sd: dict[str, torch.Tensor], source: dict[str, str], path, build: Callable[[], nn.Module], device,
+                  dtype: torch.dtype, weights: str) -> nn.Module:
+    """The encoder build() makes holding sd's tensors (its names; source: each one's name in the
+    file, for refusals), checked name by name and shape by shape, in dtype on device; weights
+    "fp8": each nn.Linear quantized. sd's tensors are in dtype on device already unless "fp8"."""
     with torch.device("meta"):
         model = build()
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
