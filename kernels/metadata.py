@@ -41,6 +41,10 @@ class AttentionMetadata:
     # block mask: causal OR same run, and inside a sliding window). Each lies wholly among its
     # sequence's queries of this step (the scheduler never splits one). None: causal everywhere.
     spans: tuple | None = None
+    # Multimodal rotary positions (ridge/models/layers/mrope.py): (rows [k], their (t, h, w)
+    # positions [3, k]) of the step's image tokens, which rotate by three positions; None: every
+    # row rotates by its one position.
+    mrope: tuple | None = None
 
     def group(self, g: int) -> "AttentionMetadata":
         """The metadata a layer of KV group g reads and writes through."""

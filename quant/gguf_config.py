@@ -45,6 +45,9 @@ class GGUFFamily:
     permuted_qk: bool = False
     config_tensors: tuple[str, ...] = ()
     partial_rotary: bool = False
+    # attention.head_count_kv may differ from layer to layer (full and sliding layers of their own
+    # shapes): the first layer's count stands in until read() sets the family's own fields from the list
+    kv_heads_per_layer: bool = False
 
 
 def field_value(reader, key, default=None):
@@ -74,8 +77,9 @@ def read_config(reader, path, registry) -> ModelConfig:
                    "original_max_position_embeddings": a("rope.scaling.original_context_length", 4096)}
     kw = dict(
         arch=spec.arch, vocab_size=int(vocab), hidden_size=int(hidden),
-        intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
-        num_heads=int(heads), num_kv_heads=kv_heads(a("attention.head_count_kv", heads), arch, path),
+        intermediate_size=ffn_width(a("feed_forward_length")), num_layers=int(a("block_count")),
+        num_heads=int(heads), num_kv_heads=kv_heads(a("attention.head_count_kv", heads), arch, path,
+                                                    spec.gguf.kv_heads_per_layer),
         head_dim=int(a("attention.key_length", hidden // heads)),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling,
@@ -90,9 +94,20 @@ def read_config(reader, path, registry) -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def kv_heads(value, arch: str, path) -> int:
+def ffn_width(value) -> int:
+    """feed_forward_length: absent where no layer is dense, or one a layer (a hybrid's blocks, a
+    wider MLP on some layers): the first layer's stands in, and such a family's read sets its own."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value or 0)
+
+
+def kv_heads(value, arch: str, path, per_layer: bool = False) -> int:
     """attention.head_count_kv: one count, or one a layer, 0 where a layer has no attention (what
-    llama.cpp's converter writes for a hybrid: its GGUFFamily.read finds those layers)."""
+    llama.cpp's converter writes for a hybrid: its GGUFFamily.read finds those layers).
+    per_layer: the counts may differ (GGUFFamily.kv_heads_per_layer); the first layer's stands in."""
+    if isinstance(value, list) and per_layer and value:
+        return int(value[0])
     if isinstance(value, list):
         counts = {int(v) for v in value if v}
         if len(counts) != 1:

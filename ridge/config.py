@@ -202,6 +202,8 @@ class ModelConfig:
     def shape(self, name: str | None = None) -> "ModelShape":
         """The numbers `ridge plan` needs. The parameter count leaves out norms and biases."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.extra.get("attention_output_gate"):  # Qwen3.5's and Qwen3-Next's: a second q-sized output
+            attn += self.hidden_size * self.q_size
         mats = 3 if self.extra.get("gated_mlp", True) else 2  # Nemotron-H's MLPs and experts: up and down
         latent = self.extra.get("moe_latent_size") or self.hidden_size  # experts between two latent projections
         mlp = mats * self.hidden_size * self.intermediate_size
@@ -236,6 +238,8 @@ class ModelConfig:
             dense += moe
         mlps = dense * mlp + moe * self.num_experts * (expert + self.hidden_size)  # + the router
         mlps += moe * mats * self.hidden_size * self.shared_expert_intermediate_size
+        if self.extra.get("shared_expert_gate"):  # one logit a token gates the shared expert
+            mlps += moe * self.hidden_size
         if latent != self.hidden_size:
             mlps += moe * 2 * self.hidden_size * latent
         return ModelShape(name or self.name, self.num_layers, self.num_kv_heads, self.head_dim,

@@ -237,3 +237,133 @@ def make_harmony_model(tmp: Path, seed: int = 0) -> Path:
         {"chat_template": HARMONY, "bos_token": base[1], "eos_token": "<|return|>", "add_bos_token": False}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     return d
+
+
+# -- this year's formats (tests/test_chat_formats_2026.py) ---------------------------------------------------
+# Qwen3.5's template (Qwen3-Coder's and Qwen3-Next's share its calls), written here in its shape: the
+# tools as JSON in the system turn with the XML call format spelled out, each call as <function=NAME>
+# with one <parameter=KEY> block per argument (a string raw, any other value tojson), consecutive tool
+# results as <tool_response> blocks in one user turn, the thinking of the turns after the last user
+# message kept, and the generation prompt opening <think> (closed at once with enable_thinking false).
+QWEN35 = """{%- if tools %}<|im_start|>system
+# Tools
+
+You have access to the following functions:
+
+<tools>
+{%- for tool in tools %}{{ '\n' + tool | tojson }}{% endfor %}{{ '\n' }}</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call>
+{%- if messages[0].role == 'system' %}{{ '\n\n' + messages[0].content }}{% endif %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{%- set content = message.content or '' %}
+{%- set reasoning = message.reasoning_content or '' %}
+{%- if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if loop.index0 > ns.last_user and reasoning %}{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{% endif %}
+{{- content }}
+{%- for tc in message.tool_calls or [] %}
+{%- if loop.first and content %}{{ '\\n\\n' }}{% elif not loop.first %}{{ '\\n' }}{% endif %}
+{{- '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}
+{%- for key, value in tc.function.arguments | items %}
+{{- '<parameter=' + key + '>\\n' }}{{ value if value is string else value | tojson }}{{ '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
+{%- elif message.role != 'system' or not loop.first %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+# Gemma 4's template, written here in its shape: the system turn opened by <|think|> when thinking is
+# on, each tool declared as <|tool>declaration:NAME{...}<tool|> in its own syntax (bare keys, strings
+# in <|"|>), a call as <|tool_call>call:NAME{key:value,...}<tool_call|> with the arguments in sorted
+# order, the results from `tool_responses` on the calling message as <|tool_response>response:NAME{...}
+# <tool_response|> in the same model turn (left open, so the answer continues it), thinking stripped
+# from history, and the generation prompt closing an empty thought channel unless thinking is on.
+GEMMA4 = """{%- macro arg(v) -%}
+{%- if v is string %}{{ '<|"|>' + v + '<|"|>' }}
+{%- elif v is boolean %}{{ 'true' if v else 'false' }}
+{%- elif v is none %}null
+{%- elif v is mapping %}{{ '{' }}{% for k, x in v | dictsort %}{{ k }}:{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor %}{{ '}' }}
+{%- elif v is sequence %}{{ '[' }}{% for x in v %}{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor %}{{ ']' }}
+{%- else %}{{ v }}{% endif -%}
+{%- endmacro -%}
+{%- macro strip_thinking(text) -%}
+{%- set ns = namespace(out='') -%}
+{%- for part in text.split('<channel|>') -%}{% set ns.out = ns.out + part.split('<|channel>')[0] %}{%- endfor -%}
+{{- ns.out | trim -}}
+{%- endmacro -%}
+{%- set ns = namespace(prev=None) -%}
+{%- set loop_messages = messages -%}
+{{- bos_token -}}
+{%- if (enable_thinking is defined and enable_thinking) or tools or messages[0].role in ['system', 'developer'] -%}
+{{- '<|turn>system\\n' -}}
+{%- if enable_thinking is defined and enable_thinking %}{{ '<|think|>' }}{% endif -%}
+{%- if messages[0].role in ['system', 'developer'] %}{{ messages[0].content | trim }}{% set loop_messages = messages[1:] %}{% endif -%}
+{%- for tool in tools or [] -%}
+{{- '<|tool>declaration:' + tool.function.name + '{description:' + arg(tool.function.description or '') -}}
+{%- if tool.function.parameters %},parameters:{{ arg(tool.function.parameters) }}{% endif %}{{ '}<tool|>' -}}
+{%- endfor -%}
+{{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- for message in loop_messages -%}
+{%- set ns.prev = None -%}
+{%- set role = 'model' if message.role == 'assistant' else message.role -%}
+{{- '<|turn>' + role + '\\n' -}}
+{%- for tc in message.tool_calls or [] -%}
+{{- '<|tool_call>call:' + tc.function.name + '{' -}}
+{%- for k, x in tc.function.arguments | dictsort %}{{ k }}:{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor -%}
+{{- '}<tool_call|>' -}}
+{%- set ns.prev = 'tool_call' -%}
+{%- endfor -%}
+{%- for r in message.tool_responses or [] -%}
+{{- '<|tool_response>response:' + r.name + '{' -}}
+{%- if r.response is mapping %}{% for k, x in r.response | dictsort %}{{ k }}:{{ arg(x) }}{% if not loop.last %},{% endif %}{% endfor %}
+{%- else %}value:{{ arg(r.response) }}{% endif -%}
+{{- '}<tool_response|>' -}}
+{%- set ns.prev = 'tool_response' -%}
+{%- endfor -%}
+{%- if message.content is string %}{{ strip_thinking(message.content) if role == 'model' else message.content | trim }}{% endif -%}
+{%- if not (message.tool_responses and not message.content) %}{{ '<turn|>\\n' }}{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{%- if ns.prev != 'tool_response' %}{{ '<|turn>model\\n' }}{% endif -%}
+{%- if not enable_thinking | default(false) %}{{ '<|channel>thought\\n<channel|>' }}{% endif -%}
+{%- endif -%}"""
+
+FAMILIES["qwen35"] = (QWEN35, [("<tool_call>", False), ("</tool_call>", False), ("<think>", False),
+                               ("</think>", False), ("<tool_response>", False), ("</tool_response>", False)],
+                      ["<|im_end|>"])
+# Gemma 4's markers are special tokens in its tokenizer; it ends a turn with <turn|>, and a call's
+# turn where the results would begin.
+GEMMA4_TOKENS = ["<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
+                 "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>"]
+FAMILIES["gemma4"] = (GEMMA4, [(t, True) for t in GEMMA4_TOKENS], ["<turn|>", "<|tool_response>"])
+BOS.update(qwen35="<|im_start|>", gemma4="<bos>")

@@ -579,9 +579,10 @@ def test_a_family_without_prompt_rules_refuses_images_naming_why(tmp_path, token
     from ridge.daemon.cli.serve import limits
     from ridge.daemon.frontend.images import rules_for
     from ridge.daemon.frontend.validate import Validator
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
+    # every image processor ridge reads has prompt rules: one it does not read stands for a family without
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "SiglipImageProcessor"}))
     v = Validator(tokenizer, tokenizer.vocab_size, 64, 16, 8, limits(defaults(), 64), image_rules=rules_for(tmp_path))
     e = refusal(v, {"prompt": RAW_MARKER, "images": 1}, [png(20, 20)])
     assert e.code == P.INVALID_REQUEST and e.message.startswith("images: this model takes no image input: ")
-    assert "image_processor_type" in e.message and "SmolVLM and Idefics3" in e.message
+    assert "image_processor_type='SiglipImageProcessor'" in e.message and "Qwen2VLImageProcessor" in e.message
     assert v.generate(gen({"prompt": "the"})).admitted.images == ()  # its text is served

@@ -259,3 +259,14 @@ def test_triton_kernels_through_the_engine(fp32_default):
     """The GPU path's kernels (Triton, under the interpreter here): the varlen convolution and
     delta rule with kept states, the experts, a prefix hit from a checkpoint and n-gram speculation."""
     check_triton(*fp32_default)
+
+
+def test_plan_counts_the_parameters(variant):
+    """ridge plan's parameter count (norms, biases, the convolution, A_log and dt_bias left out)
+    equals the transformers model's: the attention's output gate (q_proj's second half) and the
+    shared expert's gate counted."""
+    name, model, path, _ = variant
+    lm = load_model(path, device="cpu", weights="fp32", use_cache=False, show_progress=False)
+    left_out = ("norm", "bias", "conv1d", "A_log")
+    want = sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in left_out))
+    assert lm.config.shape().num_params == want, name

@@ -22,6 +22,7 @@ NOT_THE_ARCHITECTURE = {
     ("ridge/tokenizer.py", "llama"): "tokenizer.ggml.model's kind: a SentencePiece vocabulary",
     ("ridge/tokenizer.py", "qwen2"): "a tokenizer.ggml.pre pre-tokenizer, as llama.cpp names it",
     ("daemon/frontend/chat_format.py", "mistral"): "the tool-call format Mistral's chat templates write",
+    ("daemon/frontend/chat_format.py", "gemma4"): "the tool-call format Gemma 4's chat templates write",
     ("daemon/frontend/harmony.py", "gpt-oss"): "prose in a refusal: the model whose chat format harmony is",
     ("ridge/bench/command.py", "llama"): "llama-server's completion API (--api llama)",
     ("ridge/bench/external.py", "llama"): "llama-server's completion API (--api llama)",
@@ -30,6 +31,8 @@ NOT_THE_ARCHITECTURE = {
     ("ridge/bench/moe.py", "qwen3_moe"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/moe.py", "qwen3"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/window.py", "gemma3_text"): "a random checkpoint the benchmark writes, as tests do",
+    ("ridge/bench/hybrid.py", "qwen3_5_text"): "a random checkpoint the benchmark writes, as tests do",
+    ("ridge/bench/hybrid.py", "qwen3"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/window.py", "gemma3"): "the benchmark's layer pattern, 5 sliding : 1 full",
 }
 

@@ -14,20 +14,38 @@ HARMONY_TOKENS = {"start": "<|start|>", "channel": "<|channel|>", "message": "<|
                   "call": "<|call|>", "return": "<|return|>", "constrain": "<|constrain|>"}
 
 HERMES, LLAMA3_JSON, MISTRAL, HARMONY = "hermes", "llama3_json", "mistral", "harmony"
+QWEN3_XML, GEMMA4 = "qwen3_xml", "gemma4"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Gemma 4's thinking is a channel named "thought": <|channel>thought\n...<channel|>, the markers special tokens.
+GEMMA_THINK_OPEN, GEMMA_THINK_CLOSE = "<|channel>thought\n", "<channel|>"
 # The markers each format writes, by role.
 MARKER_TEXT = {"call_open": "<tool_call>", "call_close": "</tool_call>", "python_tag": "<|python_tag|>",
                "tool_calls": "[TOOL_CALLS]", "think_open": THINK_OPEN, "think_close": THINK_CLOSE,
+               "g_call_open": "<|tool_call>", "g_call_close": "<tool_call|>", "g_quote": '<|"|>',
                **{"h_" + k: t for k, t in HARMONY_TOKENS.items()}}
 FORMAT_MARKERS = {HERMES: ("call_open", "call_close"), LLAMA3_JSON: ("python_tag",), MISTRAL: ("tool_calls",),
-                  HARMONY: tuple("h_" + k for k in HARMONY_TOKENS)}
+                  HARMONY: tuple("h_" + k for k in HARMONY_TOKENS), QWEN3_XML: ("call_open", "call_close"),
+                  GEMMA4: ("g_call_open", "g_call_close", "g_quote")}
+# The thinking's markers, by format: <think>/</think> unless the format says otherwise.
+THINK_MARKERS = {GEMMA4: (GEMMA_THINK_OPEN, GEMMA_THINK_CLOSE)}
+
+
+def think_markers(tool_format: str | None) -> tuple[str, str]:
+    return THINK_MARKERS.get(tool_format, (THINK_OPEN, THINK_CLOSE))
+
+
+def marker_texts(tool_format: str | None, roles) -> dict:
+    """role -> text, the thinking's per format (what OutputSpec.markers holds)."""
+    opener, close = think_markers(tool_format)
+    return {r: opener if r == "think_open" else close if r == "think_close" else MARKER_TEXT[r] for r in roles}
 
 
 @dataclass(frozen=True, slots=True)
 class Marker:
     text: str
-    token_id: int | None  # the one token whose text it is, if there is one
+    token_id: int | None  # the one token whose text it is (or that opens it, when rest), if there is one
     special: bool  # a special token: decoding drops it unless kept
+    rest: str = ""  # the text after that token (Gemma 4's <|channel> then "thought\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +54,7 @@ class ChatFormat:
     tools_in_template: bool  # False: the template never reads `tools`, and ridge writes their prompt
     reasoning: bool  # the template writes </think>
     markers: dict  # role -> Marker, for the format's markers and the thinking's
+    tool_responses: bool = False  # the template reads results from the calling message's tool_responses
 
     def info(self) -> dict:
         """hello.model.chat (docs/protocol.md §7.1)."""
@@ -51,10 +70,16 @@ class ChatFormat:
         it), "content" (no reasoning, or the prompt closed it: thinking turned off)."""
         if not self.reasoning:
             return "content"
+        opener, close = (m.text.rstrip() for m in (self.markers["think_open"], self.markers["think_close"]))
         tail = prompt.rstrip()
-        if tail.endswith(THINK_OPEN):
+        if tail.endswith(opener):
             return "think"
-        return "content" if tail.endswith(THINK_CLOSE) else "maybe"
+        return "content" if tail.endswith(close) else "maybe"
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        """The messages as this template reads them (template_messages' output): a template that reads
+        tool_responses (Gemma 4's) gets each run of tool results there, not as role "tool" turns."""
+        return gemma_tool_responses(messages) if self.tool_responses else messages
 
 
 def read_format(template: str | None) -> tuple[str | None, bool]:
@@ -63,8 +88,10 @@ def read_format(template: str | None) -> tuple[str | None, bool]:
     reads_tools = re.search(r"\btools\b", t) is not None
     if "<|channel|>" in t:  # gpt-oss: ridge renders harmony itself (hello's tool_prompt "ridge")
         return HARMONY, False
-    if "<tool_call>" in t:
-        return HERMES, reads_tools
+    if "<|tool_call>" in t:  # Gemma 4: call:NAME{key:value}, strings in <|"|>
+        return GEMMA4, reads_tools
+    if "<tool_call>" in t:  # Qwen3.5 / Qwen3-Coder write XML parameters inside, Qwen2.5 / Qwen3 JSON
+        return (QWEN3_XML if "<function=" in t else HERMES), reads_tools
     if "[TOOL_CALLS]" in t:
         return MISTRAL, reads_tools
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and reads_tools):
@@ -75,19 +102,52 @@ def read_format(template: str | None) -> tuple[str | None, bool]:
 
 
 def chat_format(tokenizer) -> ChatFormat:
-    fmt, in_template = read_format(tokenizer.chat_template)
-    reasoning = fmt == HARMONY or THINK_CLOSE in (tokenizer.chat_template or "")
+    template = tokenizer.chat_template or ""
+    fmt, in_template = read_format(template)
+    reasoning = fmt == HARMONY or think_markers(fmt)[1] in template
     roles = list(FORMAT_MARKERS.get(fmt, ())) + (["think_open", "think_close"] if reasoning and fmt != HARMONY
                                                  else [])
-    return ChatFormat(fmt, in_template, reasoning, {r: marker(tokenizer, MARKER_TEXT[r]) for r in roles})
+    markers = {r: marker(tokenizer, t) for r, t in marker_texts(fmt, roles).items()}
+    return ChatFormat(fmt, in_template, reasoning, markers, "tool_responses" in template)
 
 
 def marker(tokenizer, text: str) -> Marker:
+    """The marker as the tokenizer holds it: one token, or one special token and plain text after it."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        return Marker(text, None, False)
-    added = tokenizer.backend.get_added_tokens_decoder().get(ids[0])
-    return Marker(text, ids[0], bool(added is not None and added.special))
+    added = tokenizer.backend.get_added_tokens_decoder()
+    if len(ids) == 1:
+        return Marker(text, ids[0], bool(ids[0] in added and added[ids[0]].special))
+    head = ids and added.get(ids[0])
+    if head and head.special and text.startswith(head.content):
+        return Marker(text, ids[0], True, text[len(head.content):])
+    return Marker(text, None, False)
+
+
+def gemma_tool_responses(messages: list[dict]) -> list[dict]:
+    """Gemma 4's templates read a call's results from `tool_responses` on the assistant message that
+    made it ({name, response}), rendering a role "tool" message as a turn of its own that the model
+    never saw in training; transformers passes messages through as they are. So each tool message
+    joins the calling message: its name from the call its tool_call_id answers (else its own name),
+    its content as a map when it is a JSON object, else as its text."""
+    out: list[dict] = []
+    caller = None  # the index in out of the last assistant message with calls
+    for m in messages:
+        if m["role"] == "tool" and caller is not None:
+            calls = {c.get("id"): c["function"]["name"] for c in out[caller]["tool_calls"]}
+            name = calls.get(m.get("tool_call_id")) or m.get("name") or \
+                (next(iter(calls.values())) if len(calls) == 1 else "unknown")
+            try:
+                response = json.loads(m["content"])
+            except ValueError:
+                response = None
+            response = response if isinstance(response, dict) else m["content"]
+            prior = out[caller].get("tool_responses", [])
+            out[caller] = {**out[caller], "tool_responses": prior + [{"name": name, "response": response}]}
+            continue
+        caller = len(out) if m["role"] == "assistant" and m.get("tool_calls") else \
+            (caller if m["role"] == "tool" else None)
+        out.append(m)
+    return out
 
 
 # -- ridge's prompt, for a template that renders no tools ----------------------------------------------

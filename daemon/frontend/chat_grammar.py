@@ -8,15 +8,20 @@ any text until the format's trigger, then a call; a trigger that is a special
 token cannot occur in text at all, one written as text ends the text lexeme
 lazily, where it first appears. For `required` and a named tool the calls
 begin at the first token of the answer. The thinking text cannot hold the
-close tag, so the model closes it by writing `</think>`, or at the budget the
-grammar does."""
+close tag, so the model closes it by writing it (`</think>`, Gemma 4's
+`<channel|>`), or at the budget the grammar does.
+
+Calls whose arguments are not JSON are built from the schema here: Qwen3.5's
+<parameter=KEY> blocks (a string raw, any other value JSON through %json) and
+Gemma 4's call:NAME{key:value} syntax (_GemmaCalls)."""
 from __future__ import annotations
 
 import json
 
 from ridge.engine.structured.grammar import JSON_WHITESPACE, named_grammars
 
-from .chat_format import HERMES, LLAMA3_JSON, MISTRAL, ChatFormat
+from .chat_format import GEMMA4, HERMES, LLAMA3_JSON, MISTRAL, QWEN3_XML, ChatFormat
+from .chat_output import text_params
 from .tools import ChatTurn, Tool
 
 ANY = "ANY: /(.|\\n)*/"
@@ -36,7 +41,9 @@ class Marks:
 
     def __getitem__(self, role: str) -> str:
         m = self.fmt.markers[role]
-        return f"<[{m.token_id}]>" if role in self.tokens else json.dumps(m.text)
+        if role not in self.tokens:
+            return json.dumps(m.text)
+        return f"<[{m.token_id}]>" + (f" {json.dumps(m.rest)}" if m.rest else "")
 
     def is_token(self, role: str) -> bool:
         return role in self.tokens
@@ -150,11 +157,21 @@ def _answer(marks: Marks, turn: ChatTurn, has_rf: bool) -> list[str]:
     if not tools:
         return ["answer: @rf" if has_rf else "answer: ANY"]
     key = "parameters" if fmt == LLAMA3_JSON else "arguments"
-    rules = [f"c{i}: %json {json.dumps(_call_schema(t, key))}" for i, t in enumerate(tools)]
+    if fmt == QWEN3_XML:
+        rules = _xml_calls(tools)
+    elif fmt == GEMMA4:
+        rules = _GemmaCalls(marks["g_quote"]).calls(tools)
+    else:
+        rules = [f"c{i}: %json {json.dumps(_call_schema(t, key))}" for i, t in enumerate(tools)]
     rules.append("obj: " + " | ".join(f"c{i}" for i in range(len(tools))))
     many = turn.parallel
     trigger = None
-    if fmt == HERMES:
+    if fmt == GEMMA4:  # calls follow one another with nothing between them
+        rules.append(f'block: obj {marks["g_call_close"]}')
+        forced = f'{marks["g_call_open"]} block' + (f' ({marks["g_call_open"]} block)*' if many else "")
+        auto = "answer: call* ANY" if many else "answer: call | ANY"
+        trigger, body = "g_call_open", "block"
+    elif fmt in (HERMES, QWEN3_XML):
         rules.append(f'block: "\\n" obj "\\n" {marks["call_close"]}')
         forced = f'{marks["call_open"]} block' + (f' ("\\n" {marks["call_open"]} block)*' if many else "")
         auto = "answer: call* ANY" if many else "answer: call | ANY"
@@ -186,3 +203,158 @@ def _lazy_call(marks: Marks, trigger: str, body: str) -> list[str]:
     if marks.is_token(trigger):
         return [f"call: ANY {marks[trigger]} {body}"]
     return [f"call_head[lazy]: ANY {marks[trigger]}", f"call: call_head {body}"]
+
+
+def _params(tool: Tool) -> tuple[dict, dict]:
+    """The tool's parameters, closed, and their $defs (where "#/$defs/..." references point)."""
+    params = closed(without_vacuous(tool.parameters))
+    return params, {k: params[k] for k in ("$defs", "definitions") if k in params}
+
+
+def _text_regex(schema: dict) -> str:
+    """A string's raw text, within its length bounds, as a Lark /regex/."""
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    return "/(.|\\n)*/" if not lo and hi is None else f"/(.|\\n){{{lo},{'' if hi is None else hi}}}/"
+
+
+PARAM_END = '"\\n</parameter>"'
+
+
+def _xml_calls(tools: list[Tool]) -> list[str]:
+    """Qwen3.5's calls: <function=NAME>, each declared parameter in the schema's order (the required
+    ones always) as <parameter=KEY>, its value raw text for a string (one lazy lexeme that ends at
+    the first close tag, as the reader does; within the length bounds; or an enum's values), JSON
+    held to its schema otherwise, then </function>. A tool that declares no parameters takes any,
+    as text."""
+    texts, rules = text_params(tools), []
+    for i, t in enumerate(tools):
+        params, defs = _params(t)
+        props, required = params.get("properties") or {}, set(params.get("required") or ())
+        seq = []
+        for k, (key, schema) in enumerate(props.items()):
+            v = f"v{i}_{k}"
+            if key in texts[t.name]:
+                values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+                if values:
+                    rules.append(f"{v}: (" + " | ".join(json.dumps(x) for x in values) + f") {PARAM_END}")
+                else:
+                    rules.append(f"{v}[lazy]: {_text_regex(schema)} {PARAM_END}")
+            else:
+                sub = {**schema, **defs, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+                rules += [f"j{i}_{k}: %json {json.dumps(sub)}", f"{v}: j{i}_{k} {PARAM_END}"]
+            rules.append(f'p{i}_{k}: {json.dumps(f"<parameter={key}>" + chr(10))} {v} "\\n"')
+            seq.append(f"p{i}_{k}" + ("" if key in required else "?"))
+        if not props and params.get("additionalProperties") is not False:
+            seq.append("xany*")
+            if "xany" not in {r.split(":")[0] for r in rules}:
+                rules += ["XKEY: /[A-Za-z0-9_.\\-]+/", f"xval[lazy]: {_text_regex({})} {PARAM_END}",
+                          'xany: "<parameter=" XKEY ">\\n" xval "\\n"']
+        rules.append(f'c{i}: {json.dumps(f"<function={t.name}>" + chr(10))} {" ".join(seq)} "</function>"')
+    return rules
+
+
+class _GemmaCalls:
+    """Gemma 4's calls, call:NAME{key:value,...}, as grammar rules from each tool's schema: keys bare
+    and in sorted order (as its template writes a call's arguments), the required ones always;
+    strings between <|"|> tokens, raw, within their length bounds or among their enum; numbers,
+    integers (with their bounds) as JSON; objects, arrays, anyOf and $defs references by structure.
+    What a schema leaves open is any value of the syntax."""
+
+    def __init__(self, quote: str):
+        self.q, self.rules, self.names, self.defs = quote, [], {}, {}
+
+    def calls(self, tools: list[Tool]) -> list[str]:
+        for i, t in enumerate(tools):
+            params, self.defs = _params(t)
+            self.names = {k: v for k, v in self.names.items() if not k.startswith("#")}
+            self.rules.append(f'c{i}: {json.dumps("call:" + t.name)} {self.value(params)}')
+        return self.rules
+
+    def _new(self, body: str) -> str:
+        name = f"g{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema) -> str:
+        if schema is True or not isinstance(schema, dict) or not schema:
+            return self.any()
+        if isinstance(ref := schema.get("$ref"), str):
+            if ref not in self.names:
+                self.names[ref] = name = f"g{len(self.rules)}"
+                self.rules.append(f"{name}: ")  # filled below: a reference may recur
+                target = self.defs
+                for part in ref.removeprefix("#/").split("/"):
+                    target = target.get(part, {}) if isinstance(target, dict) else {}
+                at = self.rules.index(f"{name}: ")
+                self.rules[at] = f"{name}: {self.value(target)}"
+            return self.names[ref]
+        for k in ("anyOf", "oneOf"):
+            if isinstance(schema.get(k), list):
+                return "(" + " | ".join(self.value(s) for s in schema[k]) + ")"
+        values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+        if values:
+            return "(" + " | ".join(self.literal(v) for v in values) + ")"
+        t = schema.get("type")
+        if isinstance(t, list):
+            return "(" + " | ".join(self.value({**schema, "type": x}) for x in t) + ")"
+        if t == "string":
+            lexeme = f"GS{len(self.rules)}"
+            self.rules.append(f"{lexeme}: {_text_regex(schema)}")
+            return f"{self.q} {lexeme} {self.q}"
+        if t in ("integer", "number"):
+            return self._new(f"%json {json.dumps(schema)}")
+        if t == "boolean":
+            return '("true" | "false")'
+        if t == "null":
+            return '"null"'
+        if t == "array":
+            item = self.value(schema.get("items", True))
+            return self._new(f'"[" {item} ("," {item})* "]"' if schema.get("minItems", 0) > 0 else
+                             f'"[" ({item} ("," {item})*)? "]"')
+        if t == "object" or "properties" in schema:
+            return self.object(schema)
+        return self.any()
+
+    def object(self, schema: dict) -> str:
+        props = sorted((schema.get("properties") or {}).items())
+        if not props:
+            return self.any_object() if schema.get("additionalProperties") is not False else '"{" "}"'
+        required = set(schema.get("required") or ())
+        items = [(self._new(f'{json.dumps(k + ":")} {self.value(v)}'), k in required) for k, v in props]
+        # first: the items from k on, none written yet; rest: from k on after one, a comma first. Each
+        # rule holds its non-empty forms; `?` where it is used admits none.
+        first = rest = ""  # the rule as used: name, name? (it may be empty) or "" (nothing from k on)
+        for item, needed in reversed(items):
+            head, lead = self._new(f'"," {item} {rest}'.rstrip()), self._new(f"{item} {rest}".rstrip())
+            rest = head if needed else self._either(head, rest)
+            first = lead if needed else self._either(lead, first)
+        return f'"{{" {first} "}}"'
+
+    def _either(self, present: str, absent: str) -> str:
+        """An optional item's rule: written (present) or not (absent: what may follow, or "")."""
+        if not absent:
+            return present + "?"
+        return self._new(f"{present} | {absent.rstrip('?')}") + ("?" if absent.endswith("?") else "")
+
+    def literal(self, v) -> str:
+        if isinstance(v, str):
+            return f"{self.q} {json.dumps(v)} {self.q}" if v else f"{self.q} {self.q}"
+        if isinstance(v, dict):
+            inner = ' "," '.join(f'{json.dumps(k + ":")} {self.literal(x)}' for k, x in sorted(v.items()))
+            return f'"{{" {inner} "}}"'
+        if isinstance(v, list):
+            return '"[" ' + ' "," '.join(self.literal(x) for x in v) + ' "]"' if v else '"[" "]"'
+        return json.dumps(json.dumps(v))
+
+    def any(self) -> str:
+        if "gany" not in self.names:
+            self.names["gany"] = "gany"
+            self.rules += [f'gany: {self.q} GTEXT {self.q} | GNUM | "true" | "false" | "null" | gobj | garr',
+                           "GTEXT: /(.|\\n)*/", "GNUM: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+\\-]?[0-9]+)?/",
+                           "GKEY: /[A-Za-z0-9_.\\-]+/", 'gobj: "{" (GKEY ":" gany ("," GKEY ":" gany)*)? "}"',
+                           'garr: "[" (gany ("," gany)*)? "]"']
+        return "gany"
+
+    def any_object(self) -> str:
+        self.any()
+        return "gobj"

@@ -28,7 +28,7 @@ from ..protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED
 from . import harmony, images
 from .chat_format import HARMONY, chat_format, render_chat, ridge_tool_messages
 from .chat_grammar import closed, turn_grammar
-from .chat_output import OutputSpec
+from .chat_output import OutputSpec, text_params
 from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
 _BOOL = "a boolean"
@@ -174,7 +174,7 @@ class Validator:
         markers = {r: m for r, m in fmt.markers.items() if (thinks if r.startswith("think") else reads)}
         d["keep_special_ids"] = tuple(sorted(m.token_id for m in markers.values() if m.special))
         spec = OutputSpec(start, fmt.tool_format if reads else None, MAX_CALLS if turn.parallel else 1,
-                          {r: m.text for r, m in markers.items()})
+                          {r: m.text for r, m in markers.items()}, text_params(turn.calls))
         return d, spec
 
     def harmony_output(self, turn: ChatTurn, d: dict, budget: int | None,
@@ -338,7 +338,7 @@ class Validator:
         return self.tokenizer.encode_rendered(text), text, turn, order
 
     def render(self, turn: ChatTurn, rid: str | None) -> str:
-        messages = template_messages(turn.messages)
+        messages = self.chat.messages(template_messages(turn.messages))
         kw = dict(turn.template_kwargs)
         if self.chat.tool_format == HARMONY:
             harmony.check_kwargs(kw, rid)

@@ -106,17 +106,16 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
     pooling = resolve_pooling(config.pooling, loaded.path)
     sched_config, budget_info = plan_budget(config, loaded, max_model_len, pooling)
     budget = sched_config.max_num_batched_tokens
-    head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens
-                                                        if config.speculative_config.enabled else 0)))
     invariant_reason = invariant_unavailable(device)
     if config.deterministic and invariant_reason:
         raise ValueError(f"--deterministic: {invariant_reason}")
+    spec = plan_speculation(config.speculative_config, device, config.weights, max_model_len,
+                            loaded.tokenizer, budget_info["knee_tokens"], model, loaded.path)
+    head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens if spec is not None else 0)))
     # A deterministic engine runs every step batch-invariant: the fastest formats by step size are never used.
     lowp_max_tokens = 0 if config.deterministic else choose_cpu_format(
         model, loaded.weight_bytes, config.cpu_weight_format, budget, head_rows)
     cpu_formats = CpuFormats(model, budget, head_rows, config.deterministic)
-    spec = plan_speculation(config.speculative_config, device, config.weights, max_model_len,
-                            loaded.tokenizer, budget_info["knee_tokens"], model)
     draft = spec.draft if spec is not None else None
     if draft is not None and (why := draft_table_mismatch(loaded.config, draft.config)):
         raise ValueError(f"the draft model {draft.path.name}: {why}")

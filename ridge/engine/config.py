@@ -63,8 +63,8 @@ class EngineConfig:
     fp8_recipe: str | None = _opt(None, FP8_RECIPE.help + f" (default: {FP8_RECIPE.default})", example="g32")
     ridge_point: float | None = _opt(None, "device FLOPs per byte (default: the plan table on GPU, measured on CPU)",
                                      example=295.0)
-    speculative: str = _opt("off", "speculative decoding proposer: ngram | draft:PATH | self:L | auto | off",
-                            per_model=True)
+    speculative: str = _opt("head", "speculative decoding proposer: head (the checkpoint's own draft head where it "
+                                    "has one, else none) | ngram | draft:PATH | self:L | auto | off", per_model=True)
     num_speculative_tokens: int = _opt(8, "most drafts per request per step", per_model=True)
     cuda_graph: bool | None = _opt(None, "replay pure-decode steps as CUDA graphs (auto: on CUDA)")
     async_scheduling: bool | None = _opt(None, "overlap scheduling: schedule step N+1 while step N runs "

@@ -112,11 +112,18 @@ class Request:
     # images, each placeholder stands as an id made of its image's content (image_token_ids).
     block_token_ids: list[int] = field(init=False, repr=False)
     block_chain: BlockChain = field(init=False, repr=False)  # its full blocks' names, for the prefix cache
+    # Its tokens' multimodal rotary positions (models/layers/mrope.py PositionTable), made here where
+    # the prompt's images carry their grids (Qwen-VL); None: each token at its index.
+    mrope: object = field(init=False, repr=False)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         self.block_token_ids = image_token_ids(self.all_token_ids, self.images) if self.images else self.all_token_ids
         self.block_chain = BlockChain(self.cache_salt)
+        self.mrope = None
+        if self.images:
+            from ridge.models.layers.mrope import position_table
+            self.mrope = position_table(len(self.prompt_token_ids), self.images)
 
     @property
     def prefill_only(self) -> bool:

@@ -25,6 +25,8 @@ from ridge.cache.kv_cache import KVCache
 from ridge.cache.state_cache import restore
 from ridge.kernels.timing import section
 
+from ridge.models.layers.mrope import step_positions
+
 from .graphs import StepGraphs
 from .pooling import pool_step
 from .request import RequestStatus
@@ -113,6 +115,7 @@ class ModelRunner:
         self.batch_invariant = False  # the next step's attention must not depend on its batch (set per step)
         # each KV group's window, in the metadata's order (group 0, then meta.groups)
         self.kv_windows = [g.window for g in model.cfg.kv_groups()] or [None]
+        self.mrope = "mrope_section" in model.cfg.extra  # image tokens rotate by three positions (Qwen-VL)
 
     def plan(self, out: SchedulerOutput, include_spec: bool = True, graph=None) -> StepBatch:
         prev = self.last.rows if self.last is not None else None
@@ -122,12 +125,30 @@ class ModelRunner:
         for g, meta in enumerate((batch.meta, *batch.meta.groups)):
             meta.batch_invariant = self.batch_invariant
             meta.spans = spans if bidirectional is True or self.kv_windows[g] is not None else None
+        if self.mrope:
+            self._mrope(out, batch, include_spec)
         if self.stateful:
             self._state_meta(out, batch.meta, include_spec)
         if batch.feed is not None:
             dst, src = batch.feed
             batch.input_ids.index_copy_(0, dst, self.last.sampled.token_ids.index_select(0, src))
         return batch
+
+    def _mrope(self, out: SchedulerOutput, batch: StepBatch, include_spec: bool) -> None:
+        """Multimodal rotary positions (models/layers/mrope.py), from each request's table: its rows'
+        positions shifted past the images before them, its image rows' three positions on the
+        metadata. Requests without images keep their indices."""
+        items = []
+        for s in out.scheduled:
+            n = s.num_scheduled_tokens - (0 if include_spec else s.num_spec_tokens)
+            items.append((s.request.mrope, batch.last_row[id(s)] + 1 - n, s.start, n))
+        got = step_positions(items, self.device)
+        image = None
+        if got is not None:
+            shift, image = got
+            batch.positions[:shift.shape[0]] += shift
+        for meta in (batch.meta, *batch.meta.groups):
+            meta.mrope = image
 
     def _state_meta(self, out: SchedulerOutput, meta, include_spec: bool) -> None:
         """A hybrid model's state slots (the scheduler's, one per request) and whether each request
@@ -209,6 +230,8 @@ class ModelRunner:
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
         """Run the model over the step; -> (batch, logits [num sample rows, V])."""
         batch, hidden = self.forward(out)
+        if self.speculator is not None:  # a draft head (speculative/mtp.py) reads every row's final state
+            self.speculator.on_forward(out, batch, hidden)
         return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()

@@ -45,6 +45,8 @@ FAMILIES = (
     "nemotron_h",
     "idefics3",
     "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
 )
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 # llama.cpp's projector files (--mmproj, models/mmproj.py): clip.projector_type -> the folder whose

@@ -30,6 +30,7 @@ from .gemma3 import Gemma3Images
 from .gemma4 import Gemma4Images
 from .pixels import PreprocessorConfigError
 from .pixtral import PixtralImages
+from .qwen_vl import QwenVLImages
 
 RAW_MARKER = "<__media__>"  # llama-server's mtmd marker: where a raw prompt puts each image
 
@@ -177,6 +178,63 @@ class Gemma4Prompt:
         return self.images.num_image_tokens(height, width)
 
 
+@dataclass(frozen=True, slots=True)
+class QwenVLPrompt:
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the chat template writes
+    `<|vision_start|><|image_pad|><|vision_end|>` per image part (the marker), and the processor
+    repeats `<|image_pad|>` once per merged token (Qwen2_5_VLProcessor). One image is one encoder
+    input, its meta the grid in patches (`grid`: the encoder's) and in merged tokens (`mrope_grid`:
+    the text model's three positions, ridge/models/layers/mrope.py)."""
+    images: QwenVLImages
+    image_token_id: int
+    start: str = "<|vision_start|>"
+    image_token: str = "<|image_pad|>"
+    end: str = "<|vision_end|>"
+    how: str = ""  # the family and its settings: part of every input's content hash
+
+    @property
+    def marker(self) -> str:
+        return self.start + self.image_token + self.end
+
+    def expand(self, image: Image.Image) -> Expanded:
+        pre = self.images.preprocess(image)
+        t, h, w = pre.image_grid_thw
+        m = self.images.merge_size
+        meta = {"grid": (t, h, w), "mrope_grid": (t, h // m, w // m)}
+        n = pre.num_image_tokens
+        return Expanded(self.start + self.image_token * n + self.end,
+                        (Pending(image_hash(pre.pixel_values, self.how), pre.pixel_values, n, meta),))
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """Prompt tokens the image takes: its placeholders and the two markers around them."""
+        return self.images.num_image_tokens(height, width) + 2
+
+
+def _qwen_vl_rules(d: Path, pre: dict, config: dict) -> QwenVLPrompt:
+    """Qwen2VLImageProcessor's settings, checked against config.json's vision tower (the patches and
+    merge squares it takes), the three tokens' ids against the tokenizer's."""
+    images = QwenVLImages.from_config(pre)
+    vision = config.get("vision_config") or {}
+    for key, value in (("patch_size", images.patch_size), ("temporal_patch_size", images.temporal_patch_size),
+                       ("spatial_merge_size", images.merge_size)):
+        model = vision.get(key)
+        if model is not None and model != value:  # the placeholders must be the rows the merger gives
+            raise PreprocessorConfigError("merge_size" if key == "spatial_merge_size" else key, value,
+                                          f"config.json's vision tower is built for {model}")
+    ids = _tokenizer_ids(d)
+    tokens = {}
+    for index, text, default_id in (("image_token_id", "<|image_pad|>", 151655),
+                                    ("vision_start_token_id", "<|vision_start|>", 151652),
+                                    ("vision_end_token_id", "<|vision_end|>", 151653)):
+        want = config.get(index, default_id)
+        if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+            raise PreprocessorConfigError(index, want, "config.json must give the token's id")
+        if ids and ids.get(text) != want:  # the runs place() looks for must be this id
+            raise PreprocessorConfigError(index, want, f"tokenizer.json gives {text} the id {ids.get(text)}")
+        tokens[index] = want
+    return QwenVLPrompt(images, tokens["image_token_id"], how=f"{config.get('model_type', '')}|{images!r}")
+
+
 def row_content(image: str, row: int) -> str:
     """One row's content hash: hex (the prefix cache reads its first 16 digits) and distinct per row."""
     return hashlib.sha256(f"{image}|row {row}".encode()).hexdigest()
@@ -308,7 +366,7 @@ def _gemma4_rules(d: Path, pre: dict, config: dict) -> Gemma4Prompt:
                         how=f"{config.get('model_type', '')}|{images!r}")
 
 
-def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Prompt | Gemma4Prompt | None:
+def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Prompt | Gemma4Prompt | QwenVLPrompt | None:
     """The image prompt rules of the model in `model_dir`; None when it has no image processor
     (a text model, a GGUF file): such a model takes no images. PreprocessorConfigError names a
     field ridge cannot honour."""
@@ -324,10 +382,12 @@ def read_prompt_rules(model_dir) -> Idefics3Prompt | PixtralPrompt | Gemma3Promp
         return _gemma3_rules(d, pre, config, proc)
     if family is Gemma4Images:
         return _gemma4_rules(d, pre, config)
+    if family is QwenVLImages:
+        return _qwen_vl_rules(d, pre, config)
     if family is not Idefics3Images:
         raise PreprocessorConfigError("image_processor_type", pre.get("image_processor_type"),
-                                      "ridge writes image prompts for Gemma 3, Gemma 4, Pixtral, Mistral 3, SmolVLM and "
-                                      "Idefics3 so far")
+                                      "ridge writes image prompts for Gemma 3, Gemma 4, Pixtral, Mistral 3, Qwen-VL, "
+                                      "SmolVLM and Idefics3 so far")
     seq_len, rows = proc.get("image_seq_len"), _encoder_rows(config)
     if seq_len is None:
         seq_len = rows

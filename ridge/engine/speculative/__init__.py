@@ -9,6 +9,8 @@ build_speculator once it exists) and called at these points of a step:
                                   slots a request about to decode one token reserves
   draft   EngineCore._launch      propose(out): drafts for the reserved slots, which
                                   the constraints then the scheduler fit the plan to
+  forward ModelRunner.forward_logits  on_forward(out, batch, hidden): the step's final
+                                  hidden states, which a draft head (mtp.py) feeds next step
   verify  ModelRunner.launch      verify(logits, items, sampler): after the forward,
                                   every speculating request at once, read with the samples
   read    Scheduler.update        on_verified(req, drafted, accepted)

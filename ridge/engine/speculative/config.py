@@ -1,10 +1,11 @@
-"""`--speculative ngram|draft:PATH|self:L|auto|off`, parsed once when the engine's
-configuration is built: a bad value fails there, before any model loads."""
+"""`--speculative head|ngram|draft:PATH|self:L|auto|off`, parsed once when the engine's
+configuration is built: a bad value fails there, before any model loads. head (the default): the
+checkpoint's own draft head where it has one (Qwen3.5's mtp.* layers), else no speculation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("off", "ngram", "self", "auto", "draft")
+METHODS = ("off", "head", "ngram", "self", "auto", "draft")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class SpeculativeConfig:
         text = text.strip()
         if max_k < 1:
             raise ValueError(f"--num-speculative-tokens {max_k}: must be at least 1")
-        if text in ("off", "ngram", "auto"):
+        if text in ("off", "head", "ngram", "auto"):
             return cls(text, max_k=max_k)
         if text.startswith("self:"):
             try:
@@ -33,7 +34,7 @@ class SpeculativeConfig:
             return cls("self", num_layers=n, max_k=max_k)
         if text.startswith("draft:") and text[6:]:
             return cls("draft", draft_path=text[6:], max_k=max_k)
-        raise ValueError(f"unknown --speculative {text!r}; choose ngram, draft:PATH, self:L, auto or off")
+        raise ValueError(f"unknown --speculative {text!r}; choose head, ngram, draft:PATH, self:L, auto or off")
 
     @property
     def enabled(self) -> bool:

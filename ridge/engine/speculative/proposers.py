@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..request import RequestStatus
 from ..step_batch import plan_step, token_meta
 
 
@@ -93,6 +94,48 @@ class _ModelDrafter:
                                              [items[i].start + len(drafts[i]) for i in live], num_layers)
         return {s.request.request_id: Draft(d, torch.stack(p) if p else None, self.name)
                 for s, d, p in zip(items, drafts, probs)}
+
+
+class _StateDrafter(_ModelDrafter):
+    """A drafter on the target's final hidden states (mtp.py, assistant.py): the runner hands each
+    forward's over (on_forward), and the next drafting reads the positions the target kept."""
+    pending = None  # (SchedulerOutput, StepBatch, hidden [T, H]) of the target's latest forward
+
+    def _init_states(self) -> None:
+        self.pending = None
+        self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (position, state): a round's input
+        self.chain: dict[str, torch.Tensor] = {}  # request id -> the drafter's state, while drafting
+
+    def on_forward(self, out, batch, hidden) -> None:
+        self.pending = out, batch, hidden
+
+    def on_finish(self, request_id: str) -> None:
+        self.last.pop(request_id, None)
+
+    def _kept(self, out) -> tuple[list, torch.Tensor | None]:
+        """The latest forward's requests still running, each (the item with its current block
+        table, first position, positions kept, first row), and the forward's hidden states."""
+        if self.pending is None:
+            return [], None
+        prev, batch, hidden = self.pending
+        self.pending = None
+        now = {s.request.request_id: s for s in out.scheduled}
+        spans = []
+        for s in prev.scheduled:
+            r = s.request
+            cur = now.get(r.request_id)  # scheduled again: schedule() counted its new tokens as computed
+            kept = min(cur.start if cur is not None else r.num_computed_tokens, s.start + s.num_scheduled_tokens)
+            if r.status == RequestStatus.RUNNING and kept > s.start:
+                spans.append((cur or s, s.start, kept - s.start, batch.last_row[id(s)] - s.num_scheduled_tokens + 1))
+        return spans, hidden
+
+    def _ready(self, out) -> list:
+        """The speculating requests whose state at the position before their start is known,
+        with the drafting chain seeded from it."""
+        items = [s for s in out.scheduled if s.num_spec_tokens
+                 and self.last.get(s.request.request_id, (-2,))[0] == s.start - 1]
+        self.chain = {s.request.request_id: self.last[s.request.request_id][1] for s in items}
+        return items
 
 
 class SelfDraftProposer(_ModelDrafter):

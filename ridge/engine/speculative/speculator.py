@@ -38,6 +38,13 @@ class Speculator:
         still on the device: the step's one read returns them with the samples."""
         return verify_batch(logits, items, sampler)
 
+    # -- the target's forward: a draft head reads its hidden states ---------------------------
+    def on_forward(self, out, batch, hidden) -> None:
+        """ModelRunner.forward_logits: the step's final hidden states [num tokens, H], before the
+        samples; the checkpoint's draft head (mtp.py) feeds them at the next step's drafting."""
+        if hasattr(self.proposer, "on_forward"):
+            self.proposer.on_forward(out, batch, hidden)
+
     # -- read: the step's tokens are in -------------------------------------------------------
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         """Scheduler.update: how many of a request's drafts the target kept."""
@@ -52,6 +59,8 @@ class Speculator:
     # -- finish: the request leaves the scheduler -------------------------------------------
     def on_finish(self, request_id: str) -> None:
         self.policy.forget(request_id)
+        if hasattr(self.proposer, "on_finish"):
+            self.proposer.on_finish(request_id)
 
     def stats(self) -> dict:
         return self.policy.stats()

@@ -182,7 +182,9 @@ class Gemma4CausalLM(GemmaCausalLM):
         return self.norm.forward(h, residual)[0]
 
     def load_globals(self, sd, device, dtype, freq_factors=None) -> None:
-        super().load_globals(sd, device, dtype, freq_factors)
+        # freq_factors: a GGUF's rope_freqs, the full layers' proportional RoPE, which gemma4/gguf.py
+        # reads into rope_scaling; the tables below are built from that
+        super().load_globals(sd, device, dtype)
         cfg = self.cfg
         if cfg.global_head_dim is not None:  # the full layers' table, over their wider heads
             self.cos_sin = rope_cos_sin(cfg.global_head_dim, self.max_model_len, cfg.rope_theta,

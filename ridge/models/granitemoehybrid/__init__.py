@@ -33,6 +33,7 @@ from ridge.quant.hf_config import MOE_IGNORED, HFConfig, HFFamily, experts_count
 from ridge.quant.spec import ModelSpec
 
 from ..layers.mamba2 import dt_limit, fuse_mamba2, mamba2_shape
+from . import gguf
 from .model import GraniteHybridCausalLM
 
 __all__ = ["SPEC", "GraniteHybridCausalLM"]
@@ -160,4 +161,5 @@ def experts(sd, cfg: ModelConfig, layer: str, path) -> dict[str, torch.Tensor]:
 
 SPEC = ModelSpec("granitemoehybrid", GraniteHybridCausalLM,
                  HFFamily(DEFAULTS, read_granitemoehybrid, ignored=IGNORED, tensors=split_shared_mlp),
-                 weights=WeightLayout(attention=fuse_mixer, experts=experts))
+                 gguf=gguf.FAMILY,  # GGUF as llama.cpp writes it: gguf.py
+                 weights=WeightLayout(attention=fuse_mixer, experts=gguf.experts(experts)))

@@ -39,6 +39,7 @@ from ridge.quant.spec import ModelSpec
 
 from ..glm4_moe import _router as sigmoid_group_router  # DeepSeek-V3's rule, under the same keys
 from ..layers.mamba2 import dt_limit, fuse_mamba2, mamba2_shape
+from . import gguf
 from .model import NemotronHCausalLM
 
 __all__ = ["SPEC", "NemotronHCausalLM"]
@@ -216,4 +217,5 @@ def fuse_experts(sd, cfg: ModelConfig, p: str, q: str, out: dict, path) -> None:
 
 SPEC = ModelSpec("nemotron_h", NemotronHCausalLM,
                  NemotronHFamily(DEFAULTS, read_nemotron_h, ignored=IGNORED, rename=checkpoint_name),
+                 gguf=gguf.FAMILY,  # GGUF as llama.cpp writes it: gguf.py
                  weights=WeightLayout(norms=("input_layernorm",), attention=fuse_mixer, mlp=fuse_mlp))

@@ -25,7 +25,10 @@ from ridge.quant.fuse import FP8, WeightLayout, cat_rows
 from ridge.quant.hf_config import HFConfig, HFFamily, HFWrapper, attention_biases, rope_fields
 from ridge.quant.spec import ModelSpec
 
+from . import gguf
+from ..qwen2_5_vl.config import mrope_section
 from .model import Qwen35CausalLM
+from .vision import load_vision, read_vision
 
 __all__ = ["SPEC", "Qwen35CausalLM"]
 
@@ -37,6 +40,7 @@ DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, nu
                 partial_rotary_factor=0.25, rope_theta=10000.0)
 LAYER_TYPES = ("linear_attention", "full_attention")
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # one position per text token: no effect
+MROPE_SECTION = [11, 11, 10]  # Qwen3_5TextRotaryEmbedding's default
 
 
 def _layer_types(c: HFConfig, n: int) -> list[str]:
@@ -82,7 +86,10 @@ def read_qwen3_5(c: HFConfig, kw: dict) -> dict:
     return dict(qk_norm=True, **attention_biases(c, mlp=False),
                 **rope_fields(_without_mrope(c), kw["head_dim"], partial_rotary=True),
                 linear_layers=[i for i, t in enumerate(types) if t == "linear_attention"] or None,
-                linear_attention=_linear_shape(c))
+                linear_attention=_linear_shape(c),
+                # an image's tokens (Qwen3.5 with vision): Qwen3_5TextRotaryEmbedding always interleaves
+                extra={"mrope_section": mrope_section(c, kw["head_dim"], MROPE_SECTION, interleaved=True),
+                       "mrope_interleaved": True, "attention_output_gate": True})
 
 
 def shift_norms(sd: dict[str, torch.Tensor]) -> None:
@@ -144,7 +151,7 @@ def fuse_mixer(sd, cfg: ModelConfig, i: int, out: dict, path) -> None:
 
 # -- Qwen3_5ForConditionalGeneration (model_type qwen3_5: the Hub's Qwen3.5 checkpoints) served as
 # text: its text_config (a qwen3_5_text) read as above; the vision tower (model.visual.) and the
-# multi-token-prediction layers (mtp.: draft heads, not run yet) are not loaded.
+# multi-token-prediction layers (mtp.: a draft head, loaded apart by mtp.py) are not read here.
 WRAPPER_DEFAULTS = dict(tie_word_embeddings=False, image_token_id=248056, video_token_id=248057,
                         vision_start_token_id=248053, vision_end_token_id=248054)
 WRAPPER_IGNORED = frozenset({"vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
@@ -170,7 +177,14 @@ def text_config(c: HFConfig) -> HFConfig:
     if "tie_word_embeddings" in text and text["tie_word_embeddings"] != tied:
         c.refuse("text_config.tie_word_embeddings", text["tie_word_embeddings"],
                  f"disagrees with tie_word_embeddings={tied!r}, which ties the head of the checkpoint")
-    return _TextConfig({**text, "tie_word_embeddings": tied}, c.path, DEFAULTS)
+    view = _TextConfig({**text, "tie_word_embeddings": tied}, c.path, DEFAULTS)
+    # the checkpoint is one model: a tower ridge cannot run is refused however it is served (a file
+    # without one has no tower's tensors either: load_vision finds none)
+    vision = read_vision(c) if "vision_config" in c else None
+    if vision is not None and vision.out_hidden_size != view.positive_int("hidden_size"):
+        c.refuse("vision_config.out_hidden_size", vision.out_hidden_size,
+                 f"the merger's rows replace embeddings of hidden_size={view.get('hidden_size')}")
+    return view
 
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
@@ -189,6 +203,7 @@ def text_name(name: str, path) -> str | None:
 
 SPEC = ModelSpec("qwen3_5_text", Qwen35CausalLM,
                  HFFamily(DEFAULTS, read_qwen3_5, tensors=shift_norms),
-                 weights=WeightLayout(attention=fuse_mixer),
+                 gguf=gguf.family("qwen35", moe=False),  # GGUF as llama.cpp writes it: gguf.py
+                 weights=WeightLayout(attention=gguf.mixer(fuse_mixer)),
                  hf_wrappers=(HFWrapper("qwen3_5", WRAPPER_DEFAULTS, text_config, text_name,
-                                        "vision tower and multi-token-prediction"),))
+                                        "vision tower and multi-token-prediction", vision=load_vision),))

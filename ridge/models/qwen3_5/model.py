@@ -26,7 +26,8 @@ from ridge.config import ModelConfig
 from ridge.kernels import ops
 from ridge.quant.linear import FP8Linear
 
-from ..layers.decoder import ACT_AND_MUL, CausalLM, DecoderLayer, RMSNorm
+from ..layers.decoder import ACT_AND_MUL, DecoderLayer, RMSNorm
+from ..layers.mrope import MRopeCausalLM
 
 
 class GatedAttentionLayer(DecoderLayer):
@@ -124,7 +125,7 @@ class GatedDeltaNetLayer(nn.Module):
         return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(h)))
 
 
-class Qwen35CausalLM(CausalLM):
+class Qwen35CausalLM(MRopeCausalLM):  # an image's tokens rotate by three positions (Qwen3.5 with vision)
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return GatedDeltaNetLayer(cfg, index) if cfg.is_linear_layer(index) else GatedAttentionLayer(cfg, index)
 

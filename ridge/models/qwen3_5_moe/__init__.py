@@ -18,6 +18,7 @@ from ridge.quant.hf_config import (MOE_IGNORED, HFConfig, HFFamily, HFWrapper, e
 from ridge.quant.spec import ModelSpec
 
 from .. import qwen3_5, qwen3_next
+from ..qwen3_5 import gguf
 from ..qwen3_next import Qwen3NextCausalLM
 
 DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
@@ -36,8 +37,8 @@ def read_qwen3_5_moe(c: HFConfig, kw: dict) -> dict:
         c.refuse("num_experts", experts, "every Qwen3.5-MoE layer routes to experts")
     width = qwen3_next.experts_width(c)
     # intermediate_size: the dense MLP's, which no layer keeps (each is built, then its MLP replaced)
-    return dict(qwen3_5.read_qwen3_5(c, kw), **moe_fields(experts, k, width, list(range(n)), n, True),
-                **qwen3_next.shared_expert(c), intermediate_size=width)
+    return dict(qwen3_next.shared_expert(c, qwen3_5.read_qwen3_5(c, kw)),
+                **moe_fields(experts, k, width, list(range(n)), n, True), intermediate_size=width)
 
 
 # -- Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe) served as text.
@@ -53,6 +54,7 @@ text_name = wrapper_names((("model.language_model.", "model."), ("lm_head.", "lm
 
 SPEC = ModelSpec("qwen3_5_moe_text", Qwen3NextCausalLM,
                  HFFamily(DEFAULTS, read_qwen3_5_moe, MOE_IGNORED, tensors=qwen3_5.shift_norms),
-                 weights=WeightLayout(experts=qwen3_next.experts, attention=qwen3_5.fuse_mixer),
+                 gguf=gguf.family("qwen35moe", moe=True),  # GGUF as llama.cpp writes it: qwen3_5/gguf.py
+                 weights=WeightLayout(experts=qwen3_next.experts, attention=gguf.mixer(qwen3_5.fuse_mixer)),
                  hf_wrappers=(HFWrapper("qwen3_5_moe", WRAPPER_DEFAULTS, text_config, text_name,
                                         "vision tower and multi-token-prediction"),))

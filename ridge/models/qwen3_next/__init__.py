@@ -26,6 +26,7 @@ from ridge.quant.hf_config import MOE_IGNORED, HFConfig, HFFamily, experts_count
 from ridge.quant.spec import ModelSpec
 
 from .. import qwen3_5
+from ..qwen3_5 import gguf
 from ..qwen3_moe import _sparse_layers
 from .model import Qwen3NextCausalLM
 
@@ -42,12 +43,13 @@ DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num
 EXPERTS = ("mlp.", "gate", "gate_proj", "up_proj", "down_proj")  # under model.layers.{i}.
 
 
-def shared_expert(c: HFConfig) -> dict:
-    """The sparse layers' shared expert, its output gated per token (SharedExperts)."""
+def shared_expert(c: HFConfig, base: dict) -> dict:
+    """The sparse layers' shared expert, its output gated per token (SharedExperts), over base's fields
+    (read_qwen3_5's: their extra kept)."""
     width = c.positive_int("shared_expert_intermediate_size")
     if width is None:
         c.refuse("shared_expert_intermediate_size", None, "every sparse layer runs a shared expert of this width")
-    return dict(shared_expert_intermediate_size=width, extra={"shared_expert_gate": True})
+    return dict(base, shared_expert_intermediate_size=width, extra={**base.get("extra", {}), "shared_expert_gate": True})
 
 
 def experts_width(c: HFConfig) -> int:
@@ -64,7 +66,7 @@ def read_qwen3_next(c: HFConfig, kw: dict) -> dict:
     if not layers:  # every layer dense: the model transformers builds reads no expert field
         return qwen3_5.read_qwen3_5(c, kw)
     moe = moe_fields(experts_n, k, experts_width(c), layers, n, c.flag("norm_topk_prob"))
-    return dict(qwen3_5.read_qwen3_5(c, kw), **moe, **shared_expert(c))
+    return dict(shared_expert(c, qwen3_5.read_qwen3_5(c, kw)), **moe)
 
 
 def _regrouped(sd, la: str, cfg: ModelConfig, path) -> dict[str, torch.Tensor]:
@@ -130,4 +132,5 @@ def experts(sd, cfg: ModelConfig, layer: str, path) -> dict[str, torch.Tensor]:
 
 SPEC = ModelSpec("qwen3_next", Qwen3NextCausalLM,
                  HFFamily(DEFAULTS, read_qwen3_next, MOE_IGNORED, tensors=qwen3_5.shift_norms),
-                 weights=WeightLayout(experts=experts, attention=fuse_mixer))
+                 gguf=gguf.family("qwen3next", moe=True),  # GGUF as llama.cpp writes it: qwen3_5/gguf.py
+                 weights=WeightLayout(experts=experts, attention=gguf.mixer(qwen3_5.fuse_mixer, fuse_mixer)))
