@@ -290,15 +290,17 @@ def test_the_same_image_again_hits_the_prefix_cache(gemma3):
     assert other["other"] == greedy_hf(hf, b2)
 
 
-def test_an_image_longer_than_a_step_is_refused(gemma3):
-    from ridge.errors import InvalidRequest
-
+def test_the_step_grows_to_hold_an_image(gemma3):
+    """Steps of 6 tokens (chunks of 4, 2 sequences) under images of 16 that go into one step whole:
+    the engine sizes its step for the image (Gemma 3's image_seq_length), and answers as
+    transformers does."""
     path, hf, proc, loaded = gemma3
-    eng = make_engine(loaded, prefill_chunk=4, max_num_seqs=2)  # steps of 6 tokens
+    eng = make_engine(loaded, prefill_chunk=4, max_num_seqs=2, enable_prefix_caching=False)
+    assert eng.scheduler.config.max_num_batched_tokens == TOKENS
     batch = processor_inputs(proc, [SQUARE], False)
     ids = batch["input_ids"][0].tolist()
-    with pytest.raises(InvalidRequest, match="an image of 16 tokens, more than the 6 tokens of one step"):
-        eng.add_request("x", Admitted(ids, params(), tuple(image_inputs([SQUARE], ids, False))))
+    got, _ = run(eng, {"x": Admitted(ids, params(), tuple(image_inputs([SQUARE], ids, False)))})
+    assert got["x"] == greedy_hf(hf, batch)
 
 
 def test_the_scheduler_keeps_each_image_run_whole():

@@ -33,6 +33,7 @@ NOT_THE_ARCHITECTURE = {
     ("ridge/bench/window.py", "gemma3_text"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/hybrid.py", "qwen3_5_text"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/hybrid.py", "qwen3"): "a random checkpoint the benchmark writes, as tests do",
+    ("ridge/bench/vision.py", "gemma3"): "a random checkpoint the benchmark writes, as tests do",
     ("ridge/bench/window.py", "gemma3"): "the benchmark's layer pattern, 5 sliding : 1 full",
 }
 

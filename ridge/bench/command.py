@@ -15,6 +15,7 @@
     ridge bench determinism a request's tokens alone, batched and speculated; --deterministic's cost
     ridge bench moe        a random Qwen3-MoE-shaped model's decode against a dense one of its active size
     ridge bench hybrid     a random Qwen3.5-shaped hybrid against a dense model of equal parameters (1K-32K)
+    ridge bench vision     time to first token with an image (Gemma-3-4B shape) against transformers' generate
     ridge bench embeddings embedding throughput at batch 1 and 64 against transformers on the same model
     ridge bench recurrent  one layer's recurrent ops (gated delta rule, conv, Mamba2) per backend
     ridge bench loading    time to first token while a model loads on request (host RAM, cache, cold)
@@ -113,6 +114,7 @@ def add_bench_parser(subparsers) -> None:
     from .speculative import add_spec_parser
     from .structured import add_structured_parser
     from .hybrid import add_hybrid_parser
+    from .vision import add_vision_parser
     from .moe import add_moe_parser
     from .embeddings import add_embeddings_parser
     from .window import add_window_parser
@@ -128,6 +130,7 @@ def add_bench_parser(subparsers) -> None:
     add_determinism_parser(sub, _common)
     add_moe_parser(sub, _common)
     add_hybrid_parser(sub, _common)
+    add_vision_parser(sub, _common)
     add_embeddings_parser(sub, _common)
     from .recurrent import add_recurrent_parser
     add_recurrent_parser(sub, _common)
@@ -382,6 +385,11 @@ def run_bench(args) -> int:
     if name == "hybrid":
         from .hybrid import run_hybrid
         run_hybrid(args, rep)
+        _write_json(rep, args)
+        return 0
+    if name == "vision":
+        from .vision import run_vision
+        run_vision(args, rep)
         _write_json(rep, args)
         return 0
     if name == "recurrent":

@@ -183,6 +183,14 @@ def plan_budget(c: EngineConfig, loaded: LoadedModel, max_model_len: int,
     step = c.max_num_seqs + chunk
     if pooling is not None:
         chunk = step = c.prefill_chunk or pooled_token_budget(chunk, c.max_num_seqs)
+    if mc.image_attention_bidirectional and loaded.vision is not None:
+        # an image whose tokens see each other both ways goes into one step whole: the step holds
+        # the longest (Gemma 3's 256 tokens a picture, Gemma 4's patch budget), as vLLM sizes its
+        # batch for the largest multimodal item
+        longest = longest_image_run(loaded)
+        if longest > step:
+            log.info("step budget raised from %d to %d tokens: an image's run goes into one step", step, longest)
+            step = longest
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=step,
                             long_prefill_token_threshold=chunk, block_size=c.block_size, max_model_len=max_model_len,
                             whole_image_runs=mc.image_attention_bidirectional)
@@ -190,6 +198,19 @@ def plan_budget(c: EngineConfig, loaded: LoadedModel, max_model_len: int,
     log.info("step budget: ridge point %.1f FLOP/B (%s), T* = %.1f tokens, prefill chunk %d, %d tokens per step",
              info["ridge_point"], info["ridge_source"], info["knee_tokens"], chunk, step)
     return sched, info
+
+
+def longest_image_run(loaded: LoadedModel) -> int:
+    """The most placeholder tokens one image takes in a row, by the model's prompt rule (its
+    directory's processor files, or its projector file); 0 where it has none."""
+    from ridge.models.mmproj import mmproj_prompt_rules
+    from ridge.vision.prompt import read_prompt_rules
+
+    if loaded.mmproj is not None:
+        rules = mmproj_prompt_rules(loaded.mmproj, loaded.tokenizer.backend.token_to_id)
+    else:
+        rules = read_prompt_rules(loaded.path)
+    return getattr(rules, "longest_run", 0) if rules is not None else 0
 
 
 def state_pools(config: EngineConfig, loaded: LoadedModel, speculating: bool) \

@@ -38,6 +38,10 @@ def load_mmproj(path, device, dtype: torch.dtype, weights: str, text_hidden_size
     """The image encoder a projector file holds, its weights in dtype on device (e4m3 products
     where weights is "fp8")."""
     meta, reader, family = _open(path)
+    width = meta.get("clip.vision.projection_dim")
+    if width != text_hidden_size:  # the rows replace the text model's embeddings
+        raise ModelLoadError(path, f"clip.vision.projection_dim={width!r}: the text model is {text_hidden_size} wide "
+                                   "(a projector of another model)")
     tensors = {}
     for t in reader.tensors:
         try:
@@ -51,3 +55,13 @@ def mmproj_prompt_rules(path, token_id):
     """The image prompt rule of a projector file; token_id(text) -> the text model's id of a token."""
     meta, _, family = _open(path)
     return family.prompt_rules(meta, Path(path), token_id)
+
+
+def vocabulary_ids(tokens, token_id, path, model: str) -> list[int]:
+    """The text model's ids of a projector's prompt tokens (token_id(text) -> id or None); a token
+    its vocabulary lacks says the projector is another model's."""
+    ids = [token_id(t) for t in tokens]
+    if None in ids:
+        raise ModelLoadError(path, f"the text model's vocabulary has no {tokens[ids.index(None)]}: not {model}'s (a "
+                                   "projector of another model)")
+    return ids

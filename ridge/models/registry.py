@@ -51,7 +51,7 @@ FAMILIES = (
 REGISTRY = Registry(import_module(f"{__package__}.{name}").SPEC for name in FAMILIES)
 # llama.cpp's projector files (--mmproj, models/mmproj.py): clip.projector_type -> the folder whose
 # mmproj.py reads it
-PROJECTORS = {"gemma3": "gemma3"}
+PROJECTORS = {"gemma3": "gemma3", "qwen2.5vl_merger": "qwen2_5_vl"}
 
 
 def model_class(cfg: ModelConfig) -> type:

@@ -149,6 +149,11 @@ class Gemma3Prompt:
     def num_image_tokens(self, height: int, width: int) -> int:
         return self.images.num_image_tokens(height, width)
 
+    @property
+    def longest_run(self) -> int:
+        """The most placeholders one picture takes in a row (the engine's step must hold them)."""
+        return self.images.image_seq_length
+
 
 @dataclass(frozen=True, slots=True)
 class Gemma4Prompt:
@@ -176,6 +181,10 @@ class Gemma4Prompt:
 
     def num_image_tokens(self, height: int, width: int) -> int:
         return self.images.num_image_tokens(height, width)
+
+    @property
+    def longest_run(self) -> int:
+        return self.images.max_soft_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,11 +88,9 @@ def module_name(name: str) -> str | None:
 
 def load(tensors: dict[str, torch.Tensor], meta: dict, path, device, dtype: torch.dtype, weights: str,
          text_hidden_size: int) -> Gemma3Vision:
-    """tensors: the file's, by its names, in fp32. The encoder for a text model text_hidden_size wide."""
+    """tensors: the file's, by its names, in fp32. The encoder for a text model text_hidden_size wide
+    (models/mmproj.py checked the file's projection_dim against it)."""
     cfg = read_config(meta, path)
-    if cfg.text_hidden_size != text_hidden_size:
-        raise ModelLoadError(path, f"clip.vision.projection_dim={cfg.text_hidden_size}: the text model is "
-                                   f"{text_hidden_size} wide (a projector of another model)")
     sd, source = {}, {}
     for name, t in tensors.items():
         mine = module_name(name)
@@ -128,10 +126,8 @@ def prompt_rules(meta: dict, path, token_id):
     from ridge.vision.gemma3 import Gemma3Images
     from ridge.vision.prompt import Gemma3Prompt
 
-    ids = {t: token_id(t) for t in TOKENS}
-    missing = [t for t, i in ids.items() if i is None]
-    if missing:
-        raise ModelLoadError(path, f"the text model's vocabulary has no {missing[0]}: not Gemma 3's (a projector "
-                                   "of another model)")
+    from ..mmproj import vocabulary_ids
+
+    image = vocabulary_ids(TOKENS, token_id, path, "Gemma 3")[1]
     images = Gemma3Images.from_config(preprocessor(meta, path), pan_and_scan=False)
-    return Gemma3Prompt(images, ids[TOKENS[1]], TOKENS[0], TOKENS[1], TOKENS[2], how=f"{PROJECTOR}-mmproj|{images!r}")
+    return Gemma3Prompt(images, image, TOKENS[0], TOKENS[1], TOKENS[2], how=f"{PROJECTOR}-mmproj|{images!r}")

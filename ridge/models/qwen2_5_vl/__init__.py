@@ -8,7 +8,10 @@ beside it.
 
 Images in the prompt (ridge/vision/prompt.py QwenVLPrompt): each image is one run of
 <|image_pad|> tokens between <|vision_start|> and <|vision_end|>, one per merged token, its
-ImageInput's meta the grid in patches (the encoder's) and in merged tokens (the positions')."""
+ImageInput's meta the grid in patches (the encoder's) and in merged tokens (the positions').
+
+From GGUF (gguf.py: llama.cpp's qwen2vl) the text model, its encoder from the projector file
+beside it (mmproj.py, `--mmproj`)."""
 from __future__ import annotations
 
 from ridge.quant.hf_config import HFFamily, HFWrapper
@@ -16,9 +19,10 @@ from ridge.quant.spec import ModelSpec
 
 from ..layers.mrope import MRopeCausalLM
 from .config import TEXT_DEFAULTS, WRAPPER_DEFAULTS, read_text, text_config, text_name
+from .gguf import FAMILY as GGUF
 from .vision import load_vision
 
 # arch: transformers' text config type; checkpoints name the wrapper, read through it.
-SPEC = ModelSpec("qwen2_5_vl_text", MRopeCausalLM, HFFamily(TEXT_DEFAULTS, read_text),
+SPEC = ModelSpec("qwen2_5_vl_text", MRopeCausalLM, HFFamily(TEXT_DEFAULTS, read_text), GGUF,
                  hf_wrappers=(HFWrapper("qwen2_5_vl", WRAPPER_DEFAULTS, text_config, text_name, "vision tower",
                                         vision=load_vision),))

@@ -6,10 +6,13 @@ shared expert of shared_expert_intermediate_size scaled by sigmoid(shared_expert
 config class has no dense MLP, nor intermediate_size, decoder_sparse_step, mlp_only_layers or
 norm_topk_prob: its model reads none of them; num_experts 0 is refused.
 
-The Hub ships it as Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe), served as its text
-model: text_config (a qwen3_5_moe_text), the wrapper's tie_word_embeddings tying the head (as
-transformers ties it); the vision tower (model.visual.) and the multi-token-prediction layers
-(mtp.) are not loaded."""
+The Hub ships it as Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe): text_config (a
+qwen3_5_moe_text) is the text model, the wrapper's tie_word_embeddings tying the head (as
+transformers ties it). Its vision tower (model.visual.) is Qwen3.5's (Qwen3_5MoeVisionConfig and
+Qwen3_5MoeVisionModel subclass Qwen3.5's unchanged: ridge/models/qwen3_5/vision.py loads it beside
+the text model); an image's tokens rotate by mrope's three positions, interleaved, from the
+mrope_section read_qwen3_5 keeps in extra. The multi-token-prediction layers (mtp.) are not read
+here (ridge/models/qwen3_5/mtp.py loads them apart)."""
 from __future__ import annotations
 
 from ridge.quant.fuse import WeightLayout
@@ -19,6 +22,7 @@ from ridge.quant.spec import ModelSpec
 
 from .. import qwen3_5, qwen3_next
 from ..qwen3_5 import gguf
+from ..qwen3_5.vision import load_vision, read_vision
 from ..qwen3_next import Qwen3NextCausalLM
 
 DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
@@ -41,12 +45,18 @@ def read_qwen3_5_moe(c: HFConfig, kw: dict) -> dict:
                 **moe_fields(experts, k, width, list(range(n)), n, True), intermediate_size=width)
 
 
-# -- Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe) served as text.
+# -- Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe): the text model and its vision tower.
 WRAPPER_DEFAULTS = dict(qwen3_5.WRAPPER_DEFAULTS)  # the same token ids and tie default as Qwen3.5's wrapper
 
 
 def text_config(c: HFConfig) -> HFConfig:
-    return nested_text_config(c, "qwen3_5_moe_text", DEFAULTS, "Qwen3.5-MoE")
+    text = nested_text_config(c, "qwen3_5_moe_text", DEFAULTS, "Qwen3.5-MoE")
+    # one model: a tower ridge cannot run is refused however the checkpoint is served
+    vision = read_vision(c) if "vision_config" in c else None
+    if vision is not None and vision.out_hidden_size != text.positive_int("hidden_size"):
+        c.refuse("vision_config.out_hidden_size", vision.out_hidden_size,
+                 f"the merger's rows replace embeddings of hidden_size={text.get('hidden_size')}")
+    return text
 
 
 text_name = wrapper_names((("model.language_model.", "model."), ("lm_head.", "lm_head.")), ("model.visual.", "mtp."),
@@ -57,4 +67,4 @@ SPEC = ModelSpec("qwen3_5_moe_text", Qwen3NextCausalLM,
                  gguf=gguf.family("qwen35moe", moe=True),  # GGUF as llama.cpp writes it: qwen3_5/gguf.py
                  weights=WeightLayout(experts=qwen3_next.experts, attention=gguf.mixer(qwen3_5.fuse_mixer)),
                  hf_wrappers=(HFWrapper("qwen3_5_moe", WRAPPER_DEFAULTS, text_config, text_name,
-                                        "vision tower and multi-token-prediction"),))
+                                        "vision tower and multi-token-prediction", vision=load_vision),))
