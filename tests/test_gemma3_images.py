@@ -21,6 +21,7 @@ from PIL import Image
 from engine_utils import make_engine
 from test_engine_images import greedy_hf, params, run
 from test_idefics3 import assert_fp8_tower, on_ridge_weights
+from ridge.bench.vision import png
 from ridge.cache.kv_cache import KVCache
 from ridge.engine.admit import Admitted
 from ridge.kernels.metadata import AttentionMetadata
@@ -84,17 +85,6 @@ def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
     (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
                                                             "image_seq_length": TOKENS}))
     return path
-
-
-def png(w: int, h: int, seed: int) -> bytes:
-    """Gradients plus noise: every crop and pooled cell differs."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    px = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
-    px = np.clip(px + rng.integers(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(px, "RGB").save(buf, "PNG")
-    return buf.getvalue()
 
 
 WIDE = png(700, 300, 1)  # pan-and-scan: 2 crops of 350 x 300 (each side at least the minimum 256)

@@ -105,19 +105,24 @@ def write_model(shape: dict, root: Path | None = None) -> Path:
     return d
 
 
-def picture(size: str) -> bytes:
-    """A PNG of gradients and noise, WxH."""
+def png(w: int, h: int, seed: int = 0) -> bytes:
+    """A PNG of gradients plus noise, w x h: every crop and pooled cell differs."""
     import numpy as np
     from PIL import Image
 
-    w, h = (int(x) for x in size.lower().split("x"))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:h, 0:w]
     px = np.stack([x * 255 // max(w - 1, 1), y * 255 // max(h - 1, 1), (x + y) % 256], -1)
     px = np.clip(px + rng.integers(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(px, "RGB").save(buf, "PNG")
     return buf.getvalue()
+
+
+def picture(size: str) -> bytes:
+    """png() of a WxH size."""
+    w, h = (int(x) for x in size.lower().split("x"))
+    return png(w, h)
 
 
 def ridge_ttft(args, d: Path, png: bytes) -> dict:
