@@ -128,6 +128,8 @@ def model_info(engine) -> dict:
         "ridge_point": float(budget.get("ridge_point", 0.0)), "ridge_source": str(budget.get("ridge_source", "")),
         "device": str(engine.device), "chat_template": tok.chat_template is not None,
         "eos_token_ids": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id,
-        "speculative": str(getattr(engine.config, "speculative", None) or "off"),
+        # what runs: the setting "head" on a checkpoint without a draft head speculates not at all
+        "speculative": str(getattr(engine.config, "speculative", None) or "off") if engine.proposer_name != "off"
+        else "off",
         "pooling": engine.pooling,  # last | mean: an embedding model (engine/pooling.py); None: it generates
     }
