@@ -233,6 +233,7 @@ def run_hybrid(args, rep) -> None:
     shape = {k: getattr(args, k) for k in SHAPE}
     if shape["layers"] % shape["full_every"] or args.context_layers % shape["full_every"]:
         raise ValueError(f"--layers and --context-layers must be multiples of --full-every {shape['full_every']}")
-    _throughput(args, rep, shape)
+    if args.batches.strip():
+        _throughput(args, rep, shape)
     if args.contexts.strip():
         _contexts(args, rep, shape)
