@@ -417,3 +417,16 @@ def test_triton_kernels_through_the_engine(fp32_default):
     assert got == {k: hf_greedy(model, p, 6) for k, p in prompts.items()}
     assert cached == {"a": 0, "b": 32}
     assert_no_leak(eng)
+
+
+def test_state_checkpoints_shrink_to_half_the_caches_room(fp32_default):
+    """A cache budget whose half holds the 16 requests' states and 8 checkpoints, not the 64 they
+    would get: 8 checkpoints, the prefix hit still served from one, the answers transformers'."""
+    model, lm, ids = fp32_default
+    per = lm.config.state_bytes_per_request()
+    eng = make_engine(lm, prefill_chunk=16, kv_memory_gib=2 * (16 + 8) * per / 2 ** 30, num_kv_blocks=None)
+    assert eng.state_checkpoints.count == 8
+    prompt = ids[:48]
+    first = run_named(eng, {"a": prompt}, 6)
+    again = run_named(eng, {"b": prompt}, 6)
+    assert first["a"] == again["b"] == hf_greedy(model, prompt, 6)

@@ -32,7 +32,7 @@ from .rerank import judged_tokens
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerConfig
-from .sizing import measure_activation_peak, plan_memory
+from .sizing import cache_budget, measure_activation_peak, plan_memory
 from .speculative import build_speculator, plan_speculation
 from .structured import Constraints
 from .threads import ThreadGovernor
@@ -125,7 +125,9 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
         choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
     act = measure_activation_peak(lambda: profile_forward(loaded, sched_config, kv_dtype, config.max_num_seqs,
                                                           max_model_len), device)
-    state_slots, state_checkpoints = state_pools(config, loaded, spec is not None)
+    room = cache_budget(device, act, gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,
+                        kv_memory_gib=config.kv_memory_gib)
+    state_slots, state_checkpoints = state_pools(config, loaded, spec is not None, room)
     # (the pools define __len__: an empty one is falsy, so `is not None`)
     state_pool = (state_slots.pool_size if state_slots is not None else 0) + \
         (state_checkpoints.count if state_checkpoints is not None else 0)
@@ -213,17 +215,26 @@ def longest_image_run(loaded: LoadedModel) -> int:
     return getattr(rules, "longest_run", 0) if rules is not None else 0
 
 
-def state_pools(config: EngineConfig, loaded: LoadedModel, speculating: bool) \
+def state_pools(config: EngineConfig, loaded: LoadedModel, speculating: bool, room: int) \
         -> tuple[StateSlots | None, StateCheckpoints | None]:
     """A hybrid model's state slots (cache/state_cache.py): one per request in flight, with
     speculation one per draft each to roll back to, and with prefix caching the checkpoints
-    (STATE_CHECKPOINTS_PER_SEQ per request in flight); none for a model without linear layers."""
+    (STATE_CHECKPOINTS_PER_SEQ per request in flight, fewer where they would take more than half
+    of the caches' room: checkpoints only save prefill, the KV pool holds what runs); none for a
+    model without linear layers."""
     if not loaded.config.linear_layers:
         return None, None
     slots = StateSlots(config.max_num_seqs, config.num_speculative_tokens if speculating else 0)
     if not config.enable_prefix_caching:
         return slots, None
-    return slots, StateCheckpoints(slots.pool_size, STATE_CHECKPOINTS_PER_SEQ * config.max_num_seqs)
+    want = STATE_CHECKPOINTS_PER_SEQ * config.max_num_seqs
+    fit = room // 2 // loaded.config.state_bytes_per_request() - slots.pool_size
+    count = max(1, min(want, fit))
+    if count < want:
+        log.info("state checkpoints: %d, not %d: %d requests' states (%.1f MiB each) and their checkpoints take at "
+                 "most half of the %.2f GiB for the caches", count, want, config.max_num_seqs,
+                 loaded.config.state_bytes_per_request() / 2**20, room / 2**30)
+    return slots, StateCheckpoints(slots.pool_size, count)
 
 
 def profile_forward(loaded: LoadedModel, sched: SchedulerConfig, kv_dtype: str, max_num_seqs: int,

@@ -106,6 +106,26 @@ def split_pool(groups, group_bpt: list[int], block_size: int, budget: int, num_b
     return [left // full_bytes if cap is None else n for n, cap in zip(out, caps)]
 
 
+def cache_budget(device: torch.device, activation_bytes: int, *, gpu_reserve_gib: float, cpu_kv_cap_gib: float,
+                 kv_memory_gib: float | None) -> int:
+    """Bytes the caches (KV pool and a hybrid's state pools) may take: the device's free memory
+    less the activations and the reserve (a CPU: at most cpu_kv_cap_gib), at most kv_memory_gib."""
+    reserve = reserve_bytes(device, gpu_reserve_gib)
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] - activation_bytes - reserve
+    else:
+        budget = min(psutil.virtual_memory().available - activation_bytes - reserve, int(cpu_kv_cap_gib * GIB))
+    return budget if kv_memory_gib is None else min(budget, int(kv_memory_gib * GIB))
+
+
+def reserve_bytes(device: torch.device, gpu_reserve_gib: float) -> int:
+    """What the caches leave free: on a GPU the desktop's and other processes' share of a consumer
+    card, on a CPU a tenth of the memory available."""
+    if device.type == "cuda":
+        return int(gpu_reserve_gib * GIB)
+    return int(0.1 * psutil.virtual_memory().available)
+
+
 def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weight_bytes: int,
                 activation_bytes: int, *, gpu_reserve_gib: float, cpu_kv_cap_gib: float,
                 kv_memory_gib: float | None, num_blocks: int | None,
@@ -116,20 +136,16 @@ def plan_memory(cfg, kv_dtype: str, block_size: int, device: torch.device, weigh
     groups = cfg.kv_groups()
     group_bpt = [layers_kv_bytes_per_token(cfg, kv_dtype, g.layers) for g in groups]
     group_bpt[0] += extra_bytes_per_token
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = int(gpu_reserve_gib * GIB)  # the desktop and other processes on a consumer card
-        budget = free - activation_bytes - reserve
-    else:
-        total = psutil.virtual_memory().total
-        reserve = int(0.1 * psutil.virtual_memory().available)
-        budget = min(psutil.virtual_memory().available - activation_bytes - reserve, int(cpu_kv_cap_gib * GIB))
-    if kv_memory_gib is not None:
-        budget = min(budget, int(kv_memory_gib * GIB))
+    budget = cache_budget(device, activation_bytes, gpu_reserve_gib=gpu_reserve_gib, cpu_kv_cap_gib=cpu_kv_cap_gib,
+                          kv_memory_gib=kv_memory_gib)
+    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else psutil.virtual_memory().total
+    reserve = reserve_bytes(device, gpu_reserve_gib)
     budget -= state_bytes
     counts = split_pool(groups, group_bpt, block_size, budget, num_blocks, max_num_seqs, max_num_batched_tokens)
     if min(counts) < 1:
-        raise MemoryError(f"only {max(budget, 0) / GIB:.2f} GiB left for the KV cache, not one block; "
+        why = (f" (the recurrent states of {max_num_seqs} requests take {state_bytes / GIB:.2f} GiB: lower "
+               "--max-num-seqs)" if state_bytes else "")
+        raise MemoryError(f"only {max(budget, 0) / GIB:.2f} GiB left for the KV cache, not one block{why}; "
                           "lower --max-model-len or the reserve, or free memory")
     blocks = counts[0]
     if groups[0].window is None and blocks * block_size < max_model_len:  # a sliding group never holds a context
