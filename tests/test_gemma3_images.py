@@ -69,9 +69,9 @@ def write_tokenizer(path: Path) -> None:
         "extra_special_tokens": {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}}))
 
 
-def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+def write_tiny_gemma3(path: Path, seed: int = 0, text: dict = TEXT) -> Path:
     v = vocab()
-    cfg = transformers.Gemma3Config(text_config={**TEXT, "vocab_size": len(v) + 5}, vision_config=VISION,
+    cfg = transformers.Gemma3Config(text_config={**text, "vocab_size": len(v) + 5}, vision_config=VISION,
                                     mm_tokens_per_image=TOKENS, image_token_index=v.index(IMAGE),
                                     boi_token_index=v.index(BOI), eoi_token_index=v.index(EOI))
     torch.manual_seed(seed)

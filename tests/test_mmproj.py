@@ -8,7 +8,6 @@ projection rounded to F16: the encoder's rows, and greedy tokens through the eng
 images in the prompt; the prompt rule the file implies equals the HF directory's."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -18,8 +17,8 @@ import torch
 from engine_utils import make_engine
 from test_engine_images import greedy_hf, params, run
 from test_idefics3 import on_ridge_weights
-from test_gemma3_images import (BOI, EOI, IMAGE, PREPROCESSOR, SIDE, SQUARE, TEXT, VISION, WIDE, image_inputs,
-                                processor_inputs, vocab, write_tokenizer)
+from test_gemma3_images import (PREPROCESSOR, SIDE, SQUARE, TEXT, WIDE, image_inputs, processor_inputs, vocab,
+                                write_tiny_gemma3)
 from tiny_models import write_gguf
 from ridge.engine.admit import Admitted
 from ridge.models.loader import load_model
@@ -38,21 +37,8 @@ GGUF_TEXT = dict(TEXT, num_hidden_layers=6, sliding_window_pattern=6, rope_local
 
 
 def build(path):
-    v = vocab()
-    cfg = transformers.Gemma3Config(text_config={**GGUF_TEXT, "vocab_size": len(v) + 5}, vision_config=VISION,
-                                    mm_tokens_per_image=16, image_token_index=v.index(IMAGE),
-                                    boi_token_index=v.index(BOI), eoi_token_index=v.index(EOI))
-    torch.manual_seed(6)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if "norm" in name else 0.15)
-    model.save_pretrained(str(path))
-    write_tokenizer(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
-                                                            "image_seq_length": 16}))
-    return model
+    write_tiny_gemma3(path, seed=6, text=GGUF_TEXT)
+    return transformers.Gemma3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
 
 
 def write_text_gguf(path, hf_dir, model) -> None:

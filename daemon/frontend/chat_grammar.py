@@ -21,7 +21,7 @@ import json
 from ridge.engine.structured.grammar import JSON_WHITESPACE, named_grammars
 
 from .chat_format import GEMMA4, HERMES, LLAMA3_JSON, MISTRAL, QWEN3_XML, ChatFormat
-from .chat_output import text_params
+from .chat_calls import text_params
 from .tools import ChatTurn, Tool
 
 ANY = "ANY: /(.|\\n)*/"

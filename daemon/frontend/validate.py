@@ -28,7 +28,8 @@ from ..protocol import (INVALID_FIELD, INVALID_REQUEST, MISSING_FIELD, SUPPORTED
 from . import harmony, images
 from .chat_format import HARMONY, chat_format, render_chat, ridge_tool_messages
 from .chat_grammar import closed, turn_grammar
-from .chat_output import OutputSpec, text_params
+from .chat_calls import text_params
+from .chat_output import OutputSpec
 from .tools import V2_FIELDS, ChatTurn, check_messages, check_turn, template_messages, version_fields
 
 _BOOL = "a boolean"
