@@ -8,8 +8,8 @@ layer_types (transformers warns and ignores them), so neither does ridge.
 The Hub ships Ministral 3 as Mistral3ForConditionalGeneration (a Pixtral vision tower beside
 this text model): ridge/models/mistral3/ reads that wrapper, its text_config through this family.
 
-GGUF: llama.cpp writes these checkpoints as mistral3, whose YaRN and temperature keys ridge does
-not read yet; such a file is refused as an unknown architecture."""
+GGUF: llama.cpp writes these checkpoints as mistral3 (YaRN and the query scale's beta in its own
+keys, the period its original context), read by gguf.py."""
 from __future__ import annotations
 
 from ridge.quant.hf_config import HFConfig, HFFamily, rope_fields, window_all
@@ -17,6 +17,7 @@ from ridge.quant.spec import ModelSpec
 
 from ..layers.decoder import CausalLM
 from ..llama import LLAMA_DEFAULTS
+from . import gguf
 
 # Ministral3Config.__post_init__'s rope_parameters where a config leaves them out.
 DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
@@ -51,4 +52,5 @@ MINISTRAL3_DEFAULTS = dict(LLAMA_DEFAULTS, vocab_size=131072, intermediate_size=
                           num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-5,
                           sliding_window=None)
 
-SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3))
+SPEC = ModelSpec("ministral3", CausalLM, HFFamily(MINISTRAL3_DEFAULTS, read_ministral3),
+                 gguf=gguf.FAMILY)  # GGUF as llama.cpp writes it: gguf.py
