@@ -297,6 +297,19 @@ class CpuLinear:
             return None
         return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa, self.code == "i8"), x)
 
+    def _streamer(self, isa: int):
+        """The streaming product bound to this weight (native.fp8_linear_call): a one-row step
+        makes about 120 of these calls, so the checks are made once. A weight replaced since
+        (packed rebound) takes the checked path."""
+        packed, call, n = self.packed, native.fp8_linear_call(self.packed, self.scale, isa, self.code == "i8"), self.shape[0]
+
+        def run(x: torch.Tensor) -> torch.Tensor | None:
+            y = call(x) if self.packed is packed else None
+            if y is None:
+                return self._stream(x, isa)
+            return y if y.shape[1] == n else y[:, :n]
+        return run
+
     def _tiles(self, x: torch.Tensor) -> torch.Tensor | None:
         if native.library() is None:
             return None
@@ -345,7 +358,8 @@ class CpuLinear:
             plan = [(1, True)] if isa else []
         plan = plan or [(1, False)]
         kinds = ["fp8" if use else "tiles" for _, use in plan]
-        runs = [(lambda x, isa=isa: self._stream(x, isa)) if k == "fp8" else self._tiles for k in kinds]
+        stream = self._streamer(isa) if "fp8" in kinds and native.library() is not None else None
+        runs = [(stream or (lambda x, isa=isa: self._stream(x, isa))) if k == "fp8" else self._tiles for k in kinds]
         self.bounds, self.runs, self.kinds, self.copies, self.isa = [b for b, _ in plan], runs, kinds, {}, isa
 
     def kind(self, rows: int) -> str:

@@ -34,7 +34,7 @@ import torch
 
 log = logging.getLogger("ridge.kernels")
 SRC = Path(__file__).with_name("csrc")
-SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c", "fp8_quant.c", "recurrent.c")
+SOURCES = ("fp8_linear.c", "paged_attention.c", "small_ops.c", "fp8_quant.c", "recurrent.c", "decoder.c")
 FLAGS = ("-O3", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-psabi")
 
 _lock = threading.Lock()
@@ -144,6 +144,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                i64, i64, i64, i32]
     for fn in (lib.gdn_recurrent, lib.conv1d_varlen, lib.ssd_update):
         fn.restype = i32
+    # decoder.c: a dense decoder's layers in one call (kernels/decoder_native.py declares the structs)
+    lib.decoder_layers.argtypes, lib.decoder_layers.restype = [p, i64, p], i32
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -256,6 +258,29 @@ def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, is
         return library().fp8_linear_grouped(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), s.data_ptr(),
                                             sbf, y.shape[1], gk, y.data_ptr(), isa, int(i8), torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_grouped)
+
+
+def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: bool = False):
+    """fp8_linear bound to one weight: its checks and pointers taken once, so that each of a
+    step's products pays one ctypes call (fp8_linear's checks cost about 25 us a call, more than
+    a one-row product of a small layer's bytes). -> call(x) -> y [M, N padded] fp32, or None
+    where the library is off (native.off) or x is not a contiguous fp32 [M, K]."""
+    scale256, gk, sbf = _scales(packed, scale256)
+    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    wp, sp, i8 = packed.data_ptr(), scale256.data_ptr(), int(i8)
+    f32, empty, threads = torch.float32, torch.empty, torch.get_num_threads
+
+    def call(x: torch.Tensor) -> torch.Tensor | None:
+        lib = _state.get("lib")
+        if lib is None or x.dtype is not f32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+            return None
+        m = x.shape[0]
+        y = empty((m, n), dtype=f32)
+        if m and lib.fp8_linear_grouped(x.data_ptr(), m, k, wp, sp, sbf, n, gk, y.data_ptr(), isa, i8, threads()):
+            raise RuntimeError("fp8_linear_grouped: not built here")
+        return y
+    call.weights = (packed, scale256)  # held: the pointers above are theirs
+    return call
 
 
 def sgemm() -> int | None:

@@ -58,11 +58,14 @@ def linear_modules(model) -> list:
 
 
 def step_mode(engine, batch: int) -> str:
-    """How the engine runs a pure-decode step of `batch` sequences: "cuda graph" (one
-    replay) or "eager" (a launch per kernel, which on a GPU can cost more than the work)."""
+    """How the engine ran a pure-decode step of `batch` sequences: "cuda graph" (one
+    replay), "one call" (a CPU step's layers in one C call) or "eager" (a launch per kernel,
+    which on a GPU can cost more than the work)."""
     graphs = engine.runner.graphs
-    return "cuda graph" if engine.device.type == "cuda" and graphs is not None and graphs.can_run(batch) \
-        else "eager"
+    if engine.device.type == "cuda" and graphs is not None and graphs.can_run(batch):
+        return "cuda graph"
+    stack = engine.model.__dict__.get("_native_stack")  # the CPU layers in one C call (kernels/decoder_native.py)
+    return "one call" if stack is not None and stack._rows.get(batch) is not None else "eager"
 
 
 class Products:

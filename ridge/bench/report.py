@@ -176,6 +176,8 @@ class Report:
                 "batch_build", "sched_update", "outputs", "other"]
         if any(r["breakdown_ms"].get("moe") for r in rows):  # a mixture of experts' layers and routers
             keys[:0] = ["moe", "router"]
+        if any(r["breakdown_ms"].get("layers") for r in rows):  # the CPU layers in one C call: their sections unseen
+            keys[:0] = ["layers"]
         note = ("matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
                 "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median; "
                 "read = the weights' bytes as held plus each sequence's KV over its context, per step")
@@ -190,7 +192,8 @@ class Report:
                      _f(100 * r["of_bandwidth"], "{:.0f}%") if r.get("of_bandwidth") else "-",
                      _f(r.get("cpu_util"), "{:.2f}")] for r in rows], note)
         self.table("where a step's time goes (ms per step, exclusive, from the engine's timing sections; "
-                   "linear includes the logits' product, and a CUDA graph replay hides the model's sections)",
+                   "linear includes the logits' product; a CUDA graph replay hides the model's sections, and one C call "
+                   "for the layers (step ran: one call) holds them in layers)",
                    ["batch", "total", "linear"] + keys,
                    [[r["batch"], _f(r["breakdown_ms"].get("total")), _f(r["breakdown_ms"].get("linear"))]
                     + [_f(r["breakdown_ms"].get(k), "{:.2f}") for k in keys] for r in rows])

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.kernels import ops
+from ridge.kernels import decoder_native, ops
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 from ridge.quant.embedding import load_table_and_head
@@ -132,10 +132,47 @@ class CausalLM(nn.Module):
             h = self.embed(input_ids)
             if embeds is not None:
                 h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
-        residual = None
-        for layer, kv in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
-            h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv)
+        layers = self.layers[:num_layers] if num_layers else self.layers  # a slice builds a ModuleList
+        done = self.native_layers(h, positions, meta, kv_caches, len(layers)) if h.device.type == "cpu" else None
+        if done is not None:
+            h, residual = done
+        else:
+            residual = None
+            for layer, kv in zip(layers, kv_caches):
+                h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv)
         return self.norm.forward(h, residual)[0]
+
+    def native_layers(self, h, positions, meta, kv_caches, count: int):
+        """The first `count` layers in one C call where every layer is a plain one and the step
+        fits ridge's CPU kernels (kernels/decoder_native.py): -> (h, residual), else None."""
+        stack = self.__dict__.get("_native_stack")
+        if stack is None:
+            linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, FP8Linear)]
+            stack = self.__dict__["_native_stack"] = decoder_native.NativeStack(self.plain_layer_specs, linears)
+        with section("layers"):
+            return stack.run(h, positions, meta, kv_caches, count)
+
+    def plain_layer_specs(self) -> list | None:
+        """Each layer as kernels/decoder_native.py's LayerSpec, or None where one is not llama's
+        plain layer (a family's own layer class, a per-head norm, a query scale, soft-capped
+        or sink logits, a KV group of its own, another activation, biases the C path cannot add)."""
+        specs = []
+        for layer in self.layers:
+            if (type(layer) is not DecoderLayer or layer.qk_norm or layer.query_scale is not None
+                    or layer.softcap is not None or layer.sinks is not None or layer.kv_group
+                    or layer.act_and_mul is not ops.silu_and_mul):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            if (any(type(n) is not RMSNorm for n in norms) or norms[0].eps != norms[1].eps
+                    or any(type(m) is not FP8Linear or m.cpu is None for m in mods)):
+                return None
+            cfg = layer.cfg
+            specs.append(decoder_native.LayerSpec(
+                tuple(m.cpu for m in mods), tuple(m._buffers.get("bias") for m in mods), norms[0].weight,
+                norms[1].weight, norms[0].eps, layer.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                layer.window, self.rope_for(layer) if layer.rotary else None))
+        return specs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

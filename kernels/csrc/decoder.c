@@ -1,0 +1,108 @@
+/* A dense decoder's layers in one call, for a CPU step of few rows (kernels/decoder_native.py).
+
+   A one-row step of a 30-layer model is about 300 small calls (four products, two norms, RoPE,
+   the KV write, attention, the activation, per layer); made from Python each pays 5-30 us of
+   dispatch, several milliseconds a step against ~10 ms of weight reads. Here the same kernels
+   run back to back with no Python between them: each is the exported function the per-op path
+   calls (fp8_linear_grouped, rms_norm, rope, write_kv, paged_attention, silu_and_mul) with the
+   same arguments, so a step's bits are the per-op path's (tests/test_decoder_native.py holds
+   them equal). The caller checks what each layer holds (decoder_native.fits). */
+#include <stdint.h>
+#include <string.h>
+
+int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
+                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads);
+int rms_norm(float *x, const float *residual, const float *w, float eps, float *out, int64_t rows, int64_t n,
+             int nthreads);
+int rope(float *x, int64_t T, int64_t H, int64_t stride_t, int64_t stride_h, int64_t D, const int64_t *positions,
+         const float *cos_sin, int nthreads);
+int write_kv(const float *k, const float *v, int64_t T, int64_t stride_k, int64_t stride_v, int64_t heads, int64_t D,
+             const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, uint16_t *k_scale,
+             uint16_t *v_scale, int kind);
+int silu_and_mul(const float *x, int64_t rows, int64_t n, float *out, int nthreads);
+int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
+                    const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table, int64_t bt_stride,
+                    const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs, int bs, float scale, int window,
+                    float softcap, const float *sinks, const int32_t *key_end, int max_q, float *out, int64_t *work,
+                    int nthreads);
+
+int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
+                     int64_t gk, float *y, int64_t tb, void *gemm, int i8, int nthreads);
+
+/* One product's weight as its kernel takes it: the streaming kernel (tb 0) or the blocked
+   product (tb blocks a tile, gemm the BLAS's sgemm), as the layer's CpuLinear chose for the
+   step's rows; n its outputs (a multiple of 16, so that no padding column is written), bias
+   NULL or n fp32. */
+typedef struct {
+    const uint8_t *w;
+    const void *s;
+    const float *bias;
+    int64_t sbf, gk, n, k, i8, isa, tb;
+    void *gemm;
+} rl_linear;
+
+typedef struct {
+    rl_linear qkv, o, gate_up, down;
+    const float *norm1, *norm2, *cos_sin;
+    void *k_cache, *v_cache;
+    uint16_t *k_scale, *v_scale;
+    float eps, scale;
+    int64_t heads, kv_heads, head_dim, rot, window, kind, num_slots, block_size;
+} rl_layer;
+
+/* The step: its rows, metadata and scratch. h [T][hidden] holds the embeddings in and the last
+   layer's output out; res the residual stream (written here; its input ignored where first). */
+typedef struct {
+    int64_t T, table_stride, num_seqs, max_q, nthreads, first;
+    const int64_t *positions, *slots;
+    const int32_t *table, *seq_lens, *loc, *key_end;
+    int64_t *work;
+    float *h, *res, *normed, *qkv, *q, *attn, *gu, *act;
+} rl_step;
+
+static int product(const rl_linear *l, const float *x, int64_t T, float *y, int nt) {
+    if (l->tb ? fp8_linear_tiles(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, l->tb, l->gemm, (int)l->i8, nt)
+              : fp8_linear_grouped(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, (int)l->isa, (int)l->i8, nt))
+        return -1;
+    if (l->bias)  /* as the per-op path adds it: y + bias, once per element */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < l->n; j++) y[t * l->n + j] += l->bias[j];
+    return 0;
+}
+
+/* Returns 0, or the 1-based index of the layer where a kernel refused its arguments, negated. */
+int decoder_layers(const rl_layer *layers, int64_t count, const rl_step *st) {
+    const int64_t T = st->T;
+    const int nt = (int)st->nthreads;
+    for (int64_t i = 0; i < count; i++) {
+        const rl_layer *L = layers + i;
+        const int64_t hidden = L->qkv.k, D = L->head_dim, qsize = L->heads * D, kvsize = L->kv_heads * D;
+        const int64_t ld = L->qkv.n, inter = L->down.k;
+        int rc = 0;
+        /* the input norm: the per-op path's x + residual in x, here residual + x in res (the
+           same sum), or the embeddings themselves before the first layer */
+        if (i == 0 && st->first) {
+            memcpy(st->res, st->h, (size_t)(T * hidden) * 4);
+            rms_norm(st->res, NULL, L->norm1, L->eps, st->normed, T, hidden, nt);
+        } else {
+            rms_norm(st->res, st->h, L->norm1, L->eps, st->normed, T, hidden, nt);
+        }
+        rc |= product(&L->qkv, st->normed, T, st->qkv, nt);
+        /* q's and k's heads sit side by side in each qkv row: one rotation for both */
+        rope(st->qkv, T, L->heads + L->kv_heads, ld, D, L->rot, st->positions, L->cos_sin, nt);
+        rc |= write_kv(st->qkv + qsize, st->qkv + qsize + kvsize, T, ld, ld, L->kv_heads, D, st->slots,
+                       L->num_slots, L->k_cache, L->v_cache, L->k_scale, L->v_scale, (int)L->kind);
+        for (int64_t t = 0; t < T; t++) memcpy(st->q + t * qsize, st->qkv + t * ld, (size_t)qsize * 4);
+        rc |= paged_attention(st->q, T, (int)L->heads, (int)L->kv_heads, (int)D, L->k_cache, L->v_cache,
+                              L->k_scale, L->v_scale, (int)L->kind, st->table, st->table_stride, st->seq_lens,
+                              st->loc, st->num_seqs, (int)L->block_size, L->scale, (int)L->window, 0.0f, NULL,
+                              st->key_end, (int)st->max_q, st->attn, st->work, nt);
+        rc |= product(&L->o, st->attn, T, st->h, nt);
+        rms_norm(st->res, st->h, L->norm2, L->eps, st->normed, T, hidden, nt);
+        rc |= product(&L->gate_up, st->normed, T, st->gu, nt);
+        silu_and_mul(st->gu, T, inter, st->act, nt);
+        rc |= product(&L->down, st->act, T, st->h, nt);
+        if (rc) return (int)-(i + 1);
+    }
+    return 0;
+}

@@ -1,0 +1,211 @@
+"""A dense decoder's layers in one C call for a CPU step of few rows (kernels/csrc/decoder.c).
+
+The per-op path makes about ten calls a layer from Python (four products, two norms, RoPE, the
+KV write, attention, the activation), each 5-30 us of dispatch around well under that of work at
+one row: ~300 a step of a 30-layer model, several milliseconds against the ~10 ms its weights take
+to read. decoder_layers runs the same C kernels in the same order with the same arguments, so its
+bits are the per-op path's; it takes a step only where each of those kernels would have run:
+every product in the streaming e4m3 kernel at this row count, ridge's attention and KV write on
+a plain (fp32 or bf16) cache, no query past the attention kernel's length. Elsewhere the model
+runs its layers one op at a time, as before.
+
+The model states what a layer is (LayerSpec, ridge/models/layers/decoder.py: a plain llama-style
+layer); this module checks what the kernels take and holds the C structs, rebuilt when a
+product's format or a cache moves."""
+from __future__ import annotations
+
+import ctypes
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import attention_native, native
+from .cpu_linear import CpuLinear, tiles_offered
+from .kv_cache import NATIVE_KV
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+PLAIN_KV = (torch.float32, torch.bfloat16)  # an FP8 cache rotates q, k and v first (ops.kv_rotation)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _p), ("s", _p), ("bias", _p), ("sbf", _i64), ("gk", _i64), ("n", _i64), ("k", _i64),
+                ("i8", _i64), ("isa", _i64), ("tb", _i64), ("gemm", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("norm1", _p), ("norm2", _p), ("cos_sin", _p), ("k_cache", _p), ("v_cache", _p),
+                ("k_scale", _p), ("v_scale", _p), ("eps", _f32), ("scale", _f32),
+                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot", _i64), ("window", _i64),
+                ("kind", _i64), ("num_slots", _i64), ("block_size", _i64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _i64), ("table_stride", _i64), ("num_seqs", _i64), ("max_q", _i64), ("nthreads", _i64),
+                ("first", _i64), ("positions", _p), ("slots", _p), ("table", _p), ("seq_lens", _p), ("loc", _p),
+                ("key_end", _p), ("work", _p), ("h", _p), ("res", _p), ("normed", _p), ("qkv", _p), ("q", _p),
+                ("attn", _p), ("gu", _p), ("act", _p)]
+
+
+@dataclass
+class LayerSpec:
+    """One plain decoder layer as the model holds it: x + attn(norm1(x)), then + down(silu(gate) * up)
+    of norm2; products (qkv, o, gate_up, down) with their biases (fp32 or None); cos_sin None
+    for a layer without RoPE; window None for full attention."""
+    products: tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear]
+    biases: tuple
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    eps: float
+    scale: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    cos_sin: torch.Tensor | None
+
+
+def spec_fits(spec: LayerSpec) -> bool:
+    """What the C stack takes of a layer, whatever the step: packed 8-bit weights whose outputs
+    fill whole blocks of 16 (no padding column to cut), fp32 norms, biases and RoPE table."""
+    qkv, o, gate_up, down = spec.products
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    hidden = qkv.shape[1]
+    shapes = ((q + 2 * kv, hidden), (hidden, q), (gate_up.shape[0], hidden), (hidden, gate_up.shape[0] // 2))
+    wide = [spec.norm1, spec.norm2, *(b for b in spec.biases if b is not None)]
+    if spec.cos_sin is not None:
+        wide.append(spec.cos_sin)
+    return (all(p.is_packed and p.shape[0] % 16 == 0 for p in spec.products)
+            and tuple(p.shape for p in spec.products) == shapes and gate_up.shape[0] % 2 == 0
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in wide)
+            and spec.norm1.numel() == spec.norm2.numel() == hidden
+            and all(b is None or b.numel() == p.shape[0] for p, b in zip(spec.products, spec.biases)))
+
+
+def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _Linear | None:
+    """p's product at `rows` rows as the per-op path runs it (CpuLinear.__call__): the streaming
+    kernel (isa), or the blocked product (tb blocks a tile, torch's sgemm); None for another."""
+    kind = p.kind(rows)
+    if not (kind == "fp8" and p.isa > 0) and not (kind == "tiles" and tiles_offered()):
+        return None
+    scale, gk, sbf = native._scales(p.packed, p.scale)
+    keep.append(scale)  # _scales may rearrange: its pointer must outlive the structs
+    tiles = kind != "fp8"
+    return _Linear(p.packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), sbf, gk,
+                   p.shape[0], p.shape[1], int(p.code == "i8"), 0 if tiles else p.isa,
+                   native.tile_blocks(p.shape[1]) if tiles else 0, native.sgemm() if tiles else None)
+
+
+_STATE = {"on": True}
+
+
+@contextmanager
+def off():
+    """Run the layers one op at a time within (tests compare the two paths; benchmarks time them)."""
+    saved, _STATE["on"] = _STATE["on"], False
+    try:
+        yield
+    finally:
+        _STATE["on"] = saved
+
+
+class NativeStack:
+    """The C structs of a model's layers, and the step's check and call (run). specs() -> the
+    layers' LayerSpecs as they are now, or None where one is not a plain layer; linears: the
+    layers' product modules, whose CpuLinear (.cpu) and its formats (runs) key the built structs."""
+
+    def __init__(self, specs: Callable[[], list[LayerSpec] | None], linears: list):
+        self.make_specs, self.linears = specs, linears
+        self.specs: list[LayerSpec] = []
+        self._built: tuple | None = None  # (key, the caches' (k, v), or None where the layers are not taken)
+        self._rows: dict[int, tuple | None] = {}  # rows -> (layer structs, tensors they point into) or None
+
+    def _key(self, kv_caches) -> tuple:
+        """What the structs were built from: each product's CpuLinear and chosen formats (use()
+        rebinds runs), and each cache's tensors."""
+        return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears)
+                + tuple(id(kv.k) for kv in kv_caches))
+
+    def _build(self, key: tuple, kv_caches) -> bool:
+        """Check the layers and caches afresh (a product's formats or a cache changed)."""
+        self._built, self._rows = (key, None), {}
+        specs = self.make_specs()
+        if specs is None or len(kv_caches) < len(specs) or not all(spec_fits(s) for s in specs):
+            return False
+        for s, kv in zip(specs, kv_caches):
+            k, v = kv.k, kv.v
+            if not (k.dtype in PLAIN_KV and v.dtype == k.dtype and k.is_contiguous() and v.is_contiguous()
+                    and k.shape[2:] == (s.kv_heads, s.head_dim)
+                    and attention_native.fits(torch.empty(0, s.heads, s.head_dim), k, v, None, None, _NO_SEQS)):
+                return False
+        self.specs, self._built = specs, (key, [(kv.k, kv.v) for kv in kv_caches[: len(specs)]])
+        return True
+
+    def _layers(self, rows: int):
+        """The layers' structs for a step of `rows` rows, each product in the kernel its CpuLinear
+        runs at that size (the streaming kernel or the blocked product); None where one runs
+        another format (a bf16 or fp32 copy)."""
+        if rows in self._rows:
+            return self._rows[rows]
+        layers, keep = (_Layer * len(self.specs))(), []
+        self._rows[rows] = None
+        for lay, s, (k, v) in zip(layers, self.specs, self._built[1]):
+            lins = [_linear(p, b, rows, keep) for p, b in zip(s.products, s.biases)]
+            if None in lins:
+                return None
+            lay.qkv, lay.o, lay.gate_up, lay.down = lins
+            lay.norm1, lay.norm2 = s.norm1.data_ptr(), s.norm2.data_ptr()
+            lay.cos_sin, lay.rot = (None, 0) if s.cos_sin is None else (s.cos_sin.data_ptr(), s.cos_sin.shape[1])
+            lay.k_cache, lay.v_cache, lay.k_scale, lay.v_scale = k.data_ptr(), v.data_ptr(), None, None
+            lay.eps, lay.scale, lay.heads, lay.kv_heads, lay.head_dim = s.eps, s.scale, s.heads, s.kv_heads, s.head_dim
+            lay.window = 0 if s.window is None else min(s.window, 2 ** 31 - 1)
+            lay.kind, lay.num_slots, lay.block_size = NATIVE_KV[k.dtype], k.shape[0] * k.shape[1], k.shape[1]
+        self._rows[rows] = (layers, keep)
+        return self._rows[rows]
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
+            count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first `count` layers over h [T, hidden] (the embeddings): -> (h, residual) as the
+        per-op loop leaves them, or None where this step does not fit (the caller runs the loop)."""
+        lib = native.library()
+        t = h.shape[0]
+        if (not _STATE["on"] or lib is None or not 0 < t <= attention_native.NATIVE_MAX_Q or meta.mrope is not None
+                or meta.max_query_len > attention_native.NATIVE_MAX_Q or h.dtype != torch.float32
+                or not h.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()
+                or meta.slot_mapping.shape != (t,)):
+            return None
+        key = self._key(kv_caches)
+        if (self._built is None or self._built[0] != key) and not self._build(key, kv_caches):
+            return None
+        built = self._layers(t) if self._built[1] is not None and count <= len(self.specs) else None
+        if built is None:
+            return None
+        first = self.specs[0]
+        plan = meta.state_for(attention_native._NativePlan, (kv_caches[0].k.shape[1], first.kv_heads, t),
+                              torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
+        qkv_n, gu_n = first.products[0].shape[0], first.products[2].shape[0]
+        hidden, q_size = h.shape[1], first.heads * first.head_dim
+        h = h.clone()  # the caller's embeddings stay as they were
+        res, normed = torch.empty_like(h), torch.empty_like(h)
+        qkv, gu = torch.empty(t, qkv_n), torch.empty(t, gu_n)
+        q, attn, act = torch.empty(t, q_size), torch.empty(t, q_size), torch.empty(t, gu_n // 2)
+        table, stride, seq_lens, loc, num_seqs, _ = plan.batch
+        work, threads = plan.tail
+        st = _Step(t, stride, num_seqs, plan.max_q, threads, 1, positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                   table, seq_lens, loc, plan.key_end, work, h.data_ptr(), res.data_ptr(), normed.data_ptr(),
+                   qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
+        rc = lib.decoder_layers(built[0], count, ctypes.byref(st))
+        if rc:
+            raise RuntimeError(f"decoder_layers: layer {-rc - 1}'s kernels refused the step "
+                               f"(a slot past the cache, or a shape past the attention kernel's limits)")
+        return h, res
+
+
+class _NoSeqs:
+    num_seqs = 0
+
+
+_NO_SEQS = _NoSeqs()  # attention_native.fits reads only the batch's size of the metadata

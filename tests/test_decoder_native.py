@@ -1,0 +1,99 @@
+"""The decoder's layers in one C call (kernels/decoder_native.py, issue 45): a step's bits are the
+per-op path's (the same kernels, in the same order), at decode and prefill sizes, on fp32 and
+bf16 caches, with biases (qwen2; smollm3's MLP too), a sliding window and NoPE layers (smollm3);
+and the layers it cannot take run one op at a time (an FP8 cache, per-head norms, a sliding
+layer with blocks of its own, a product in a format not ridge's)."""
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import make_engine, prompts
+from ridge.engine.sampling_params import SamplingParams
+from ridge.kernels import decoder_native, native
+
+pytestmark = pytest.mark.skipif(native.fp8_linear_isa() == 0, reason="no e4m3 kernel on this CPU")
+
+
+def _load(tmp_path_factory, model_type: str, **fields):
+    """A tiny random transformers model of the family, saved and loaded through ridge's loader."""
+    from ridge.models.loader import load_model
+    from test_families import build_hf
+
+    _, path = build_hf(tmp_path_factory.mktemp(model_type), model_type, fields)
+    return load_model(path, device="cpu", use_cache=False)
+
+
+def _outputs(loaded, kv_dtype: str) -> list:
+    """Five requests of odd lengths together (decode steps of 1-5 rows, prefill chunks of up to
+    64): each one's tokens and top-5 logprobs."""
+    eng = make_engine(loaded, kv_dtype=kv_dtype)
+    ps = prompts(loaded.config.vocab_size, [1, 9, 40, 70, 23], seed=3)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12 - i, ignore_eos=True, logprobs=5))
+    got: dict[str, list] = {f"r{i}": [] for i in range(len(ps))}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] += [(t, lp[0], tuple(lp[1])) for t, lp in zip(o.new_token_ids, o.logprobs or [])]
+    return [got[k] for k in sorted(got)]
+
+
+def _stack(loaded):
+    return loaded.model.__dict__.get("_native_stack")
+
+
+@pytest.mark.parametrize("arch, kw", [
+    ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 16}),
+    ("smollm3", {"no_rope_layers": [1, 0, 1, 0], "num_hidden_layers": 4, "attention_bias": True, "mlp_bias": True})],
+    ids=["llama", "qwen2-biases", "window16", "smollm3-nope-biases"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_one_call_equals_per_op(tmp_path_factory, arch, kw, kv_dtype):
+    loaded = _load(tmp_path_factory, arch, **kw)
+    fused = _outputs(loaded, kv_dtype)
+    stack = _stack(loaded)
+    assert stack is not None and stack._rows.get(1) is not None, "the one-call path did not take a decode step"
+    with decoder_native.off():
+        per_op = _outputs(loaded, kv_dtype)
+    assert fused == per_op
+    assert all(len(r) for r in fused)
+
+
+def test_fp8_cache_runs_per_op(tmp_path_factory):
+    """An FP8 cache rotates q, k and v first (ops.kv_rotation): not the C path's; the step runs
+    per op and the stack says so."""
+    loaded = _load(tmp_path_factory, "llama")
+    _outputs(loaded, "fp8")
+    assert _stack(loaded)._built[1] is None
+
+
+def test_qk_norm_layers_run_per_op(tmp_path_factory):
+    """qwen3's per-head q/k norms are not the plain layer's: the model offers no specs."""
+    loaded = _load(tmp_path_factory, "qwen3")
+    _outputs(loaded, "fp32")
+    assert loaded.model.plain_layer_specs() is None
+
+
+def test_rows_past_the_streaming_formats_run_per_op(tmp_path_factory):
+    """A product whose format at a row count is neither ridge kernel (a plain fp32 weight) takes
+    the step out of the C path at that count only."""
+    loaded = _load(tmp_path_factory, "llama")
+    _outputs(loaded, "fp32")
+    stack = _stack(loaded)
+    assert stack._rows.get(1) is not None
+    lin = stack.specs[0].products[1]
+    runs, kinds, bounds = lin.runs, lin.kinds, lin.bounds
+    try:
+        lin.runs, lin.kinds, lin.bounds = [None, None], ["fp8", "fp32"], [1, 2]  # fp32 isn't ridge's: not taken
+        stack._rows.clear()
+        assert stack._layers(1) is not None and stack._layers(2) is None
+    finally:
+        lin.runs, lin.kinds, lin.bounds = runs, kinds, bounds
+        stack._rows.clear()
+
+
+def test_kv_groups_run_per_op(tmp_path_factory):
+    """Sliding layers with blocks of their own (a second KV group, smollm3 with mixed windows):
+    the model offers no specs, and the tokens are the per-op path's."""
+    loaded = _load(tmp_path_factory, "smollm3", use_sliding_window=True, sliding_window=16,
+                   layer_types=["full_attention", "sliding_attention"] * 2, num_hidden_layers=4)
+    _outputs(loaded, "fp32")
+    assert loaded.model.plain_layer_specs() is None
