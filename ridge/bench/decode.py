@@ -149,22 +149,32 @@ def weights_read(model) -> int:
 def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4, retries: int = 2,
                  bandwidth: float | None = None) -> dict:
     """Engine step time against the same step's matrix products alone, interleaved
-    step by step in one run, at pure decode with `batch` sequences."""
+    step by step in one run, at pure decode with `batch` sequences (and, where the layers ran in
+    one C call, against the same step one op at a time)."""
+    from ridge.kernels import decoder_native
+
     fx = DecodeFixture(engine, batch, context, tag=f"ovh{batch}",
-                       max_tokens=steps * (1 + retries) + 2 * profile_steps + 40)
+                       max_tokens=2 * steps * (1 + retries) + 2 * profile_steps + 40)
     try:
+        for _ in range(2):  # a step of this size once, so that step_mode sees how it ran
+            fx.step()
         mode = step_mode(engine, batch)
-        mm = Products(engine.model, batch, mode)
+        mm = Products(engine.model, batch, "eager" if mode == "one call" else mode)
         for _ in range(2):
             fx.step(), mm()
 
         def timed():
-            st, mt = [], []
+            # Where the layers ran in one C call, the same step one op at a time too, alternating
+            # (the per-op path's cost, in the same run).
+            st, mt, pt = [], [], []
             for _ in range(steps):
                 st.append(fx.step())
                 mt.append(mm())
-            return st, mt
-        (step_t, mm_t), util, tries = _uncontended(timed, retries)
+                if mode == "one call":
+                    with decoder_native.off():
+                        pt.append(fx.step())
+            return st, mt, pt
+        (step_t, mm_t, per_op_t), util, tries = _uncontended(timed, retries)
         (_, bd), _, _ = _uncontended(lambda: (None, _breakdown(fx, profile_steps)), retries)
         s, m = statistics.median(step_t), statistics.median(mm_t)
         # What the step reads: the weights once, and each sequence's KV over its context.
@@ -173,6 +183,7 @@ def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: in
                 "read_bytes_per_token": read / batch, "read_gbs": read / s / 1e9,
                 "of_bandwidth": read / s / bandwidth if bandwidth else None,
                 "step_ms": 1e3 * s, "matmul_ms": 1e3 * m, "overhead_pct": 100 * (s / m - 1),
+                "per_op_step_ms": 1e3 * statistics.median(per_op_t) if per_op_t else None,
                 "step_ms_min": 1e3 * min(step_t), "matmul_ms_min": 1e3 * min(mm_t),
                 "tok_s": batch / s, "cpu_util": util, "tries": tries, "breakdown_ms": bd}
     finally:

@@ -179,14 +179,16 @@ class Report:
         if any(r["breakdown_ms"].get("layers") for r in rows):  # the CPU layers in one C call: their sections unseen
             keys[:0] = ["layers"]
         note = ("matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
-                "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median; "
+                "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median; per-op step = "
+                "the same step with the layers one op at a time, alternating with the one-call step (CPU); "
                 "read = the weights' bytes as held plus each sequence's KV over its context, per step")
         if bandwidth:
             note += f"; of bound = read GB/s over the memory's read bandwidth with this thread team, {bandwidth / 1e9:.1f} GB/s"
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
-                   ["batch", "context", "step ran", "step ms", "matmul ms", "overhead", "tok/s", "MB read/token",
-                    "read GB/s", "of bound", "cpu util"],
+                   ["batch", "context", "step ran", "step ms", "per-op step ms", "matmul ms", "overhead", "tok/s",
+                    "MB read/token", "read GB/s", "of bound", "cpu util"],
                    [[r["batch"], _f(r["context"], "{:.0f}"), r.get("mode", "eager"), _f(r["step_ms"]),
+                     _f(r.get("per_op_step_ms")),
                      _f(r["matmul_ms"]), _f(r["overhead_pct"], "{:+.1f}%"), _f(r["tok_s"]),
                      _f(r.get("read_bytes_per_token", 0) / 1e6, "{:.1f}"), _f(r.get("read_gbs"), "{:.1f}"),
                      _f(100 * r["of_bandwidth"], "{:.0f}%") if r.get("of_bandwidth") else "-",
