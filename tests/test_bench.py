@@ -266,3 +266,22 @@ def test_bench_recurrent_end_to_end(tmp_path):
     assert [(r["requests"], r["tokens_each"]) for r in rows] == [(1, 1)] * 3 + [(3, 1)] * 3 + [(1, 20)] * 3
     backends = ["torch reference"] + (["C (ops)"] if native.library() is not None else [])
     assert all(r[b] > 0 for r in rows for b in backends)
+
+
+def test_server_bench_says_how_to_run_a_spinning_peer(tmp_path):
+    """ridge's thread governor reads a peer's spinning idle threads as other work (issue 45): with
+    the governor on, the server table says to run llama-server with --poll 0 or ridge with
+    --fixed-threads; with the team fixed it says nothing."""
+    from argparse import Namespace
+
+    from engine_utils import make_engine
+    from ridge.bench.command import _peer_note
+    from ridge.models.loader import load_model
+    from tiny_models import make_tiny
+
+    path, _, _ = make_tiny(tmp_path, "llama")
+    loaded = load_model(path, device="cpu", use_cache=False)
+    note = _peer_note(make_engine(loaded), Namespace(api="llama"))
+    assert "--poll 0" in note and "--fixed-threads" in note
+    assert "--poll" not in _peer_note(make_engine(loaded), Namespace(api="openai"))
+    assert _peer_note(make_engine(loaded, adaptive_threads=False), Namespace(api="llama")) is None

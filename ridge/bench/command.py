@@ -253,6 +253,19 @@ def _tokenizer(args, engine=None):
                    device=str(device).split(":")[0]).tokenizer  # the entry the engine's conversion made
 
 
+def _peer_note(engine, args) -> str | None:
+    """How to keep the peer's idle threads from skewing ridge's CPU figures. ridge's thread governor
+    reads CPU time other processes take as work and shrinks its team to the cores left (ridge/engine/
+    threads.py); a server whose idle threads spin between requests (llama-server's default --poll 50)
+    looks like such work, though it yields the core the moment ridge wants it."""
+    if engine is None or engine.device.type != "cpu" or not engine.config.adaptive_threads:
+        return None
+    peer = "llama-server with --poll 0 (its idle threads then sleep)" if args.api == "llama" else \
+        "the peer with its idle threads sleeping"
+    return (f"ridge ran with its thread governor on: run {peer}, or ridge with --fixed-threads, so that "
+            "the peer's spinning idle threads do not read as other work and shrink ridge's team")
+
+
 def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=None):
     """The server and ridge in-process on the same trace. With --repeat R the two alternate R times
     (server, in-process, server, ...) and the best of each is kept. An OpenAI server's /metrics
@@ -267,7 +280,8 @@ def part_server(rep: Report, args, engine=None, in_flights=None, requests_for=No
     for n in in_flights or [args.in_flight]:
         wl = workload_for(args, requests=(requests_for or {}).get(n))
         wl.tokenize(tok, engine.max_model_len if engine is not None else None)
-        res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": label, "rounds": []}
+        res = {"in_flight": n, "workload": wl.describe(), "server_info": info, "label": label, "rounds": [],
+               "peer_note": _peer_note(engine, args)}
         best: dict = {}
         for a in range(max(1, getattr(args, "repeat", 1))):
             cpu0 = server_cpu(args.url) if args.api == "openai" else {}

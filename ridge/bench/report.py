@@ -163,6 +163,8 @@ class Report:
                 notes.append(f"{label} / ridge by round: " + ", ".join(
                     f"{x:.3f}" for x in res["server_over_ridge_by_round"]) +
                     f" (median {res['server_over_ridge_median']:.3f})")
+        if res.get("peer_note"):
+            notes.append(res["peer_note"])
         cpu = (res.get(key) or {}).get("server_cpu")
         if cpu:
             notes.append(f"{label} CPU while serving: " + ", ".join(
