@@ -36,25 +36,29 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("norm1", _p), ("norm2", _p), ("cos_sin", _p), ("k_cache", _p), ("v_cache", _p),
+                ("norm1", _p), ("norm2", _p), ("cos_sin", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p),
+                ("v_cache", _p),
                 ("k_scale", _p), ("v_scale", _p), ("eps", _f32), ("scale", _f32),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rot", _i64), ("window", _i64),
-                ("kind", _i64), ("num_slots", _i64), ("block_size", _i64)]
+                ("kind", _i64), ("num_slots", _i64), ("block_size", _i64), ("mlp", _i64)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("T", _i64), ("table_stride", _i64), ("num_seqs", _i64), ("max_q", _i64), ("nthreads", _i64),
                 ("first", _i64), ("positions", _p), ("slots", _p), ("table", _p), ("seq_lens", _p), ("loc", _p),
                 ("key_end", _p), ("work", _p), ("h", _p), ("res", _p), ("normed", _p), ("qkv", _p), ("q", _p),
-                ("attn", _p), ("gu", _p), ("act", _p)]
+                ("k", _p), ("attn", _p), ("gu", _p), ("act", _p)]
 
 
 @dataclass
 class LayerSpec:
     """One plain decoder layer as the model holds it: x + attn(norm1(x)), then + down(silu(gate) * up)
     of norm2; products (qkv, o, gate_up, down) with their biases (fp32 or None); cos_sin None
-    for a layer without RoPE; window None for full attention."""
-    products: tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear]
+    for a layer without RoPE; window None for full attention; q_norm, k_norm: per-head RMSNorm
+    weights (qwen3) or None. mlp: None where the MLP is that SiLU-gated one (run in C), else the
+    layer's own (h -> h: a mixture of experts), run in Python on norm2's output, gate_up and
+    down then None."""
+    products: tuple
     biases: tuple
     norm1: torch.Tensor
     norm2: torch.Tensor
@@ -65,6 +69,9 @@ class LayerSpec:
     head_dim: int
     window: int | None
     cos_sin: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    mlp: Callable | None = None
 
 
 def spec_fits(spec: LayerSpec) -> bool:
@@ -73,15 +80,18 @@ def spec_fits(spec: LayerSpec) -> bool:
     qkv, o, gate_up, down = spec.products
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     hidden = qkv.shape[1]
-    shapes = ((q + 2 * kv, hidden), (hidden, q), (gate_up.shape[0], hidden), (hidden, gate_up.shape[0] // 2))
-    wide = [spec.norm1, spec.norm2, *(b for b in spec.biases if b is not None)]
-    if spec.cos_sin is not None:
-        wide.append(spec.cos_sin)
-    return (all(p.is_packed and p.shape[0] % 16 == 0 for p in spec.products)
-            and tuple(p.shape for p in spec.products) == shapes and gate_up.shape[0] % 2 == 0
+    shapes = [(q + 2 * kv, hidden), (hidden, q)]
+    if spec.mlp is None:
+        shapes += [(gate_up.shape[0], hidden), (hidden, gate_up.shape[0] // 2)]
+    products = [p for p in spec.products if p is not None]
+    wide = [spec.norm1, spec.norm2, *(t for t in (*spec.biases, spec.cos_sin, spec.q_norm, spec.k_norm) if t is not None)]
+    return (len(products) == len(shapes) and all(p.is_packed and p.shape[0] % 16 == 0 for p in products)
+            and [p.shape for p in products] == shapes and (spec.mlp is not None or gate_up.shape[0] % 2 == 0)
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in wide)
             and spec.norm1.numel() == spec.norm2.numel() == hidden
-            and all(b is None or b.numel() == p.shape[0] for p, b in zip(spec.products, spec.biases)))
+            and (spec.q_norm is None) == (spec.k_norm is None)
+            and (spec.q_norm is None or spec.q_norm.numel() == spec.k_norm.numel() == spec.head_dim)
+            and all(b is None or b.numel() == p.shape[0] for p, b in zip(products, spec.biases)))
 
 
 def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _Linear | None:
@@ -152,10 +162,14 @@ class NativeStack:
         layers, keep = (_Layer * len(self.specs))(), []
         self._rows[rows] = None
         for lay, s, (k, v) in zip(layers, self.specs, self._built[1]):
-            lins = [_linear(p, b, rows, keep) for p, b in zip(s.products, s.biases)]
+            lins = [_linear(p, b, rows, keep) for p, b in zip(s.products, s.biases) if p is not None]
             if None in lins:
                 return None
-            lay.qkv, lay.o, lay.gate_up, lay.down = lins
+            lay.qkv, lay.o = lins[:2]
+            if s.mlp is None:
+                lay.gate_up, lay.down = lins[2:]
+            lay.mlp = int(s.mlp is None)
+            lay.q_norm, lay.k_norm = (None, None) if s.q_norm is None else (s.q_norm.data_ptr(), s.k_norm.data_ptr())
             lay.norm1, lay.norm2 = s.norm1.data_ptr(), s.norm2.data_ptr()
             lay.cos_sin, lay.rot = (None, 0) if s.cos_sin is None else (s.cos_sin.data_ptr(), s.cos_sin.shape[1])
             lay.k_cache, lay.v_cache, lay.k_scale, lay.v_scale = k.data_ptr(), v.data_ptr(), None, None
@@ -186,21 +200,32 @@ class NativeStack:
         first = self.specs[0]
         plan = meta.state_for(attention_native._NativePlan, (kv_caches[0].k.shape[1], first.kv_heads, t),
                               torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
-        qkv_n, gu_n = first.products[0].shape[0], first.products[2].shape[0]
-        hidden, q_size = h.shape[1], first.heads * first.head_dim
+        specs = self.specs[:count]
+        qkv_n = max(s.products[0].shape[0] for s in specs)  # scratch for the widest layer
+        gu_n = max((s.products[2].shape[0] for s in specs if s.mlp is None), default=0)
+        q_size, kv_size = max(s.heads * s.head_dim for s in specs), max(s.kv_heads * s.head_dim for s in specs)
         h = h.clone()  # the caller's embeddings stay as they were
         res, normed = torch.empty_like(h), torch.empty_like(h)
-        qkv, gu = torch.empty(t, qkv_n), torch.empty(t, gu_n)
-        q, attn, act = torch.empty(t, q_size), torch.empty(t, q_size), torch.empty(t, gu_n // 2)
+        qkv, gu, act = torch.empty(t, qkv_n), torch.empty(t, gu_n), torch.empty(t, gu_n // 2)
+        q, k, attn = torch.empty(t, q_size), torch.empty(t, kv_size), torch.empty(t, q_size)
         table, stride, seq_lens, loc, num_seqs, _ = plan.batch
         work, threads = plan.tail
         st = _Step(t, stride, num_seqs, plan.max_q, threads, 1, positions.data_ptr(), meta.slot_mapping.data_ptr(),
                    table, seq_lens, loc, plan.key_end, work, h.data_ptr(), res.data_ptr(), normed.data_ptr(),
-                   qkv.data_ptr(), q.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
-        rc = lib.decoder_layers(built[0], count, ctypes.byref(st))
-        if rc:
-            raise RuntimeError(f"decoder_layers: layer {-rc - 1}'s kernels refused the step "
-                               f"(a slot past the cache, or a shape past the attention kernel's limits)")
+                   qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
+        base, size = ctypes.addressof(built[0]), ctypes.sizeof(_Layer)
+        start = 0
+        for stop in [i + 1 for i, s in enumerate(specs) if s.mlp is not None] + [count]:
+            if stop > start:  # layers start..stop-1 in one call, the last one's MLP in Python where it has its own
+                rc = lib.decoder_layers(base + start * size, stop - start, ctypes.byref(st))
+                if rc:
+                    raise RuntimeError(f"decoder_layers: layer {start - rc - 1}'s kernels refused the step "
+                                       "(a slot past the cache, or a shape past the attention kernel's limits)")
+                st.first = 0
+                mlp = specs[stop - 1].mlp
+                if mlp is not None:
+                    h.copy_(mlp(normed))
+            start = stop
         return h, res
 
 

@@ -145,7 +145,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.gdn_recurrent, lib.conv1d_varlen, lib.ssd_update):
         fn.restype = i32
     # decoder.c: a dense decoder's layers in one call (kernels/decoder_native.py declares the structs)
-    lib.decoder_layers.argtypes, lib.decoder_layers.restype = [p, i64, p], i32
+    lib.decoder_layers.argtypes, lib.decoder_layers.restype = [p, i64, p], i32  # layers' address, count, step
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:

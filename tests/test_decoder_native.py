@@ -1,7 +1,8 @@
 """The decoder's layers in one C call (kernels/decoder_native.py, issue 45): a step's bits are the
 per-op path's (the same kernels, in the same order), at decode and prefill sizes, on fp32 and
-bf16 caches, with biases (qwen2; smollm3's MLP too), a sliding window and NoPE layers (smollm3);
-and the layers it cannot take run one op at a time (an FP8 cache, per-head norms, a sliding
+bf16 caches, with biases (qwen2; smollm3's MLP too), a sliding window, NoPE layers (smollm3),
+per-head norms (qwen3) and mixtures of experts between calls (qwen3_moe with a dense layer,
+mixtral); and the layers it cannot take run one op at a time (an FP8 cache, sink logits, a sliding
 layer with blocks of its own, a product in a format not ridge's)."""
 from __future__ import annotations
 
@@ -43,8 +44,13 @@ def _stack(loaded):
 
 @pytest.mark.parametrize("arch, kw", [
     ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 16}),
-    ("smollm3", {"no_rope_layers": [1, 0, 1, 0], "num_hidden_layers": 4, "attention_bias": True, "mlp_bias": True})],
-    ids=["llama", "qwen2-biases", "window16", "smollm3-nope-biases"])
+    ("smollm3", {"no_rope_layers": [1, 0, 1, 0], "num_hidden_layers": 4, "attention_bias": True, "mlp_bias": True}),
+    ("qwen3", {}),
+    ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                   "num_hidden_layers": 3}),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})],
+    ids=["llama", "qwen2-biases", "window16", "smollm3-nope-biases", "qwen3-head-norms", "qwen3_moe-dense-layer",
+         "mixtral"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
 def test_one_call_equals_per_op(tmp_path_factory, arch, kw, kv_dtype):
     loaded = _load(tmp_path_factory, arch, **kw)
@@ -65,9 +71,10 @@ def test_fp8_cache_runs_per_op(tmp_path_factory):
     assert _stack(loaded)._built[1] is None
 
 
-def test_qk_norm_layers_run_per_op(tmp_path_factory):
-    """qwen3's per-head q/k norms are not the plain layer's: the model offers no specs."""
-    loaded = _load(tmp_path_factory, "qwen3")
+def test_family_attention_runs_per_op(tmp_path_factory):
+    """gpt-oss's sink logits are not the C attention's: the model offers no specs."""
+    loaded = _load(tmp_path_factory, "gpt_oss", num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                   sliding_window=16, layer_types=["full_attention"] * 2)
     _outputs(loaded, "fp32")
     assert loaded.model.plain_layer_specs() is None
 

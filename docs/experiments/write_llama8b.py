@@ -4,6 +4,7 @@ a bf16 safetensors directory written by transformers, and a GGUF of it as users 
 
     python docs/experiments/write_llama8b.py hf DIR
     python docs/experiments/write_llama8b.py gguf DIR OUT.gguf [Q8_0|Q4_K]
+    SHAPE=1b python docs/experiments/write_llama8b.py ...   (Llama-3.2-1B's shape instead)
 
 The GGUF is written a tensor at a time from the directory's memory maps (the header first, then
 each tensor's data), so neither step holds more than the model itself (hf) or one tensor (gguf).
@@ -27,6 +28,12 @@ SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_h
              max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 8192})
+# SHAPE=1b: Llama-3.2-1B's shape (1.24B parameters, tied embeddings), a model larger than any
+# CPU cache for issue 45's bandwidth figures.
+if __import__("os").environ.get("SHAPE") == "1b":
+    SHAPE = dict(SHAPE, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                 tie_word_embeddings=True,
+                 rope_scaling=dict(SHAPE["rope_scaling"], factor=32.0))
 NAMES = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",

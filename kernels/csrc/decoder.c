@@ -41,13 +41,16 @@ typedef struct {
     void *gemm;
 } rl_linear;
 
+/* A layer: mlp 1 runs its SiLU-gated MLP here; 0 stops after the post-attention norm, the
+   MLP's input then in the step's normed (a mixture of experts': the caller runs it), and must be
+   the call's last layer. q_norm and k_norm: per-head RMSNorm weights (qwen3), or NULL. */
 typedef struct {
     rl_linear qkv, o, gate_up, down;
-    const float *norm1, *norm2, *cos_sin;
+    const float *norm1, *norm2, *cos_sin, *q_norm, *k_norm;
     void *k_cache, *v_cache;
     uint16_t *k_scale, *v_scale;
     float eps, scale;
-    int64_t heads, kv_heads, head_dim, rot, window, kind, num_slots, block_size;
+    int64_t heads, kv_heads, head_dim, rot, window, kind, num_slots, block_size, mlp;
 } rl_layer;
 
 /* The step: its rows, metadata and scratch. h [T][hidden] holds the embeddings in and the last
@@ -57,7 +60,7 @@ typedef struct {
     const int64_t *positions, *slots;
     const int32_t *table, *seq_lens, *loc, *key_end;
     int64_t *work;
-    float *h, *res, *normed, *qkv, *q, *attn, *gu, *act;
+    float *h, *res, *normed, *qkv, *q, *k, *attn, *gu, *act;
 } rl_step;
 
 static int product(const rl_linear *l, const float *x, int64_t T, float *y, int nt) {
@@ -88,17 +91,38 @@ int decoder_layers(const rl_layer *layers, int64_t count, const rl_step *st) {
             rms_norm(st->res, st->h, L->norm1, L->eps, st->normed, T, hidden, nt);
         }
         rc |= product(&L->qkv, st->normed, T, st->qkv, nt);
-        /* q's and k's heads sit side by side in each qkv row: one rotation for both */
-        rope(st->qkv, T, L->heads + L->kv_heads, ld, D, L->rot, st->positions, L->cos_sin, nt);
-        rc |= write_kv(st->qkv + qsize, st->qkv + qsize + kvsize, T, ld, ld, L->kv_heads, D, st->slots,
-                       L->num_slots, L->k_cache, L->v_cache, L->k_scale, L->v_scale, (int)L->kind);
-        for (int64_t t = 0; t < T; t++) memcpy(st->q + t * qsize, st->qkv + t * ld, (size_t)qsize * 4);
+        if (L->q_norm) {
+            /* per-head norms on contiguous copies (the per-op path's q.contiguous()), in place;
+               then q and k rotate apart, as there */
+            for (int64_t t = 0; t < T; t++) {
+                memcpy(st->q + t * qsize, st->qkv + t * ld, (size_t)qsize * 4);
+                memcpy(st->k + t * kvsize, st->qkv + t * ld + qsize, (size_t)kvsize * 4);
+            }
+            rms_norm(st->q, NULL, L->q_norm, L->eps, st->q, T * L->heads, D, nt);
+            rms_norm(st->k, NULL, L->k_norm, L->eps, st->k, T * L->kv_heads, D, nt);
+            if (L->rot) {
+                rope(st->q, T, L->heads, qsize, D, L->rot, st->positions, L->cos_sin, nt);
+                rope(st->k, T, L->kv_heads, kvsize, D, L->rot, st->positions, L->cos_sin, nt);
+            }
+            rc |= write_kv(st->k, st->qkv + qsize + kvsize, T, kvsize, ld, L->kv_heads, D, st->slots,
+                           L->num_slots, L->k_cache, L->v_cache, L->k_scale, L->v_scale, (int)L->kind);
+        } else {
+            /* q's and k's heads sit side by side in each qkv row: one rotation for both */
+            if (L->rot) rope(st->qkv, T, L->heads + L->kv_heads, ld, D, L->rot, st->positions, L->cos_sin, nt);
+            for (int64_t t = 0; t < T; t++) memcpy(st->q + t * qsize, st->qkv + t * ld, (size_t)qsize * 4);
+            rc |= write_kv(st->qkv + qsize, st->qkv + qsize + kvsize, T, ld, ld, L->kv_heads, D, st->slots,
+                           L->num_slots, L->k_cache, L->v_cache, L->k_scale, L->v_scale, (int)L->kind);
+        }
         rc |= paged_attention(st->q, T, (int)L->heads, (int)L->kv_heads, (int)D, L->k_cache, L->v_cache,
                               L->k_scale, L->v_scale, (int)L->kind, st->table, st->table_stride, st->seq_lens,
                               st->loc, st->num_seqs, (int)L->block_size, L->scale, (int)L->window, 0.0f, NULL,
                               st->key_end, (int)st->max_q, st->attn, st->work, nt);
         rc |= product(&L->o, st->attn, T, st->h, nt);
         rms_norm(st->res, st->h, L->norm2, L->eps, st->normed, T, hidden, nt);
+        if (!L->mlp) {
+            if (rc || i + 1 != count) return (int)-(i + 1);
+            break;
+        }
         rc |= product(&L->gate_up, st->normed, T, st->gu, nt);
         silu_and_mul(st->gu, T, inter, st->act, nt);
         rc |= product(&L->down, st->act, T, st->h, nt);

@@ -86,7 +86,10 @@ class DecoderLayer(nn.Module):
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
 
     def norm_qk(self, q, k):
-        """q: [T, H, D], k: [T, Hkv, D], each head normed on its own (qwen3)."""
+        """q: [T, H, D], k: [T, Hkv, D], each head normed on its own (qwen3). On a CPU the heads are
+        copied out of the qkv rows first, for the C norm (whose bits the one-call layers share)."""
+        if not q.is_cuda:
+            q, k = q.contiguous(), k.contiguous()
         return self.q_norm.forward(q)[0], self.k_norm.forward(k)[0]
 
     def mlp(self, h):
@@ -154,24 +157,31 @@ class CausalLM(nn.Module):
 
     def plain_layer_specs(self) -> list | None:
         """Each layer as kernels/decoder_native.py's LayerSpec, or None where one is not llama's
-        plain layer (a family's own layer class, a per-head norm, a query scale, soft-capped
-        or sink logits, a KV group of its own, another activation, biases the C path cannot add)."""
+        layer: its attention (per-head norms taken) and either its SiLU MLP or a MLP of the layer's
+        own (a mixture of experts, run between C calls); a family's own attention or forward, a
+        query scale, soft-capped or sink logits, a KV group of its own, or another norm is not."""
         specs = []
         for layer in self.layers:
-            if (type(layer) is not DecoderLayer or layer.qk_norm or layer.query_scale is not None
-                    or layer.softcap is not None or layer.sinks is not None or layer.kv_group
-                    or layer.act_and_mul is not ops.silu_and_mul):
+            kind = type(layer)
+            if (not isinstance(layer, DecoderLayer) or layer.query_scale is not None or layer.softcap is not None
+                    or layer.sinks is not None or layer.kv_group
+                    or any(getattr(kind, f) is not getattr(DecoderLayer, f) for f in ("forward", "attention", "norm_qk"))):
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            mods = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-            if (any(type(n) is not RMSNorm for n in norms) or norms[0].eps != norms[1].eps
+            own_mlp = kind.mlp is not DecoderLayer.mlp  # a mixture of experts: run in Python between calls
+            if not own_mlp and layer.act_and_mul is not ops.silu_and_mul:
+                return None
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [layer.q_norm, layer.k_norm] if layer.qk_norm else []
+            mods = (layer.qkv_proj, layer.o_proj) + (() if own_mlp else (layer.gate_up_proj, layer.down_proj))
+            if (any(type(n) is not RMSNorm or n.eps != norms[0].eps for n in norms)
                     or any(type(m) is not FP8Linear or m.cpu is None for m in mods)):
                 return None
-            cfg = layer.cfg
+            cfg, heads = layer.cfg, norms[2:] or [None, None]
             specs.append(decoder_native.LayerSpec(
-                tuple(m.cpu for m in mods), tuple(m._buffers.get("bias") for m in mods), norms[0].weight,
-                norms[1].weight, norms[0].eps, layer.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                layer.window, self.rope_for(layer) if layer.rotary else None))
+                tuple(m.cpu for m in mods) + (None, None) * own_mlp, tuple(m._buffers.get("bias") for m in mods),
+                norms[0].weight, norms[1].weight, norms[0].eps, layer.scale, cfg.num_heads, cfg.num_kv_heads,
+                cfg.head_dim, layer.window, self.rope_for(layer) if layer.rotary else None,
+                *(n if n is None else n.weight for n in heads), layer.mlp if own_mlp else None))
         return specs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
