@@ -103,6 +103,10 @@ def write_gguf(src: Path, out: Path, qtype: str) -> None:
     w.add_rope_freq_base(rope(cfg)["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
     tokens, types, merges = tiny_vocab()
+    # llama.cpp holds the table to the token list's length: the rows past the tiny vocabulary as
+    # unused tokens (GGUF token type 5), never produced by the tokenizer
+    pad = cfg["vocab_size"] - len(tokens)
+    tokens, types = list(tokens) + [f"<unused{i}>" for i in range(pad)], list(types) + [5] * pad
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
