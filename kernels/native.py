@@ -402,13 +402,29 @@ def fp8_search_scale(tiles: torch.Tensor, weight: torch.Tensor | None, bf16: boo
     return out.view(tiles.shape[:-1]) if rc == 0 else None
 
 
-def read_bandwidth(nbytes: int = 1 << 29, rounds: int = 5) -> float | None:
+def last_level_cache() -> int | None:
+    """The CPU's largest cache in bytes (Linux sysfs), or None where it does not say. A server part's
+    can hold a small model whole (300 MiB on a Sapphire Rapids VM): a step then reads cache, not memory."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        if text.rstrip("KMG").isdigit():
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=None)
+
+
+def read_bandwidth(nbytes: int | None = None, rounds: int = 5) -> float | None:
     """The machine's read bandwidth in bytes/s as the products' thread team sees it (torch's thread
-    count, OpenMP): the best of `rounds` passes over a buffer far past the caches; None where the
-    library is not built."""
+    count, OpenMP): the best of `rounds` passes over a buffer far past the caches (512 MiB, or four
+    times the last-level cache where that is larger); None where the library is not built."""
     lib = library()
     if lib is None:
         return None
+    nbytes = nbytes or max(1 << 29, 4 * (last_level_cache() or 0))
     buf = torch.ones(nbytes, dtype=torch.uint8)  # touched: its pages exist before the clock starts
     best = float("inf")
     for _ in range(rounds):

@@ -319,7 +319,9 @@ def part_overhead(rep: Report, engine, args):
             for b in _ints(args.batches)]
     rep.add("overhead", rows)
     rep.data["env"]["read_bandwidth_gbs"] = bandwidth / 1e9 if bandwidth else None
-    rep.overhead_table(rows, bandwidth)
+    llc = native.last_level_cache() if engine.device.type == "cpu" else None
+    rep.data["env"]["last_level_cache_mib"] = llc / 2 ** 20 if llc else None
+    rep.overhead_table(rows, bandwidth, llc)
 
 
 def part_kv(rep: Report, args, loaded=None):

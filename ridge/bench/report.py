@@ -173,7 +173,7 @@ class Report:
         self.table(title, ["engine", "reqs", "in-flight", "wall s", "useful tok", "useful tok/s",
                            "TTFT ms p50/p99", "ITL ms p50/p99"], rows, "\n".join(notes) or None)
 
-    def overhead_table(self, rows: list[dict], bandwidth: float | None = None) -> None:
+    def overhead_table(self, rows: list[dict], bandwidth: float | None = None, llc: int | None = None) -> None:
         keys = ["attention", "kv_write", "norm", "rope", "act", "embed", "lm_head", "sample", "schedule",
                 "batch_build", "sched_update", "outputs", "other"]
         if any(r["breakdown_ms"].get("moe") for r in rows):  # a mixture of experts' layers and routers
@@ -186,6 +186,10 @@ class Report:
                 "read = the weights' bytes as held plus each sequence's KV over its context, per step")
         if bandwidth:
             note += f"; of bound = read GB/s over the memory's read bandwidth with this thread team, {bandwidth / 1e9:.1f} GB/s"
+        weights = min((r["read_bytes_per_token"] * r["batch"] for r in rows), default=0)
+        if llc and weights and weights <= llc:  # a step then reads the cache, which beats the memory's bound
+            note += (f". The weights ({weights / 2 ** 20:.0f} MiB) fit in the CPU's last-level cache "
+                     f"({llc / 2 ** 20:.0f} MiB): a step reads them from there, and may pass that bound")
         self.table("engine step vs its matrix products alone (pure decode, medians, interleaved)",
                    ["batch", "context", "step ran", "step ms", "per-op step ms", "matmul ms", "overhead", "tok/s",
                     "MB read/token", "read GB/s", "of bound", "cpu util"],
