@@ -122,12 +122,14 @@ def off():
 
 
 class NativeStack:
-    """The C structs of a model's layers, and the step's check and call (run). specs() -> the
+    """The C structs of a model's layers, built as steps need them (takes). specs() -> the
     layers' LayerSpecs as they are now, or None where one is not a plain layer; linears: the
-    layers' product modules, whose CpuLinear (.cpu) and its formats (runs) key the built structs."""
+    layers' product modules, whose CpuLinear (.cpu) and its formats (runs) key the built structs;
+    attention_fits: attention_native.fits, as ops chooses with it."""
 
-    def __init__(self, specs: Callable[[], list[LayerSpec] | None], linears: list):
+    def __init__(self, specs: Callable[[], list[LayerSpec] | None], linears: list, attention_fits: Callable):
         self.make_specs, self.linears = specs, linears
+        self.attention_fits = attention_fits  # whether the attention kernel takes a layer's caches (ops gives it)
         self.specs: list[LayerSpec] = []
         self._built: tuple | None = None  # (key, the caches' (k, v), or None where the layers are not taken)
         self._rows: dict[int, tuple | None] = {}  # rows -> (layer structs, tensors they point into) or None
@@ -136,7 +138,7 @@ class NativeStack:
         """What the structs were built from: each product's CpuLinear and chosen formats (use()
         rebinds runs), and each cache's tensors."""
         return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears)
-                + tuple(id(kv.k) for kv in kv_caches))
+                + tuple(id(getattr(kv, "k", kv)) for kv in kv_caches))  # a recurrent layer's state: no k
 
     def _build(self, key: tuple, kv_caches) -> bool:
         """Check the layers and caches afresh (a product's formats or a cache changed)."""
@@ -148,7 +150,7 @@ class NativeStack:
             k, v = kv.k, kv.v
             if not (k.dtype in PLAIN_KV and v.dtype == k.dtype and k.is_contiguous() and v.is_contiguous()
                     and k.shape[2:] == (s.kv_heads, s.head_dim)
-                    and attention_native.fits(torch.empty(0, s.heads, s.head_dim), k, v, None, None, _NO_SEQS)):
+                    and self.attention_fits(torch.empty(0, s.heads, s.head_dim), k, v, None, None, _NO_SEQS)):
                 return False
         self.specs, self._built = specs, (key, [(kv.k, kv.v) for kv in kv_caches[: len(specs)]])
         return True
@@ -179,13 +181,10 @@ class NativeStack:
         self._rows[rows] = (layers, keep)
         return self._rows[rows]
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
-            count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The first `count` layers over h [T, hidden] (the embeddings): -> (h, residual) as the
-        per-op loop leaves them, or None where this step does not fit (the caller runs the loop)."""
-        lib = native.library()
+    def takes(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches, count: int):
+        """The structs of the first `count` layers for this step, or None where it does not fit."""
         t = h.shape[0]
-        if (not _STATE["on"] or lib is None or not 0 < t <= attention_native.NATIVE_MAX_Q or meta.mrope is not None
+        if (not _STATE["on"] or not 0 < t <= attention_native.NATIVE_MAX_Q or meta.mrope is not None
                 or meta.max_query_len > attention_native.NATIVE_MAX_Q or h.dtype != torch.float32
                 or not h.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
                 or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()
@@ -194,39 +193,51 @@ class NativeStack:
         key = self._key(kv_caches)
         if (self._built is None or self._built[0] != key) and not self._build(key, kv_caches):
             return None
-        built = self._layers(t) if self._built[1] is not None and count <= len(self.specs) else None
-        if built is None:
-            return None
-        first = self.specs[0]
-        plan = meta.state_for(attention_native._NativePlan, (kv_caches[0].k.shape[1], first.kv_heads, t),
-                              torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
-        specs = self.specs[:count]
-        qkv_n = max(s.products[0].shape[0] for s in specs)  # scratch for the widest layer
-        gu_n = max((s.products[2].shape[0] for s in specs if s.mlp is None), default=0)
-        q_size, kv_size = max(s.heads * s.head_dim for s in specs), max(s.kv_heads * s.head_dim for s in specs)
-        h = h.clone()  # the caller's embeddings stay as they were
-        res, normed = torch.empty_like(h), torch.empty_like(h)
-        qkv, gu, act = torch.empty(t, qkv_n), torch.empty(t, gu_n), torch.empty(t, gu_n // 2)
-        q, k, attn = torch.empty(t, q_size), torch.empty(t, kv_size), torch.empty(t, q_size)
-        table, stride, seq_lens, loc, num_seqs, _ = plan.batch
-        work, threads = plan.tail
-        st = _Step(t, stride, num_seqs, plan.max_q, threads, 1, positions.data_ptr(), meta.slot_mapping.data_ptr(),
-                   table, seq_lens, loc, plan.key_end, work, h.data_ptr(), res.data_ptr(), normed.data_ptr(),
-                   qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
-        base, size = ctypes.addressof(built[0]), ctypes.sizeof(_Layer)
-        start = 0
-        for stop in [i + 1 for i, s in enumerate(specs) if s.mlp is not None] + [count]:
-            if stop > start:  # layers start..stop-1 in one call, the last one's MLP in Python where it has its own
-                rc = lib.decoder_layers(base + start * size, stop - start, ctypes.byref(st))
-                if rc:
-                    raise RuntimeError(f"decoder_layers: layer {start - rc - 1}'s kernels refused the step "
-                                       "(a slot past the cache, or a shape past the attention kernel's limits)")
-                st.first = 0
-                mlp = specs[stop - 1].mlp
-                if mlp is not None:
-                    h.copy_(mlp(normed))
-            start = stop
-        return h, res
+        return self._layers(t) if self._built[1] is not None and count <= len(self.specs) else None
+
+
+def fits(stack: NativeStack, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches, count: int) -> bool:
+    """Whether the C stack takes this step's first `count` layers (ops.decoder_layers asks): the
+    library built, every layer plain (the model's specs), each product in a ridge kernel at this
+    row count, plain caches, no query past the attention kernel's length."""
+    return native.library() is not None and stack.takes(h, positions, meta, kv_caches, count) is not None
+
+
+def decoder_layers_native(stack: NativeStack, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
+                          count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` layers over h [T, hidden] (the embeddings) for a step that fits(): ->
+    (h, residual) as the per-op loop leaves them."""
+    t = h.shape[0]
+    built = stack.takes(h, positions, meta, kv_caches, count)
+    specs, first = stack.specs[:count], stack.specs[0]
+    plan = meta.state_for(attention_native._NativePlan, (kv_caches[0].k.shape[1], first.kv_heads, t),
+                          torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
+    qkv_n = max(s.products[0].shape[0] for s in specs)  # scratch for the widest layer
+    gu_n = max((s.products[2].shape[0] for s in specs if s.mlp is None), default=0)
+    q_size, kv_size = max(s.heads * s.head_dim for s in specs), max(s.kv_heads * s.head_dim for s in specs)
+    h = h.clone()  # the caller's embeddings stay as they were
+    res, normed = torch.empty_like(h), torch.empty_like(h)
+    qkv, gu, act = torch.empty(t, qkv_n), torch.empty(t, gu_n), torch.empty(t, gu_n // 2)
+    q, k, attn = torch.empty(t, q_size), torch.empty(t, kv_size), torch.empty(t, q_size)
+    table, stride, seq_lens, loc, num_seqs, _ = plan.batch
+    work, threads = plan.tail
+    st = _Step(t, stride, num_seqs, plan.max_q, threads, 1, positions.data_ptr(), meta.slot_mapping.data_ptr(),
+               table, seq_lens, loc, plan.key_end, work, h.data_ptr(), res.data_ptr(), normed.data_ptr(),
+               qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
+    lib, base, size = native.library(), ctypes.addressof(built[0]), ctypes.sizeof(_Layer)
+    start = 0
+    for stop in [i + 1 for i, s in enumerate(specs) if s.mlp is not None] + [count]:
+        if stop > start:  # layers start..stop-1 in one call, the last one's MLP in Python where it has its own
+            rc = lib.decoder_layers(base + start * size, stop - start, ctypes.byref(st))
+            if rc:
+                raise RuntimeError(f"decoder_layers: layer {start - rc - 1}'s kernels refused the step "
+                                   "(a slot past the cache, or a shape past the attention kernel's limits)")
+            st.first = 0
+            mlp = specs[stop - 1].mlp
+            if mlp is not None:
+                h.copy_(mlp(normed))
+        start = stop
+    return h, res
 
 
 class _NoSeqs:

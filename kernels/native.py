@@ -111,6 +111,7 @@ def _build(cc: str, out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
+    lib.fp8_linear_force_novbmi.argtypes, lib.fp8_linear_force_novbmi.restype = [i32], i32  # tests: VBMI off/on
     lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, i32]
     lib.fp8_linear_grouped.restype = i32
     lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32]

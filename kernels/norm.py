@@ -20,8 +20,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def native_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether the C kernel (kernels/csrc/small_ops.c) takes this call: the library built, fp32
-    and contiguous throughout, one weight per column."""
-    return (native.library() is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+    throughout, each row's elements contiguous (rows apart are copied together), one weight per
+    column."""
+    return (native.library() is not None and x.dtype == weight.dtype == torch.float32 and x.stride(-1) == 1
             and weight.is_contiguous() and weight.numel() == x.shape[-1]
             and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
                                       and residual.dtype == x.dtype)))
@@ -29,7 +30,10 @@ def native_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm_torch's contract (the sum lands in x) in one C call, for a call that native_fits()."""
+    """rms_norm_torch's contract (the sum lands in x) in one C call, for a call that native_fits(). Rows
+    apart in memory (qwen3's heads, views of the qkv rows) are copied together first; the sum
+    then lands in the copy, which is returned."""
+    x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty_like(x)
     native.library().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import activation, attention_native, kv_cache, moe, native, norm, rope as rope_impl
+from . import activation, attention_native, decoder_native, kv_cache, moe, native, norm, rope as rope_impl
 from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_native, silu_and_mul_ref
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
@@ -208,6 +208,22 @@ def gelu_and_mul(x):
 def gelu_tanh_and_mul(x):
     with section("act"):
         return backend("gelu_tanh_and_mul", x)(x)
+
+
+def layer_stack(specs, linears) -> decoder_native.NativeStack:
+    """A model's layers as one C call may run them (kernels/decoder_native.py): specs() -> their
+    LayerSpecs or None (not plain), linears: their product modules. Built once per model."""
+    return decoder_native.NativeStack(specs, linears, attention_native.fits)
+
+
+def decoder_layers(stack, h, positions, meta: AttentionMetadata, kv_caches, count: int):
+    """The first `count` decoder layers over h in one C call where the step fits ridge's CPU
+    kernels (decoder_native.fits): -> (h, residual), as the per-op loop leaves them; else None,
+    and the model runs its layers one op at a time (always on a GPU)."""
+    if h.is_cuda or _FORCE is not None or not decoder_native.fits(stack, h, positions, meta, kv_caches, count):
+        return None
+    with section("layers"):
+        return decoder_native.decoder_layers_native(stack, h, positions, meta, kv_caches, count)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None, cpu: CpuLinear | None = None):

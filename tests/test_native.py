@@ -313,9 +313,13 @@ def test_ops_takes_the_c_kernels_for_the_calls_a_model_step_makes(tokens, cache_
     args = (k, v, *caches, *scales, meta.slot_mapping, meta)
     assert ops.backend("write_kv", *args) is write_kv_native
     assert ops.backend("silu_and_mul", torch.randn(tokens, 2 * 1536)) is silu_and_mul_native
-    # Where the C kernel cannot take the call: a strided per-head norm view, non-fp32 tensors,
-    # an FP8 cache without scales, or the library off.
-    assert ops.backend("rms_norm", q[:, :, :32], w[:32], 1e-6, None) is rms_norm_torch
+    # Heads apart in memory (qwen3's per-head norm over the qkv rows) are copied together for it,
+    # as the one-call layers do (kernels/csrc/decoder.c).
+    assert ops.backend("rms_norm", q[:, :, :32], w[:32], 1e-6, None) is rms_norm_native
+    torch.testing.assert_close(ops.rms_norm(q[:, :, :32], w[:32], 1e-6)[0], rms_norm_ref(q[:, :, :32], w[:32], 1e-6)[0])
+    # Where the C kernel cannot take the call: a row's elements apart, non-fp32 tensors, an FP8
+    # cache without scales, or the library off.
+    assert ops.backend("rms_norm", q[:, :, ::2], w[:32], 1e-6, None) is rms_norm_torch
     assert ops.backend("rms_norm", h.bfloat16(), w, 1e-5, None) is rms_norm_ref
     assert ops.backend("rope", q.bfloat16(), k.bfloat16(), positions, cos_sin, meta) is rope_ref
     assert ops.backend("rope", q, k, positions.int(), cos_sin, meta) is rope_torch
@@ -327,3 +331,87 @@ def test_ops_takes_the_c_kernels_for_the_calls_a_model_step_makes(tokens, cache_
         assert ops.backend("rope", q, k, positions, cos_sin, meta) is rope_torch
         assert ops.backend("write_kv", *args) is write_kv_ref
         assert ops.backend("silu_and_mul", torch.randn(tokens, 2 * 1536)) is silu_and_mul_ref
+
+
+def _force_novbmi(on: bool) -> int:
+    """kernels/csrc/fp8_linear.c's test hook: 1 forces the AVX-512 e4m3 widening where the CPU has
+    VBMI, 0 restores the CPU's choice. -> 1 where the VBMI conversion is in use after the call."""
+    import ctypes
+
+    lib = native.library()
+    lib.fp8_linear_force_novbmi.argtypes, lib.fp8_linear_force_novbmi.restype = [ctypes.c_int], ctypes.c_int
+    return lib.fp8_linear_force_novbmi(int(on))
+
+
+def _conversions() -> list[str]:
+    """The AVX-512 e4m3 conversions this CPU can run: VBMI's lookups where it has them, and the
+    widening that CPUs without VBMI run (forced where VBMI is present)."""
+    return ["vbmi", "widen"] if _force_novbmi(False) else ["widen"]
+
+
+def _product_by(conv, x, packed, s256):
+    """native.fp8_linear on AVX-512 through one conversion; the CPU's own choice restored after."""
+    _force_novbmi(conv == "widen")
+    try:
+        return native.fp8_linear(x, packed, s256, 2)
+    finally:
+        _force_novbmi(False)
+
+
+def _every_byte(n, k):
+    """[n, k] e4m3 whose columns each hold all 256 codes across the rows (n >= 256)."""
+    codes = (torch.arange(n)[:, None] + 37 * torch.arange(k)[None, :]) % 256
+    return codes.to(torch.uint8).view(FP8)
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 BF16 product")
+def test_every_e4m3_code_converts_exactly_at_every_row_count():
+    """A weight holding every e4m3 code (subnormals, both zeros, NaN) times one-hot rows: each
+    output is one weight times its scale, exact in fp32, so it must equal the torch upcast
+    bit for bit, through the one-row path, the converting tiles (2-8 rows) and the widened
+    panel (> 8 rows), by each conversion. NaN (0x7f, 0xff) poisons its output column, as in
+    torch: VBMI reads it as NaN; the widening as 480, so those columns are held apart."""
+    n, k = 256, 64
+    q = _every_byte(n, k)
+    g = torch.Generator().manual_seed(45)
+    s = (torch.rand(n, k // 16, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+    packed, s256 = pack_fp8(q), kernel_scales(s, (n, k))
+    ref_w = q.float() * expand_scale(s, (n, k))
+    nan_col = torch.isnan(ref_w).any(1)
+    assert nan_col.sum() == 2 * k and ((q.view(torch.uint8) & 0x78) == 0).any(1).all()
+    eye = torch.eye(k)
+    for conv in _conversions():
+        steps = [(m, m + 1) for m in range(k)] + [(0, 2), (5, 8), (11, 16), (56, 64), (0, k)]  # 1, 2-8, > 8 rows
+        for m0, m1 in steps:
+            y, ref = _product_by(conv, eye[m0:m1], packed, s256), ref_w.T[m0:m1]
+            assert torch.equal(y[:, ~nan_col], ref[:, ~nan_col]), (conv, m0, m1)
+            if conv == "vbmi":
+                assert torch.isnan(y[:, nan_col]).all()
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 BF16 product")
+@pytest.mark.parametrize("k,groups", [(34, 17), (34, 3), (34, 1), (576, 36), (130, 1)])
+def test_vbmi_conversion_gives_the_widenings_bits(k, groups):
+    """The VBMI conversion against the widening it replaces, on random rows over every code but
+    NaN, bit for bit: odd counts of k pairs per group and per row (one pair left over after the
+    conversion's two-pair steps), fp32 channel and bf16 group scales, every path by row count;
+    and a row's bits the same alone as in any step."""
+    n = 256 + 16 * 3  # blocks left over past the one-row path's runs of four and two
+    q = _every_byte(n, k).view(torch.uint8)
+    q[(q & 0x7f) == 0x7f] = 0x7e
+    q = q.view(FP8)
+    g = torch.Generator().manual_seed(k * groups)
+    s = torch.rand(n, groups, generator=g) * 0.01 + 1e-3
+    s = s[:, 0] if groups == 1 else s.to(torch.bfloat16)
+    packed, s256 = pack_fp8(q), kernel_scales(s, (n, k))
+    x = torch.randn(20, k, generator=g)
+    ys = {}
+    for conv in _conversions():
+        ys[conv] = [_product_by(conv, x[:m], packed, s256) for m in (1, 2, 3, 5, 8, 9, 20)]
+        for y in ys[conv][1:]:
+            assert torch.equal(y[:1], ys[conv][0]), conv
+    ref = x.to(torch.bfloat16).float() @ (q.float() * expand_scale(s, (n, k))).T
+    torch.testing.assert_close(ys[next(iter(ys))][-1][:, :n], ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+    if len(ys) == 2:
+        for a, b in zip(ys["vbmi"], ys["widen"]):
+            assert torch.equal(a, b)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.kernels import decoder_native, ops
+from ridge.kernels import ops
+from ridge.kernels.decoder_native import LayerSpec
 from ridge.kernels.metadata import AttentionMetadata
 from ridge.kernels.timing import section
 from ridge.quant.embedding import load_table_and_head
@@ -86,10 +87,7 @@ class DecoderLayer(nn.Module):
         return self.o_proj.forward(o.reshape(T, cfg.q_size))
 
     def norm_qk(self, q, k):
-        """q: [T, H, D], k: [T, Hkv, D], each head normed on its own (qwen3). On a CPU the heads are
-        copied out of the qkv rows first, for the C norm (whose bits the one-call layers share)."""
-        if not q.is_cuda:
-            q, k = q.contiguous(), k.contiguous()
+        """q: [T, H, D], k: [T, Hkv, D], each head normed on its own (qwen3)."""
         return self.q_norm.forward(q)[0], self.k_norm.forward(k)[0]
 
     def mlp(self, h):
@@ -136,7 +134,7 @@ class CausalLM(nn.Module):
             if embeds is not None:
                 h = h.index_copy(0, embeds[0], embeds[1].to(h.dtype))
         layers = self.layers[:num_layers] if num_layers else self.layers  # a slice builds a ModuleList
-        done = self.native_layers(h, positions, meta, kv_caches, len(layers)) if h.device.type == "cpu" else None
+        done = ops.decoder_layers(self.layer_stack(), h, positions, meta, kv_caches, len(layers))
         if done is not None:
             h, residual = done
         else:
@@ -145,15 +143,13 @@ class CausalLM(nn.Module):
                 h, residual = layer.forward(h, residual, positions, self.rope_for(layer), meta, kv)
         return self.norm.forward(h, residual)[0]
 
-    def native_layers(self, h, positions, meta, kv_caches, count: int):
-        """The first `count` layers in one C call where every layer is a plain one and the step
-        fits ridge's CPU kernels (kernels/decoder_native.py): -> (h, residual), else None."""
+    def layer_stack(self):
+        """The layers as ops.decoder_layers may run them in one C call (built once: kernels/decoder_native.py)."""
         stack = self.__dict__.get("_native_stack")
         if stack is None:
             linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, FP8Linear)]
-            stack = self.__dict__["_native_stack"] = decoder_native.NativeStack(self.plain_layer_specs, linears)
-        with section("layers"):
-            return stack.run(h, positions, meta, kv_caches, count)
+            stack = self.__dict__["_native_stack"] = ops.layer_stack(self.plain_layer_specs, linears)
+        return stack
 
     def plain_layer_specs(self) -> list | None:
         """Each layer as kernels/decoder_native.py's LayerSpec, or None where one is not llama's
@@ -177,7 +173,7 @@ class CausalLM(nn.Module):
                     or any(type(m) is not FP8Linear or m.cpu is None for m in mods)):
                 return None
             cfg, heads = layer.cfg, norms[2:] or [None, None]
-            specs.append(decoder_native.LayerSpec(
+            specs.append(LayerSpec(
                 tuple(m.cpu for m in mods) + (None, None) * own_mlp, tuple(m._buffers.get("bias") for m in mods),
                 norms[0].weight, norms[1].weight, norms[0].eps, layer.scale, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, layer.window, self.rope_for(layer) if layer.rotary else None,
