@@ -90,3 +90,30 @@ def test_experts_load_packed_on_cpu_and_run_the_kernel():
         assert _rel(mod.forward(x, ids, w), ref) <= 1e-6
     with ops.use_triton(False):
         assert _rel(mod.forward(x, ids, w), ref) == 0.0
+
+
+def _kernel_at(isa: int, x, cpu, ids, w, H: int, inter: int, E: int) -> torch.Tensor:
+    """fp8_moe called with an explicit instruction set (1: the AVX2 tiles; 2: their 16-lane form
+    for an expert's 1-2 rows), SiLU, no biases."""
+    gu, s_gu, dn, s_dn = cpu.packed
+    ids, w = ids.to(torch.int64).contiguous(), w.contiguous()
+    out = torch.empty(x.shape[0], H)
+    rc = native.library().fp8_moe(x.data_ptr(), x.shape[0], H, inter, E, ids.shape[1], ids.data_ptr(), w.data_ptr(),
+                                  gu.data_ptr(), s_gu.data_ptr(), None, dn.data_ptr(), s_dn.data_ptr(), None, 0,
+                                  1.702, 7.0, out.data_ptr(), isa, torch.get_num_threads())
+    assert rc == 0
+    return out
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 form of the experts' row tiles")
+def test_the_avx512_row_tiles_give_the_avx2_bits():
+    """On an AVX-512 machine an expert's 1-2 rows run 16-lane tiles with the AVX2 tiles' lanes and
+    order: the same bits at one token (every expert 1 row), a few (1-2 rows each) and many (the
+    3-row tiles over a widened block, which neither form changes)."""
+    E, H, inter = 12, 80, 48
+    w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=45, fp8=True)
+    cpu = CpuExperts.packed_from(w13, s13, w2, s2)
+    for T in (1, 2, 5, 43):
+        ids, w = _routing(T, E, 4, seed=T)
+        x = torch.randn(T, H)
+        assert torch.equal(_kernel_at(2, x, cpu, ids, w, H, inter, E), _kernel_at(1, x, cpu, ids, w, H, inter, E)), T
