@@ -208,7 +208,7 @@ def decoder_layers_native(stack: NativeStack, h: torch.Tensor, positions: torch.
     """The first `count` layers over h [T, hidden] (the embeddings) for a step that fits(): ->
     (h, residual) as the per-op loop leaves them."""
     t = h.shape[0]
-    built = stack.takes(h, positions, meta, kv_caches, count)
+    built = stack._layers(t)  # built by fits() for this step a moment ago
     specs, first = stack.specs[:count], stack.specs[0]
     plan = meta.state_for(attention_native._NativePlan, (kv_caches[0].k.shape[1], first.kv_heads, t),
                           torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
