@@ -133,6 +133,7 @@ class NativeStack:
         self.specs: list[LayerSpec] = []
         self._built: tuple | None = None  # (key, the caches' (k, v), or None where the layers are not taken)
         self._rows: dict[int, tuple | None] = {}  # rows -> (layer structs, tensors they point into) or None
+        self._plain = True  # False once specs() said no: a model's layer classes do not change
 
     def _key(self, kv_caches) -> tuple:
         """What the structs were built from: each product's CpuLinear and chosen formats (use()
@@ -144,6 +145,7 @@ class NativeStack:
         """Check the layers and caches afresh (a product's formats or a cache changed)."""
         self._built, self._rows = (key, None), {}
         specs = self.make_specs()
+        self._plain = specs is not None
         if specs is None or len(kv_caches) < len(specs) or not all(spec_fits(s) for s in specs):
             return False
         for s, kv in zip(specs, kv_caches):
@@ -184,7 +186,7 @@ class NativeStack:
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches, count: int):
         """The structs of the first `count` layers for this step, or None where it does not fit."""
         t = h.shape[0]
-        if (not _STATE["on"] or not 0 < t <= attention_native.NATIVE_MAX_Q or meta.mrope is not None
+        if (not self._plain or not _STATE["on"] or not 0 < t <= attention_native.NATIVE_MAX_Q or meta.mrope is not None
                 or meta.max_query_len > attention_native.NATIVE_MAX_Q or h.dtype != torch.float32
                 or not h.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
                 or meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous()
