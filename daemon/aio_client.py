@@ -29,6 +29,7 @@ from .client import (VERSION, Completion, Delta, Inbox, Joined, JoinedStream, Ri
                      make_socket, message_frames, pack, resolve_endpoint, unpack)
 
 log = logging.getLogger("ridge.client")
+READ_SLICE_S = 0.01  # the most the reader routes frames before it lets the loop's other tasks run
 
 
 class AsyncClient:
@@ -38,6 +39,7 @@ class AsyncClient:
         self.sock = make_socket(zmq.asyncio.Context.instance(), self.endpoint, **curve)
         self.heartbeat_interval = 1.0
         self.client_timeout: float | None = None  # from hello: a request not read for this long is aborted
+        self._rearm = asyncio.Event()  # hello changed heartbeat_interval: the heartbeats' wait starts over
         self.failure: RidgeError | None = None  # why the reader stopped: every request then fails with it
         self._ids = itertools.count()
         self._prefix = f"{os.getpid()}-a{id(self) & 0xffff:x}-"
@@ -82,8 +84,11 @@ class AsyncClient:
 
     # -- reading ---------------------------------------------------------------------
     async def _reader(self) -> None:
-        # One await per wake-up, then every frame already there through a plain socket on the same
+        # One await per wake-up, then the frames already there through a plain socket on the same
         # connection: a future per frame costs more than the frame (the gateway reads one per token).
+        # The loop is handed back after READ_SLICE_S of them: a daemon that sends faster than this
+        # client routes would otherwise keep it here, and its heartbeats unsent until the daemon
+        # times it out (§4.4).
         now_or_never = zmq.Socket.shadow(self.sock.underlying)
         try:
             while True:
@@ -91,11 +96,15 @@ class AsyncClient:
                 now = time.monotonic()
                 while frame is not None:
                     self._route(frame, now)
+                    if time.monotonic() - now > READ_SLICE_S:
+                        break
                     try:
                         frame = now_or_never.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         frame = None
                 self._last_frame = now
+                if frame is not None:
+                    await asyncio.sleep(0)
         except BaseException as e:  # cancelled by aclose, or the socket failed under it
             if not self._closed:
                 why = f"the connection to the daemon at {self.endpoint} failed: {type(e).__name__}: {e}"
@@ -160,7 +169,13 @@ class AsyncClient:
     # -- liveness, and requests nobody reads --------------------------------------------
     async def _heartbeats(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            # A wait begun before hello's reply used the default interval, which may be longer than
+            # the daemon's client_timeout: the reply cuts it short (hello sets _rearm).
+            try:
+                await asyncio.wait_for(self._rearm.wait(), self.heartbeat_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._rearm.clear()
             if self._inboxes:
                 await self._send({"type": "heartbeat"})
                 await self._abort_stuck(time.monotonic())
@@ -214,6 +229,7 @@ class AsyncClient:
         reply = await self.call("hello", versions=[VERSION], client="ridge-python-asyncio", **extra)
         self.heartbeat_interval = float(reply["heartbeat"]["interval"])
         self.client_timeout = float(reply["heartbeat"]["client_timeout"])
+        self._rearm.set()
         return reply
 
     async def health(self) -> dict:

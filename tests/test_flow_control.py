@@ -360,16 +360,20 @@ STUCK = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
 STUCK_HTTP = {**STUCK, "max_tokens": 4000}
 
 
-def oldest_untaken(client: AsyncClient) -> tuple[int, float | None]:
-    """(bytes held for readers, seconds since the oldest frame a reader has not taken arrived)."""
+def oldest_untaken(client: AsyncClient) -> float | None:
+    """Seconds since the oldest frame a reader has not taken arrived."""
     since = [box.since for box in client._inboxes.values() if box.since is not None]
-    return client.held_bytes(), time.monotonic() - min(since) if since else None
+    return time.monotonic() - min(since) if since else None
 
 
 def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, quick_gateway):
     """4,000 tokens (with their top-20 logprobs, so that the kernel's and uvicorn's buffers fill early)
     streamed to an HTTP client that reads none of them: the gateway holds one merged delta, not a
-    frame per token, and aborts the request once nothing was taken for client_timeout."""
+    frame per token, and aborts the request once nothing was taken for client_timeout.
+
+    What it holds is measured once, after the abort: nothing is taken meanwhile, so that is its peak.
+    Walking a half-megabyte delta on the gateway's loop every few ms (0.4 s a walk on a busy 2-core
+    machine) would starve the loop's own heartbeats past the daemon's 0.5 s client_timeout."""
     gw = quick_gateway
     before = stats(quick.endpoint)["daemon"]["aborts"]["client"]
     tracemalloc.start()
@@ -379,15 +383,14 @@ def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, qu
                       {"model": "tiny", "messages": [{"role": "user", "content": "talk"}], "stream": True,
                        "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 20, **STUCK_HTTP},
                       rcvbuf=4096)
-        held, stuck_for = [], []
+        stuck_for = []
         deadline = time.monotonic() + 30
-        while stats(quick.endpoint)["daemon"]["aborts"]["client"] == before:
-            assert time.monotonic() < deadline, f"never aborted; held {held[-3:]}, stuck for {stuck_for[-3:]}"
+        while (aborts := stats(quick.endpoint)["daemon"]["aborts"])["client"] == before:
+            assert time.monotonic() < deadline, f"never aborted ({aborts}); stuck for {stuck_for[-3:]}"
             if gw.link.client is not None:
-                n, age = on_gateway_loop(gw, oldest_untaken)
-                held.append(n)
-                stuck_for.append(age or 0.0)
+                stuck_for.append(on_gateway_loop(gw, oldest_untaken) or 0.0)
             time.sleep(0.02)
+        held = on_gateway_loop(gw, lambda client: client.held_bytes())
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -397,10 +400,11 @@ def test_an_http_client_that_reads_nothing_costs_little_and_is_aborted(quick, qu
     events = [json.loads(line[6:]) for line in body.split("\n") if line.startswith("data: {")]
     reasons = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
     (usage,) = [e["usage"] for e in events if e.get("usage")]
-    print(f"\nheld by the gateway: at most {max(held)} B; traced peak {peak / MIB:.2f} MiB; aborted "
+    print(f"\nheld by the gateway: {held} B; traced peak {peak / MIB:.2f} MiB; aborted "
           f"{max(stuck_for):.2f} s after the client stopped taking; {usage['completion_tokens']} of 4000 tokens")
     assert reasons[-1] == "abort" and "data: [DONE]" in body
-    assert max(held) < 1 * MIB and peak < 4 * MIB
+    # the tokens of about client_timeout at ~1.7 KB each (20 logprobs): 0.55-1.0 MB here
+    assert held < 2 * MIB and peak < 4 * MIB
     assert QUICK_TIMEOUT - 0.05 < max(stuck_for) < QUICK_TIMEOUT + QUICK_HEARTBEAT + 0.5
     assert 0 < usage["completion_tokens"] < STUCK_HTTP["max_tokens"]
 
@@ -434,6 +438,26 @@ def test_a_zmq_client_that_reads_nothing_is_aborted_with_bounded_daemon_memory(q
     assert 0 < max(held) < 2 * MIB and tokens < 16 * 2000
     c.close()
     silent.close()
+
+
+def test_a_stream_sent_right_after_hello_is_kept_alive_at_the_daemons_interval(quick):
+    """The asyncio client's heartbeats first waited its default interval (1 s), begun before hello's
+    reply named the daemon's (0.15 s here, with a 0.5 s client_timeout): a stream sent at once after
+    hello that ran past 0.5 s was aborted as a silent client's. The reply now starts the wait over."""
+    async def main():
+        async with AsyncClient(quick.endpoint) as c:
+            await c.hello()
+            t0 = time.monotonic()
+            async with c.stream("a long one", max_tokens=3000, ignore_eos=True) as s:
+                async for _ in s:
+                    pass
+            return s.final, time.monotonic() - t0
+
+    before = stats(quick.endpoint)["daemon"]["aborts"]["timeout"]
+    final, took = asyncio.run(main())
+    assert final.finish_reason == "length" and final.usage["completion_tokens"] == 3000, final
+    assert took > 2 * QUICK_TIMEOUT, f"the stream took {took:.2f} s: too short to show anything"
+    assert stats(quick.endpoint)["daemon"]["aborts"]["timeout"] == before
 
 
 def test_dropping_an_unfinished_stream_aborts_it_from_the_clients_loop(daemon):
