@@ -238,6 +238,7 @@ class CpuLinear:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
     code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
     isa: int = 0  # the streaming kernel's instruction set (native.fp8_linear_isa) where its runs use it
+    bf16_tiles: bool = True  # the blocked product's tiles in bf16 where native.tiles_bf16 says the CPU runs them
 
     def __post_init__(self):
         if self.weight is not None:
@@ -283,10 +284,17 @@ class CpuLinear:
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch oracle of an e4m3 weight's products, for x's row count: the streaming kernel
         on AVX-512 BF16 rounds the activations to bf16 (fp8_linear.c), every other product reads them in fp32."""
-        xf = x.float()
-        if self.isa == 2 and self.kind(x.shape[0]) == "fp8":
+        xf, w = x.float(), unpack_fp8(self.packed, self.scale, self.shape[0], self.code)
+        kind = self.kind(x.shape[0])
+        if self.isa == 2 and kind == "fp8":
             xf = xf.bfloat16().float()
-        return F.linear(xf, unpack_fp8(self.packed, self.scale, self.shape[0], self.code)).to(x.dtype)
+        if kind == "tiles" and self.tiles_in_bf16():  # both rounded: the bf16 tiles' GEMM
+            xf, w = xf.bfloat16().float(), w.bfloat16().float()
+        return F.linear(xf, w).to(x.dtype)
+
+    def tiles_in_bf16(self) -> bool:
+        """Whether this weight's blocked product runs bf16 tiles (native.fp8_linear_tiles)."""
+        return self.bf16_tiles and native.tiles_bf16()
 
     def _cut(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
@@ -313,7 +321,8 @@ class CpuLinear:
     def _tiles(self, x: torch.Tensor) -> torch.Tensor | None:
         if native.library() is None:
             return None
-        return self._cut(native.fp8_linear_tiles(x.float(), self.packed, self.scale, i8=self.code == "i8"), x)
+        return self._cut(native.fp8_linear_tiles(x.float(), self.packed, self.scale, i8=self.code == "i8",
+                                                 bf16=self.tiles_in_bf16()), x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of a packed weight times their scales, [*ids.shape, K] fp32: an embedding

@@ -31,7 +31,7 @@ PLAIN_KV = (torch.float32, torch.bfloat16)  # an FP8 cache rotates q, k and v fi
 
 class _Linear(ctypes.Structure):
     _fields_ = [("w", _p), ("s", _p), ("bias", _p), ("sbf", _i64), ("gk", _i64), ("n", _i64), ("k", _i64),
-                ("i8", _i64), ("isa", _i64), ("tb", _i64), ("gemm", _p)]
+                ("i8", _i64), ("isa", _i64), ("tb", _i64), ("bf16", _i64), ("gemm", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -96,16 +96,19 @@ def spec_fits(spec: LayerSpec) -> bool:
 
 def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _Linear | None:
     """p's product at `rows` rows as the per-op path runs it (CpuLinear.__call__): the streaming
-    kernel (isa), or the blocked product (tb blocks a tile, torch's sgemm); None for another."""
+    kernel (isa), or the blocked product (tb blocks a tile, torch's sgemm or bf16 GEMM); None for
+    another."""
     kind = p.kind(rows)
     if not (kind == "fp8" and p.isa > 0) and not (kind == "tiles" and tiles_offered()):
         return None
     scale, gk, sbf = native._scales(p.packed, p.scale)
     keep.append(scale)  # _scales may rearrange: its pointer must outlive the structs
     tiles = kind != "fp8"
+    bf16 = tiles and p.tiles_in_bf16()
     return _Linear(p.packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), sbf, gk,
                    p.shape[0], p.shape[1], int(p.code == "i8"), 0 if tiles else p.isa,
-                   native.tile_blocks(p.shape[1]) if tiles else 0, native.sgemm() if tiles else None)
+                   native.tile_blocks(p.shape[1], bf16) if tiles else 0, int(bf16),
+                   native.tiles_gemm(bf16) if tiles else None)
 
 
 _STATE = {"on": True}
@@ -137,8 +140,8 @@ class NativeStack:
 
     def _key(self, kv_caches) -> tuple:
         """What the structs were built from: each product's CpuLinear and chosen formats (use()
-        rebinds runs), and each cache's tensors."""
-        return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears)
+        rebinds runs), the blocked product's tiles (native.fp32_tiles), and each cache's tensors."""
+        return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears) + (native.tiles_bf16(),)
                 + tuple(id(getattr(kv, "k", kv)) for kv in kv_caches))  # a recurrent layer's state: no k
 
     def _build(self, key: tuple, kv_caches) -> bool:

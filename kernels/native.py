@@ -114,7 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear_force_novbmi.argtypes, lib.fp8_linear_force_novbmi.restype = [i32], i32  # tests: VBMI off/on
     lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, i32]
     lib.fp8_linear_grouped.restype = i32
-    lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32]
+    lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32, i32]
+    lib.fp8_linear_amx.argtypes, lib.fp8_linear_amx.restype = [], i32
     lib.fp8_linear_tiles.restype = i32
     lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64, i32]
     lib.fp8_widen.restype = i32
@@ -284,29 +285,66 @@ def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: 
     return call
 
 
-def sgemm() -> int | None:
-    """The address of the Fortran sgemm that torch's own BLAS (MKL) exports, for the blocked
-    product's tiles (one single-threaded call per tile, from each thread); None where this torch
-    build exports none (the blocked product is then not offered)."""
-    if "sgemm" not in _state:
+def _blas(symbol: str) -> int | None:
+    """The address of a Fortran BLAS routine that torch's own BLAS (MKL) exports, or None."""
+    if symbol not in _state:
         addr = None
         for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
             path = Path(torch.__file__).parent / "lib" / name
             if path.exists():
                 try:
-                    addr = ctypes.cast(getattr(ctypes.CDLL(str(path)), "sgemm_"), ctypes.c_void_p).value
+                    addr = ctypes.cast(getattr(ctypes.CDLL(str(path)), symbol), ctypes.c_void_p).value
                 except (OSError, AttributeError):
                     addr = None
                 break
-        _state["sgemm"] = addr
-    return _state["sgemm"]
+        _state[symbol] = addr
+    return _state[symbol]
 
 
-def tile_blocks(k: int) -> int:
+def sgemm() -> int | None:
+    """The address of the Fortran sgemm that torch's own BLAS (MKL) exports, for the blocked
+    product's tiles (one single-threaded call per tile, from each thread); None where this torch
+    build exports none (the blocked product is then not offered)."""
+    return _blas("sgemm_")
+
+
+def tiles_bf16() -> bool:
+    """Whether the blocked product runs its tiles in bf16 here: a CPU with AMX's bf16 tiles (and
+    AVX-512 BF16 for the widening), torch's MKL exporting gemm_bf16bf16f32, and no fp32_tiles()
+    in force. MKL's bf16 GEMM runs on the tile unit there, 2.5-8x its sgemm at 16-64 rows; on a
+    CPU without AMX it was never timed, so the fp32 tiles stay."""
+    if _state.get("fp32_tiles"):
+        return False
+    if "amx" not in _state:
+        lib = library()
+        _state["amx"] = bool(lib is not None and fp8_linear_isa() == 2 and lib.fp8_linear_amx())
+    return _state["amx"] and _blas("gemm_bf16bf16f32_") is not None
+
+
+@contextmanager
+def fp32_tiles():
+    """The blocked product in fp32 tiles within, where it would run bf16 ones (tests compare the
+    two; benchmarks time them; deterministic mode's layers keep the fp32 tiles they were checked in)."""
+    saved, _state["fp32_tiles"] = _state.get("fp32_tiles"), True
+    try:
+        yield
+    finally:
+        _state["fp32_tiles"] = saved
+
+
+def tiles_gemm(bf16: bool) -> int | None:
+    """The GEMM the blocked product's tiles call: MKL's gemm_bf16bf16f32 for bf16 tiles, else sgemm."""
+    return _blas("gemm_bf16bf16f32_") if bf16 else sgemm()
+
+
+def tile_blocks(k: int, bf16: bool = False) -> int:
     """16-column blocks per tile of the blocked product: the widened tile (blocks * 16 * K fp32)
     within TILE_BYTES, to stay in a core's L2 beside the GEMM's own packed panels, but 2 to 8
     blocks whatever K (a GEMM of 16 columns ran slower at every K; 2-8 timed alike on AVX2 at
-    K = 2048 and 8192, issue 39)."""
+    K = 2048 and 8192, issue 39). bf16 tiles: 4 to 16 blocks in the same bytes (MKL's bf16 GEMM
+    ran fastest at 128-256 columns, 64 at K = 8192; the C side then balances them over the team)."""
+    if bf16:
+        return min(16, max(4, TILE_BYTES // (16 * k * 2)))
     return min(8, max(2, TILE_BYTES // (16 * k * 4)))
 
 
@@ -314,15 +352,19 @@ TILE_BYTES = 512 << 10
 
 
 def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor,
-                     blocks: int | None = None, i8: bool = False) -> torch.Tensor:
+                     blocks: int | None = None, i8: bool = False, bf16: bool | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
-    `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
-    by torch's BLAS sgemm, one tile per thread at a time. Arguments as fp8_linear's."""
+    `blocks` 16-column blocks (tile_blocks(K) by default) widened once each and multiplied by
+    torch's BLAS, one tile per thread at a time: fp32 tiles and sgemm, or (bf16; by default where
+    tiles_bf16()) tiles of the weights times their scales rounded to bf16, x rounded to bf16, and
+    MKL's bf16 GEMM with fp32 sums. Arguments as fp8_linear's."""
+    bf16 = tiles_bf16() if bf16 is None else bf16
+
     def fp8_linear_tiles(x, s, gk, sbf, y):
         k = x.shape[1]
         return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,
-                                          y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k), sgemm(),
-                                          int(i8), torch.get_num_threads())
+                                          y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k, bf16),
+                                          tiles_gemm(bf16), int(bf16), int(i8), torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_tiles)
 
 

@@ -25,6 +25,14 @@ pytestmark = pytest.mark.skipif(not tiles_offered(), reason="ridge's e4m3 produc
 CPU = torch.device("cpu")
 
 
+def upcast_product(layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T, w the torch upcast of the layer's bytes, with the operands rounded as the product
+    the layer runs at x's rows rounds them: bf16 tiles round both to bf16 (native.tiles_bf16)."""
+    if layer.kind(x.shape[0]) == "tiles" and layer.tiles_in_bf16():
+        x, w = x.bfloat16().float(), w.bfloat16().float()
+    return x @ w.T
+
+
 def _fused(cfg, seed: int = 3) -> dict[str, torch.Tensor]:
     """A random model's state dict in ridge's fused names (what quant/fuse.py hands the model)."""
     g = torch.Generator().manual_seed(seed)
@@ -99,10 +107,9 @@ def test_the_default_recipes_hold_the_table_and_head_as_int8_codes(tied, recipe)
     head = table if tied else (lambda c, s: c.float() * s.float().repeat_interleave(32, 1)[:, :64])(
         *quantize_q8(sd["lm_head.weight"]))
     h = torch.randn(5, 64)
-    ref = h @ head.T
     for rows in (1, 5):  # the streaming kernel and the blocked product
-        torch.testing.assert_close(m.compute_logits(h[:rows]), ref[:rows], atol=1e-5 * ref.abs().max().item(),
-                                   rtol=1e-4)
+        ref = upcast_product(m.lm_head.cpu, h[:rows], head)
+        torch.testing.assert_close(m.compute_logits(h[:rows]), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
     for mode in ("auto", "fp32", "bf16:64"):  # no start-up choice copies the 8-bit head
         cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode=mode, max_tokens=16, max_head_rows=4)
         assert all(not layer.copies for layer in cpu_format.cpu_layers(m)), mode
@@ -130,7 +137,12 @@ def test_the_int8_packer_in_c_is_its_torch_form(shape, dtype):
         want = x @ ref.T
         tol = dict(atol=1e-5 * max(1.0, want.abs().max().item()), rtol=1e-4)
         torch.testing.assert_close(native.fp8_linear(x, packed, scales, 1, True)[:, :n], want, **tol)
-        torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True)[:, :n], want, **tol)
+        torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=False)[:, :n], want,
+                                   **tol)
+        if native.tiles_gemm(True) and native.fp8_linear_isa() == 2:  # bf16 tiles: both operands rounded
+            want = x.bfloat16().float() @ ref.bfloat16().float().T
+            torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=True)[:, :n], want,
+                                       **tol)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -139,7 +151,7 @@ def test_the_lookup_and_the_logits_are_the_upcast_numbers(tied):
     torch reference over the same bytes (native.off()) up to summation order."""
     m, sd, q = _model(tied)
     layer = m.lm_head.cpu if tied else m.embed_tokens.cpu
-    table = layer.reference(torch.eye(64)).T  # [vocab, hidden]: the upcast table
+    table = unpack_fp8(layer.packed, layer.scale, layer.shape[0], layer.code)  # [vocab, hidden]: the upcast table
     ids = torch.tensor([[0, 5, 999], [17, 17, 3]])
     assert torch.equal(m.embed_tokens(ids), table[ids])
     with native.off():
@@ -148,7 +160,8 @@ def test_the_lookup_and_the_logits_are_the_upcast_numbers(tied):
     wide = sd["embed_tokens.weight"]
     assert (table - wide).abs().max() <= wide.abs().amax(1, keepdim=True).max() / 8
     h = torch.randn(5, 64)
-    ref = h @ (table if tied else m.lm_head.cpu.reference(torch.eye(64)).T).T
+    head = m.lm_head.cpu
+    ref = upcast_product(head, h, table if tied else unpack_fp8(head.packed, head.scale, head.shape[0], head.code))
     torch.testing.assert_close(m.compute_logits(h), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
 
 
@@ -176,4 +189,8 @@ def test_the_blocked_product_is_exact_against_mkl_on_the_upcast_at_twelve_rows_o
     q, s = quantize_fp8(torch.randn(200, 96), "absmax", "g16")
     layer = CpuLinear.from_fp8(q, s)
     x = torch.randn(40, 96)
-    torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)
+    with native.fp32_tiles():
+        torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)
+    if native.tiles_bf16():  # MKL's bf16 GEMM over the same numbers rounded to bf16
+        want = x.bfloat16().float() @ dequantize(q, s).bfloat16().float().T
+        torch.testing.assert_close(layer._tiles(x), want, atol=1e-5, rtol=1e-5)

@@ -27,6 +27,12 @@ def _isas():
     return [isa for isa in (1, 2) if isa <= native.fp8_linear_isa()]
 
 
+def _tile_kinds():
+    """The blocked product's tiles that run here: fp32, and bf16 on AVX-512 BF16 with MKL's bf16
+    GEMM (the default only where the CPU has AMX, native.tiles_bf16)."""
+    return [False] + ([True] if native.fp8_linear_isa() == 2 and native.tiles_gemm(True) else [])
+
+
 @needs_cc
 @pytest.mark.parametrize("n,k,grouping", [(16, 2, "channel"), (48, 34, "channel"), (960, 576, "channel"),
                                             (576, 1536, "channel"), (4096 + 16, 130, "channel"), (40, 96, "channel"),
@@ -51,9 +57,13 @@ def test_fp8_linear_matches_the_reference(n, k, grouping):
         assert torch.equal(native.fp8_rows(packed, s256, ids), ref_w[ids])  # the embedding lookup
         for m in (1, 2, 3, 7, 8, 9, 17, 33):
             x = torch.randn(m, k, generator=g)
-            ref = x @ ref_w.T
-            y = native.fp8_linear_tiles(x, packed, s256, blocks=2)[:, :n]
-            torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+            for bf16 in _tile_kinds():
+                # bf16 tiles: the weights times their scales and the activations each rounded to bf16
+                xr, wr = (x.bfloat16().float(), ref_w.bfloat16().float()) if bf16 else (x, ref_w)
+                ref = xr @ wr.T
+                for blocks in (2, None):
+                    y = native.fp8_linear_tiles(x, packed, s256, blocks=blocks, bf16=bf16)[:, :n]
+                    torch.testing.assert_close(y, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
             for isa in _isas():
                 y = native.fp8_linear(x, packed, s256, isa)[:, :n]
                 # AVX-512 BF16 rounds activations to bf16, as the bf16 paths do; the weights are exact.

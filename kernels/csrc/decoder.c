@@ -27,17 +27,17 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
                     int nthreads);
 
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
-                     int64_t gk, float *y, int64_t tb, void *gemm, int i8, int nthreads);
+                     int64_t gk, float *y, int64_t tb, void *gemm, int bf16, int i8, int nthreads);
 
 /* One product's weight as its kernel takes it: the streaming kernel (tb 0) or the blocked
-   product (tb blocks a tile, gemm the BLAS's sgemm), as the layer's CpuLinear chose for the
-   step's rows; n its outputs (a multiple of 16, so that no padding column is written), bias
-   NULL or n fp32. */
+   product (tb blocks a tile, gemm the BLAS's sgemm, or its bf16 GEMM where bf16), as the
+   layer's CpuLinear chose for the step's rows; n its outputs (a multiple of 16, so that no
+   padding column is written), bias NULL or n fp32. */
 typedef struct {
     const uint8_t *w;
     const void *s;
     const float *bias;
-    int64_t sbf, gk, n, k, i8, isa, tb;
+    int64_t sbf, gk, n, k, i8, isa, tb, bf16;
     void *gemm;
 } rl_linear;
 
@@ -64,7 +64,8 @@ typedef struct {
 } rl_step;
 
 static int product(const rl_linear *l, const float *x, int64_t T, float *y, int nt) {
-    if (l->tb ? fp8_linear_tiles(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, l->tb, l->gemm, (int)l->i8, nt)
+    if (l->tb ? fp8_linear_tiles(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, l->tb, l->gemm, (int)l->bf16,
+                                  (int)l->i8, nt)
               : fp8_linear_grouped(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, (int)l->isa, (int)l->i8, nt))
         return -1;
     if (l->bias)  /* as the per-op path adds it: y + bias, once per element */

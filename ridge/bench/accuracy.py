@@ -142,7 +142,11 @@ def run_accuracy(args, rep) -> None:
         rows += _weights(conv, texts, refs) + _kv(ref_model, ids, ref)
         fp8 = build(conv.config, chosen.state_dict, conv.freq_factors)
         choose_cpu_format(fp8, 1 << 40, "fp32")  # e4m3 weights: the blocked product, fp32 GEMM on their values
-        base = prompt_logits(fp8, ids)
+        with native.fp32_tiles():
+            base = prompt_logits(fp8, ids)
+        if native.tiles_bf16():  # what the blocked product runs here: bf16 tiles on MKL's bf16 GEMM (AMX)
+            rows.append({"case": "CPU blocked product in bf16 tiles (AMX) vs in fp32 tiles",
+                         **agreement(prompt_logits(fp8, ids), base)})
         isa = native.fp8_linear_isa()
         if isa:  # every product through ridge's streaming e4m3 kernel (the embedding's head included)
             for layer in cpu_layers(fp8):
