@@ -283,13 +283,12 @@ class CpuLinear:
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch oracle of an e4m3 weight's products, for x's row count: the streaming kernel
-        on AVX-512 BF16 rounds the activations to bf16 (fp8_linear.c), every other product reads them in fp32."""
+        on AVX-512 BF16 and the bf16 tiles round the activations to bf16 (fp8_linear.c), the
+        other products read them in fp32; every product multiplies the exact weights."""
         xf, w = x.float(), unpack_fp8(self.packed, self.scale, self.shape[0], self.code)
         kind = self.kind(x.shape[0])
-        if self.isa == 2 and kind == "fp8":
+        if (self.isa == 2 and kind == "fp8") or (kind == "tiles" and self.tiles_in_bf16()):
             xf = xf.bfloat16().float()
-        if kind == "tiles" and self.tiles_in_bf16():  # both rounded: the bf16 tiles' GEMM
-            xf, w = xf.bfloat16().float(), w.bfloat16().float()
         return F.linear(xf, w).to(x.dtype)
 
     def tiles_in_bf16(self) -> bool:

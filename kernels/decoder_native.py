@@ -96,7 +96,7 @@ def spec_fits(spec: LayerSpec) -> bool:
 
 def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _Linear | None:
     """p's product at `rows` rows as the per-op path runs it (CpuLinear.__call__): the streaming
-    kernel (isa), or the blocked product (tb blocks a tile, torch's sgemm or bf16 GEMM); None for
+    kernel (isa), or the blocked product (tb blocks a tile and torch's sgemm, or AMX); None for
     another."""
     kind = p.kind(rows)
     if not (kind == "fp8" and p.isa > 0) and not (kind == "tiles" and tiles_offered()):
@@ -107,8 +107,7 @@ def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _
     bf16 = tiles and p.tiles_in_bf16()
     return _Linear(p.packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), sbf, gk,
                    p.shape[0], p.shape[1], int(p.code == "i8"), 0 if tiles else p.isa,
-                   native.tile_blocks(p.shape[1], bf16) if tiles else 0, int(bf16),
-                   native.tiles_gemm(bf16) if tiles else None)
+                   native.tile_blocks(p.shape[1]) if tiles else 0, int(bf16), native.sgemm() if tiles else None)
 
 
 _STATE = {"on": True}

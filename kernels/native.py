@@ -285,46 +285,40 @@ def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: 
     return call
 
 
-def _blas(symbol: str) -> int | None:
-    """The address of a Fortran BLAS routine that torch's own BLAS (MKL) exports, or None."""
-    if symbol not in _state:
+def sgemm() -> int | None:
+    """The address of the Fortran sgemm that torch's own BLAS (MKL) exports, for the blocked
+    product's tiles (one single-threaded call per tile, from each thread); None where this torch
+    build exports none (the blocked product is then not offered)."""
+    if "sgemm" not in _state:
         addr = None
         for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
             path = Path(torch.__file__).parent / "lib" / name
             if path.exists():
                 try:
-                    addr = ctypes.cast(getattr(ctypes.CDLL(str(path)), symbol), ctypes.c_void_p).value
+                    addr = ctypes.cast(getattr(ctypes.CDLL(str(path)), "sgemm_"), ctypes.c_void_p).value
                 except (OSError, AttributeError):
                     addr = None
                 break
-        _state[symbol] = addr
-    return _state[symbol]
-
-
-def sgemm() -> int | None:
-    """The address of the Fortran sgemm that torch's own BLAS (MKL) exports, for the blocked
-    product's tiles (one single-threaded call per tile, from each thread); None where this torch
-    build exports none (the blocked product is then not offered)."""
-    return _blas("sgemm_")
+        _state["sgemm"] = addr
+    return _state["sgemm"]
 
 
 def tiles_bf16() -> bool:
-    """Whether the blocked product runs its tiles in bf16 here: a CPU with AMX's bf16 tiles (and
-    AVX-512 BF16 for the widening), torch's MKL exporting gemm_bf16bf16f32, and no fp32_tiles()
-    in force. MKL's bf16 GEMM runs on the tile unit there, 2.5-8x its sgemm at 16-64 rows; on a
-    CPU without AMX it was never timed, so the fp32 tiles stay."""
+    """Whether the blocked product runs on AMX's tile unit here (bf16 tiles: x rounded to bf16,
+    the weights exact, each group's sum scaled in fp32): a CPU with AMX-BF16 and AVX-512 BF16,
+    and no fp32_tiles() in force. Elsewhere it runs fp32 tiles and torch's sgemm."""
     if _state.get("fp32_tiles"):
         return False
     if "amx" not in _state:
         lib = library()
         _state["amx"] = bool(lib is not None and fp8_linear_isa() == 2 and lib.fp8_linear_amx())
-    return _state["amx"] and _blas("gemm_bf16bf16f32_") is not None
+    return _state["amx"]
 
 
 @contextmanager
 def fp32_tiles():
-    """The blocked product in fp32 tiles within, where it would run bf16 ones (tests compare the
-    two; benchmarks time them; deterministic mode's layers keep the fp32 tiles they were checked in)."""
+    """The blocked product in fp32 tiles within, where it would run on AMX (tests compare the two;
+    benchmarks time them; deterministic mode's layers keep the fp32 tiles they were checked in)."""
     saved, _state["fp32_tiles"] = _state.get("fp32_tiles"), True
     try:
         yield
@@ -332,19 +326,11 @@ def fp32_tiles():
         _state["fp32_tiles"] = saved
 
 
-def tiles_gemm(bf16: bool) -> int | None:
-    """The GEMM the blocked product's tiles call: MKL's gemm_bf16bf16f32 for bf16 tiles, else sgemm."""
-    return _blas("gemm_bf16bf16f32_") if bf16 else sgemm()
-
-
-def tile_blocks(k: int, bf16: bool = False) -> int:
-    """16-column blocks per tile of the blocked product: the widened tile (blocks * 16 * K fp32)
-    within TILE_BYTES, to stay in a core's L2 beside the GEMM's own packed panels, but 2 to 8
-    blocks whatever K (a GEMM of 16 columns ran slower at every K; 2-8 timed alike on AVX2 at
-    K = 2048 and 8192, issue 39). bf16 tiles: 4 to 16 blocks in the same bytes (MKL's bf16 GEMM
-    ran fastest at 128-256 columns, 64 at K = 8192; the C side then balances them over the team)."""
-    if bf16:
-        return min(16, max(4, TILE_BYTES // (16 * k * 2)))
+def tile_blocks(k: int) -> int:
+    """16-column blocks per tile of the blocked product's fp32 tiles: the widened tile (blocks * 16
+    * K fp32) within TILE_BYTES, to stay in a core's L2 beside the GEMM's own packed panels, but 2
+    to 8 blocks whatever K (a GEMM of 16 columns ran slower at every K; 2-8 timed alike on AVX2 at
+    K = 2048 and 8192, issue 39)."""
     return min(8, max(2, TILE_BYTES // (16 * k * 4)))
 
 
@@ -354,17 +340,17 @@ TILE_BYTES = 512 << 10
 def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor,
                      blocks: int | None = None, i8: bool = False, bf16: bool | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
-    `blocks` 16-column blocks (tile_blocks(K) by default) widened once each and multiplied by
-    torch's BLAS, one tile per thread at a time: fp32 tiles and sgemm, or (bf16; by default where
-    tiles_bf16()) tiles of the weights times their scales rounded to bf16, x rounded to bf16, and
-    MKL's bf16 GEMM with fp32 sums. Arguments as fp8_linear's."""
+    `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
+    by torch's BLAS sgemm, one tile per thread at a time; or (bf16; by default where tiles_bf16())
+    on AMX: 16-column blocks widened to bf16 exactly, x rounded to bf16 (as the AVX-512 streaming
+    kernel rounds it), each group's sum scaled and added in fp32. Arguments as fp8_linear's."""
     bf16 = tiles_bf16() if bf16 is None else bf16
 
     def fp8_linear_tiles(x, s, gk, sbf, y):
         k = x.shape[1]
         return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,
-                                          y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k, bf16),
-                                          tiles_gemm(bf16), int(bf16), int(i8), torch.get_num_threads())
+                                          y.shape[1], gk, y.data_ptr(), blocks or tile_blocks(k), sgemm(),
+                                          int(bf16), int(i8), torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_tiles)
 
 

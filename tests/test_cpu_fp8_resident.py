@@ -26,10 +26,10 @@ CPU = torch.device("cpu")
 
 
 def upcast_product(layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T, w the torch upcast of the layer's bytes, with the operands rounded as the product
-    the layer runs at x's rows rounds them: bf16 tiles round both to bf16 (native.tiles_bf16)."""
+    """x @ w.T, w the torch upcast of the layer's bytes, x rounded as the product the layer runs
+    at x's rows rounds it: bf16 tiles round it to bf16 (native.tiles_bf16), the weights exact."""
     if layer.kind(x.shape[0]) == "tiles" and layer.tiles_in_bf16():
-        x, w = x.bfloat16().float(), w.bfloat16().float()
+        x = x.bfloat16().float()
     return x @ w.T
 
 
@@ -139,8 +139,8 @@ def test_the_int8_packer_in_c_is_its_torch_form(shape, dtype):
         torch.testing.assert_close(native.fp8_linear(x, packed, scales, 1, True)[:, :n], want, **tol)
         torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=False)[:, :n], want,
                                    **tol)
-        if native.tiles_gemm(True) and native.fp8_linear_isa() == 2:  # bf16 tiles: both operands rounded
-            want = x.bfloat16().float() @ ref.bfloat16().float().T
+        if native.tiles_bf16():  # AMX's bf16 tiles: x rounded to bf16
+            want = x.bfloat16().float() @ ref.T
             torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=True)[:, :n], want,
                                        **tol)
 
@@ -182,7 +182,8 @@ def test_the_deterministic_products_give_a_row_the_same_bits_at_any_row_count():
 
 
 def test_the_blocked_product_is_exact_against_mkl_on_the_upcast_at_twelve_rows_or_more():
-    """The blocked product's tiles are MKL's GEMM over the same fp32 numbers the upcast holds."""
+    """The blocked product's fp32 tiles are MKL's GEMM over the same fp32 numbers the upcast
+    holds; its AMX tiles the same numbers with x rounded to bf16."""
     from ridge.kernels.cpu_linear import CpuLinear
     from ridge.quant.fp8 import quantize_fp8
 
@@ -191,6 +192,6 @@ def test_the_blocked_product_is_exact_against_mkl_on_the_upcast_at_twelve_rows_o
     x = torch.randn(40, 96)
     with native.fp32_tiles():
         torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)
-    if native.tiles_bf16():  # MKL's bf16 GEMM over the same numbers rounded to bf16
-        want = x.bfloat16().float() @ dequantize(q, s).bfloat16().float().T
+    if native.tiles_bf16():  # AMX's bf16 tiles over the same weights, x rounded to bf16
+        want = x.bfloat16().float() @ dequantize(q, s).T
         torch.testing.assert_close(layer._tiles(x), want, atol=1e-5, rtol=1e-5)

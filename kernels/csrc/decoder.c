@@ -30,7 +30,7 @@ int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, con
                      int64_t gk, float *y, int64_t tb, void *gemm, int bf16, int i8, int nthreads);
 
 /* One product's weight as its kernel takes it: the streaming kernel (tb 0) or the blocked
-   product (tb blocks a tile, gemm the BLAS's sgemm, or its bf16 GEMM where bf16), as the
+   product (tb blocks a tile and gemm the BLAS's sgemm, or AMX's tiles where bf16), as the
    layer's CpuLinear chose for the step's rows; n its outputs (a multiple of 16, so that no
    padding column is written), bias NULL or n fp32. */
 typedef struct {

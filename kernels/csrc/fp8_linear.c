@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <unistd.h>
+#include <sys/syscall.h>
 #include "common.h"
 #include <omp.h>
 #if defined(__x86_64__)
@@ -537,80 +539,160 @@ T256 static void tiles_256(const float *x, int64_t M, int64_t K, const uint8_t *
     }
 }
 
-/* ---- the blocked product in bf16: the same tiles, multiplied by the BLAS's bf16 GEMM ---------- */
+/* ---- the blocked product on AMX: bf16 tiles with each group's sum scaled in fp32 -------------- */
 
-/* MKL's Fortran gemm_bf16bf16f32 (column-major; bf16 A and B, fp32 C), as torch exports it. On a
-   CPU with AMX it runs on the tile unit: 2.5-8x sgemm's rate at 16-64 rows on this issue's Xeon. */
-typedef void (*bgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
-                         const uint16_t *, const int *, const uint16_t *, const int *, const float *, float *,
-                         const int *);
+/* On a CPU with AMX the weights widen to bf16 exactly (e4m3 / 256 as the streaming kernel widens
+   them; an int8 code as itself), x is rounded to bf16 once (as the AVX-512 streaming kernel
+   rounds it), and each group of gk along K is one tile product of 16 rows by 16 columns, summed
+   in fp32 by the tile unit and then scaled and added in fp32 as close512 adds a group: the
+   streaming kernel's arithmetic up to summation order. Groups are padded with zeros to a whole
+   32 k (a tile's depth), in x's copy and the weights' widened block alike; x's rows are padded
+   to 16. The weights are widened a 16-column block at a time into the thread's buffer
+   (K/2 pairs x 64 bytes, the tile unit's pair layout, which is the packed layout's). */
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
+#define AMX_ROWS 16
 
-/* widen_256's tile in bf16: each weight e4m3 * scale (or an int8 code * scale) in fp32, then
-   rounded to the nearest bf16 (ties to even), k-major: out[k * ldo + (b - b0) * 16 + j]. The
-   rounding is 2^-9 of a weight at most, against e4m3's own 2^-4. */
-T512 static void widen_bf16_512(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t gk, int64_t b0,
-                                int64_t b1, uint16_t *out, int64_t ldo, int i8) {
-    const int64_t kp = K / 2, gp = gk / 2, sblk = (K + gk - 1) / gk * 16;
-    const __m256i shuf = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512i keep = _mm512_set1_epi16((short)0xbfff);
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *wb = w + b * kp * 32;
-        uint16_t *ob = out + (b - b0) * 16;
-        for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
-            const void *sg = SAT(scale, sbf, b * sblk + g * 16);
-            const __m512 sv = sbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)sg)), 16))
-                                  : _mm512_loadu_ps(sg);
-            const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
-            for (int64_t p = p0; p < p1; p++) {
-                __m256i r = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(wb + p * 32)), shuf);
-                r = _mm256_permute4x64_epi64(r, 0xd8);  /* low half: even k, columns 0-15; high: odd k */
-                __m512 e, o;
-                if (i8) {
-                    e = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(r)));
-                    o = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(r, 1)));
-                } else {
-                    __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(r), 8), 1),
-                                                 keep);
-                    e = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-                    o = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-                }
-                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(o, sv), _mm512_mul_ps(e, sv));
-                _mm256_storeu_si256((__m256i *)(ob + 2 * p * ldo), _mm512_castsi512_si256(pair));
-                _mm256_storeu_si256((__m256i *)(ob + (2 * p + 1) * ldo), _mm512_extracti64x4_epi64(pair, 1));
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Linux hands out the tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); asked once. */
+static int amx_permitted(void) {
+    static int state;  /* 0 not asked, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+/* One 16-column block's K/2 pairs as bf16, group by group, each group's pairs padded with zero
+   pairs to kc / 2 (kc: the group padded to whole tile depths), where the groups do not tile K in
+   whole depths; else (pad 0) the pairs as they come, by VBMI where the CPU has it. */
+TAMX static void amx_widen(const uint8_t *wb, int64_t K, int64_t gk, int64_t kc, int pad, uint16_t *out, int i8) {
+    if (!pad && !i8) {
+        (__atomic_load_n(&vbmi_on, __ATOMIC_RELAXED) ? widen_v512 : widen_c512)(wb, K / 2, out);
+        return;
+    }
+    const int64_t ng = (K + gk - 1) / gk;
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t p0 = g * gk / 2, p1 = (g + 1) * gk / 2 < K / 2 ? (g + 1) * gk / 2 : K / 2;
+        uint16_t *o = out + g * kc * 16;
+        int64_t p = p0;
+        for (; p < p1; p++, o += 32) {
+            if (i8) {
+                const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
+                const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(r)));
+                const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(r, 1)));
+                _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            } else {
+                _mm512_storeu_si512(o, (__m512i)e4m3_bf16x32(wb + p * 32));
             }
         }
+        for (; p < p0 + kc / 2; p++, o += 32) _mm512_storeu_si512(o, _mm512_setzero_si512());
     }
 }
 
-/* tiles_256 with bf16 tiles and activations (x rounded to bf16 once, as the AVX-512 streaming
-   kernel rounds it) and the bf16 GEMM. The tiles are balanced over the team: ntiles a multiple
-   of the threads, each at most tb blocks, so that no thread waits on another's extra tile. A
-   tile's columns depend on the shape and the thread count, not on M. */
-T512 static void tiles_bf16_512(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                                int64_t N, int64_t gk, float *y, int64_t tb, bgemm_fn gemm, int i8, int nthreads) {
-    const int64_t nblocks = N / 16;
-    int64_t ntiles = (nblocks + tb - 1) / tb;
-    ntiles = ntiles < nthreads ? ntiles : (ntiles + nthreads - 1) / nthreads * nthreads;
-    ntiles = ntiles < nblocks ? ntiles : nblocks;
-    const int64_t per = (nblocks + ntiles - 1) / ntiles;
-    ntiles = (nblocks + per - 1) / per;
-    const int mi = (int)M, ki = (int)K, ldc = (int)N;
-    const float one = 1.0f, zero = 0.0f;
-    uint16_t *xb = aligned_alloc(64, ((size_t)(M * K) * 2 + 63) / 64 * 64);
-    to_bf16(x, xb, M * K);
-#pragma omp parallel num_threads(nthreads < ntiles ? nthreads : (int)ntiles)
-    {
-        uint16_t *buf = aligned_alloc(64, ((size_t)(per * 16 * K) * 2 + 63) / 64 * 64);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
-            const int64_t b0 = t * per, b1 = b0 + per < nblocks ? b0 + per : nblocks;
-            const int nt = (int)((b1 - b0) * 16);
-            widen_bf16_512(w, K, scale, sbf, gk, b0, b1, buf, nt, i8);
-            gemm("N", "N", &nt, &mi, &ki, &one, buf, &nt, xb, &ki, &zero, y + b0 * 16, &ldc);
+#define AMX_NB 4  /* blocks a pass: four independent tile sums hide the tile unit's latency */
+
+/* A group's sums of nb blocks (C tiles 0..nb-1, all rows) scaled and added into acc [nb][16][16]. */
+TAMX static INL void amx_close(float *acc, float *tmp, int nb, const void *scale, int sbf, int64_t off,
+                               int64_t sblk) {
+    _tile_stored(0, tmp, 64);
+    if (nb > 1) {
+        _tile_stored(1, tmp + 256, 64);
+    }
+    if (nb > 2) {
+        _tile_stored(2, tmp + 512, 64);
+    }
+    if (nb > 3) {
+        _tile_stored(3, tmp + 768, 64);
+    }
+    for (int j = 0; j < nb; j++) {
+        const void *sg = SAT(scale, sbf, off + j * sblk);
+        const __m512 sv = sbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)sg)), 16))
+                              : _mm512_loadu_ps(sg);
+        float *a = acc + j * 256, *t = tmp + j * 256;
+        for (int r = 0; r < AMX_ROWS; r++)
+            _mm512_store_ps(a + r * 16, _mm512_fmadd_ps(_mm512_load_ps(t + r * 16), sv, _mm512_load_ps(a + r * 16)));
+    }
+}
+
+TAMX static void tiles_amx(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
+                           int64_t N, int64_t gk, float *y, int i8, int nthreads) {
+    /* ch: a tile product's depth (k); kc: a group padded to whole depths; ld: x's padded row */
+    const int64_t ch = gk <= 32 ? gk : 32, kc = (gk + ch - 1) / ch * ch, ng = (K + gk - 1) / gk, ld = ng * kc;
+    const int pad = kc != gk || K % gk != 0;
+    const int64_t mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, nblocks = N / 16, sblk = ng * 16;
+    const int64_t bstride = ng * kc * 16;  /* uint16 of one widened block */
+    uint16_t *xb = aligned_alloc(64, ((size_t)(mp * ld) * 2 + 63) / 64 * 64);
+    memset(xb, 0, (size_t)(mp * ld) * 2);
+    for (int64_t m = 0; m < M; m++) {
+        if (!pad) {
+            to_bf16(x + m * K, xb + m * ld, K);
+            continue;
         }
-        free(buf);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t k0 = g * gk, k1 = k0 + gk < K ? k0 + gk : K;
+            to_bf16(x + m * K + k0, xb + m * ld + g * kc, k1 - k0);
+        }
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;  /* C: 16 rows x 16 fp32 */
+        cfg.rows[4] = AMX_ROWS, cfg.colsb[4] = (uint16_t)(ch * 2);            /* A: 16 rows x ch bf16 of x */
+        cfg.rows[5] = cfg.rows[6] = (uint8_t)(ch / 2), cfg.colsb[5] = cfg.colsb[6] = 64;  /* B: ch/2 pairs x 16 x 2 */
+        _tile_loadconfig(&cfg);
+        uint16_t *buf = aligned_alloc(64, (size_t)(AMX_NB * bstride) * 2);
+        float *acc = aligned_alloc(64, AMX_NB * 256 * 4), *tmp = aligned_alloc(64, AMX_NB * 256 * 4);
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t bend = nblocks * (id + 1) / nt;
+        for (int64_t b0 = nblocks * id / nt; b0 < bend; b0 += AMX_NB) {
+            const int nb = bend - b0 < AMX_NB ? (int)(bend - b0) : AMX_NB;
+            for (int j = 0; j < nb; j++) amx_widen(w + (b0 + j) * (K / 2) * 32, K, gk, kc, pad, buf + j * bstride, i8);
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                memset(acc, 0, AMX_NB * 256 * 4);
+                for (int64_t g = 0; g < ng; g++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t c = 0; c < kc; c += ch) {
+                        const uint16_t *wb = buf + (g * kc + c) * 16;
+                        _tile_loadd(4, xb + m0 * ld + g * kc + c, ld * 2);
+                        _tile_loadd(5, wb, 64);
+                        _tile_dpbf16ps(0, 4, 5);
+                        if (nb > 1) {
+                            _tile_loadd(6, wb + bstride, 64);
+                            _tile_dpbf16ps(1, 4, 6);
+                        }
+                        if (nb > 2) {
+                            _tile_loadd(5, wb + 2 * bstride, 64);
+                            _tile_dpbf16ps(2, 4, 5);
+                        }
+                        if (nb > 3) {
+                            _tile_loadd(6, wb + 3 * bstride, 64);
+                            _tile_dpbf16ps(3, 4, 6);
+                        }
+                    }
+                    amx_close(acc, tmp, nb, scale, sbf, b0 * sblk + g * 16, sblk);
+                }
+                const int64_t rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                for (int j = 0; j < nb; j++)
+                    for (int64_t r = 0; r < rows; r++)
+                        memcpy(y + (m0 + r) * N + (b0 + j) * 16, acc + j * 256 + r * 16, 64);
+            }
+        }
+        free(buf), free(acc), free(tmp);
+        _tile_release();
     }
     free(xb);
 }
@@ -830,26 +912,28 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
     else return -1;
     return 0;
 }
-/* The blocked product: x [M][K] fp32 contiguous, y [M][N]; N % 16 == 0, K % 2 == 0, gk even,
-   tb > 0 (the caller checks). bf16 0: gemm the Fortran sgemm, fp32 tiles (tiles_256); 1: gemm
-   the Fortran gemm_bf16bf16f32, bf16 tiles (tiles_bf16_512, AVX-512 BF16 only). Returns 0, or -1
-   where the ISA is not here or an argument is out of range. */
+/* The blocked product: x [M][K] fp32 contiguous, y [M][N]; N % 16 == 0, K % 2 == 0, gk even
+   (the caller checks). amx 0: fp32 tiles of tb blocks and gemm the Fortran sgemm (tiles_256);
+   1: the tile unit (tiles_amx; tb and gemm unused). Returns 0, or -1 where the ISA (or, for
+   AMX, the OS's permission) is not here or an argument is out of range. */
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
-                     int64_t gk, float *y, int64_t tb, void *gemm, int bf16, int i8, int nthreads) {
+                     int64_t gk, float *y, int64_t tb, void *gemm, int amx, int i8, int nthreads) {
     __builtin_cpu_init();
-    if (!gemm || gk <= 0 || gk % 2 || tb <= 0 || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+    if (gk <= 0 || gk % 2)
         return -1;
-    if (bf16 && fp8_linear_isa() < 2)
+    if (amx) {
+        if (fp8_linear_isa() < 2 || !fp8_linear_amx() || !amx_permitted())
+            return -1;
+        tiles_amx(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, i8, nthreads);
+        return 0;
+    }
+    if (!gemm || tb <= 0 || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
         return -1;
-    if (bf16)
-        tiles_bf16_512(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (bgemm_fn)gemm, i8, nthreads);
-    else
-        tiles_256(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (sgemm_fn)gemm, i8, nthreads);
+    tiles_256(x, M, K, w, scale, sbf, N, gk > K ? K : gk, y, tb, (sgemm_fn)gemm, i8, nthreads);
     return 0;
 }
 
-/* 1 where the CPU has AMX's bf16 tiles and the OS has enabled their state (XCR0 bits 17-18):
-   where MKL's bf16 GEMM runs on them. */
+/* 1 where the CPU has AMX's bf16 tiles and the OS has enabled their state (XCR0 bits 17-18). */
 int fp8_linear_amx(void) {
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
@@ -902,8 +986,8 @@ int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, c
     return -1;
 }
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
-                     int64_t gk, float *y, int64_t tb, void *gemm, int bf16, int i8, int nthreads) {
-    (void)bf16; (void)i8; (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)tb; (void)gemm;
+                     int64_t gk, float *y, int64_t tb, void *gemm, int amx, int i8, int nthreads) {
+    (void)amx; (void)i8; (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)tb; (void)gemm;
     (void)nthreads;
     return -1;
 }

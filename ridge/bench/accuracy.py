@@ -121,11 +121,36 @@ def _self_draft(model, ids) -> list[dict]:
     return rows
 
 
-def run_accuracy(args, rep) -> None:
+def _cpu_products(conv, chosen, texts, refs) -> list[dict]:
+    """The chosen recipe's bytes as a CPU holds them (e4m3 layers, an int8 table and head: loaded,
+    not widened) through each of ridge's CPU products at every step size, against fp32: the
+    blocked product in fp32 tiles, in bf16 tiles where it runs them (AMX: as served past the
+    streaming sizes), and the streaming kernel (as served at few rows). None where the products
+    are not built here."""
     from ridge.engine.cpu_format import choose_cpu_format, cpu_layers
     from ridge.kernels import native
     from ridge.kernels.cpu_linear import ShapeFormat
-    from ridge.models.fp8_calibrate import build, calibrate
+
+    m = _model(conv, chosen.state_dict)
+    layers = cpu_layers(m)
+    if not any(layer.is_packed for layer in layers):
+        return []
+    head = f"FP8 recipe {chosen.recipe['spec']} on this CPU's products"
+    choose_cpu_format(m, 1 << 40, "fp32")  # the blocked product at every size
+    with native.fp32_tiles():
+        rows = [_scored(f"{head}: blocked, fp32 tiles", m, texts, refs)]
+    if native.tiles_bf16():
+        rows.append(_scored(f"{head}: blocked, bf16 tiles (AMX)", m, texts, refs))
+    isa = native.fp8_linear_isa()
+    if isa:
+        for layer in layers:
+            layer.use(ShapeFormat([], fp8=[(1 << 30, True)]), isa)
+        rows.append(_scored(f"{head}: streaming ({'AVX-512 BF16' if isa == 2 else 'AVX2'})", m, texts, refs))
+    return rows
+
+
+def run_accuracy(args, rep) -> None:
+    from ridge.models.fp8_calibrate import calibrate
     from ridge.models.oneshot import prompt_logits
     from ridge.models.registry import convert
 
@@ -139,20 +164,7 @@ def run_accuracy(args, rep) -> None:
     first = next(iter(texts))
     ids, ref = texts[first], refs[first]
     if not args.only_recipes:
-        rows += _weights(conv, texts, refs) + _kv(ref_model, ids, ref)
-        fp8 = build(conv.config, chosen.state_dict, conv.freq_factors)
-        choose_cpu_format(fp8, 1 << 40, "fp32")  # e4m3 weights: the blocked product, fp32 GEMM on their values
-        with native.fp32_tiles():
-            base = prompt_logits(fp8, ids)
-        if native.tiles_bf16():  # what the blocked product runs here: bf16 tiles on MKL's bf16 GEMM (AMX)
-            rows.append({"case": "CPU blocked product in bf16 tiles (AMX) vs in fp32 tiles",
-                         **agreement(prompt_logits(fp8, ids), base)})
-        isa = native.fp8_linear_isa()
-        if isa:  # every product through ridge's streaming e4m3 kernel (the embedding's head included)
-            for layer in cpu_layers(fp8):
-                layer.use(ShapeFormat([], fp8=[(1 << 30, True)]), isa)
-            rows.append({"case": f"CPU streaming e4m3 kernel ({'AVX-512 BF16' if isa == 2 else 'AVX2'}) vs the "
-                                 "blocked fp32 product", **agreement(prompt_logits(fp8, ids), base)})
+        rows += _weights(conv, texts, refs) + _kv(ref_model, ids, ref) + _cpu_products(conv, chosen, texts, refs)
         rows += _self_draft(ref_model, ids)
     rep.data["env"].update(model=conv.config.name, positions={n: len(i) for n, i in texts.items()}, text=args.text,
                            fp8_recipe=chosen.recipe)
