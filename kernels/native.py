@@ -304,9 +304,9 @@ def sgemm() -> int | None:
 
 
 def tiles_bf16() -> bool:
-    """Whether the blocked product runs on AMX's tile unit here (bf16 tiles: x rounded to bf16,
-    the weights exact, each group's sum scaled in fp32): a CPU with AMX-BF16 and AVX-512 BF16,
-    and no fp32_tiles() in force. Elsewhere it runs fp32 tiles and torch's sgemm."""
+    """Whether the blocked product runs on AMX's tile unit here (x rounded to bf16, each weight
+    times its scale as two bf16 halves that add up to it, fp32 sums): a CPU with AMX-BF16 and
+    AVX-512 BF16, and no fp32_tiles() in force. Elsewhere it runs fp32 tiles and torch's sgemm."""
     if _state.get("fp32_tiles"):
         return False
     if "amx" not in _state:
@@ -342,8 +342,9 @@ def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tens
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
     `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
     by torch's BLAS sgemm, one tile per thread at a time; or (bf16; by default where tiles_bf16())
-    on AMX: 16-column blocks widened to bf16 exactly, x rounded to bf16 (as the AVX-512 streaming
-    kernel rounds it), each group's sum scaled and added in fp32. Arguments as fp8_linear's."""
+    on AMX: each weight times its scale as two bf16 halves (exact for e4m3 with bf16 scales), x
+    rounded to bf16 (as the AVX-512 streaming kernel rounds it), fp32 sums. Arguments as
+    fp8_linear's."""
     bf16 = tiles_bf16() if bf16 is None else bf16
 
     def fp8_linear_tiles(x, s, gk, sbf, y):

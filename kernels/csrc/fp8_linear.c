@@ -539,18 +539,23 @@ T256 static void tiles_256(const float *x, int64_t M, int64_t K, const uint8_t *
     }
 }
 
-/* ---- the blocked product on AMX: bf16 tiles with each group's sum scaled in fp32 -------------- */
+/* ---- the blocked product on AMX's tile unit ------------------------------------------------- */
 
-/* On a CPU with AMX the weights widen to bf16 exactly (e4m3 / 256 as the streaming kernel widens
-   them; an int8 code as itself), x is rounded to bf16 once (as the AVX-512 streaming kernel
-   rounds it), and each group of gk along K is one tile product of 16 rows by 16 columns, summed
-   in fp32 by the tile unit and then scaled and added in fp32 as close512 adds a group: the
-   streaming kernel's arithmetic up to summation order. Groups are padded with zeros to a whole
-   32 k (a tile's depth), in x's copy and the weights' widened block alike; x's rows are padded
-   to 16. The weights are widened a 16-column block at a time into the thread's buffer
-   (K/2 pairs x 64 bytes, the tile unit's pair layout, which is the packed layout's). */
+/* On a CPU with AMX each weight times its scale, w = e4m3 * scale in fp32 (an int8 code * scale),
+   is split into two bf16 halves, hi = w rounded to bf16 and lo = w - hi rounded to bf16: an e4m3
+   code (4 significant bits) times a bf16 scale (8) has at most 12 significant bits, so hi + lo
+   is w exactly (an int8 code, or an fp32 scale, leaves at most 2^-17 of it). x is rounded to
+   bf16 once, as the AVX-512 streaming kernel rounds it. Each 16 x 16 output tile then sums
+   x . hi + x . lo over the whole K in fp32 on the tile unit, 32 k a product, with no group to
+   close: the scales are in the halves. (Rounding w to one bf16 instead cost 0.0003 of KL on
+   SmolLM2; scaling each 16-k group's sum in fp32 kept w exact but stalled the tile unit on a
+   store every group: 2x slower.) K is padded with zeros to whole 32 k in x's copy and the
+   halves; x's rows to 16. */
 #define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma,amx-tile,amx-bf16")))
 #define AMX_ROWS 16
+#define T512F __attribute__((target("avx512f,avx512bw,f16c,fma")))
+T512F static INL void e4m3_f32x32_512(const uint8_t *p, __m512 *lo, __m512 *hi);
+#define AMX_NB 4  /* blocks a pass: four independent tile sums keep the tile unit busy */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -570,128 +575,112 @@ static int amx_permitted(void) {
     return s == 1;
 }
 
-/* One 16-column block's K/2 pairs as bf16, group by group, each group's pairs padded with zero
-   pairs to kc / 2 (kc: the group padded to whole tile depths), where the groups do not tile K in
-   whole depths; else (pad 0) the pairs as they come, by VBMI where the CPU has it. */
-TAMX static void amx_widen(const uint8_t *wb, int64_t K, int64_t gk, int64_t kc, int pad, uint16_t *out, int i8) {
-    if (!pad && !i8) {
-        (__atomic_load_n(&vbmi_on, __ATOMIC_RELAXED) ? widen_v512 : widen_c512)(wb, K / 2, out);
-        return;
-    }
-    const int64_t ng = (K + gk - 1) / gk;
-    for (int64_t g = 0; g < ng; g++) {
-        const int64_t p0 = g * gk / 2, p1 = (g + 1) * gk / 2 < K / 2 ? (g + 1) * gk / 2 : K / 2;
-        uint16_t *o = out + g * kc * 16;
-        int64_t p = p0;
-        for (; p < p1; p++, o += 32) {
-            if (i8) {
-                const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
-                const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(r)));
-                const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(r, 1)));
-                _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-            } else {
-                _mm512_storeu_si512(o, (__m512i)e4m3_bf16x32(wb + p * 32));
-            }
-        }
-        for (; p < p0 + kc / 2; p++, o += 32) _mm512_storeu_si512(o, _mm512_setzero_si512());
-    }
-}
-
-#define AMX_NB 4  /* blocks a pass: four independent tile sums hide the tile unit's latency */
-
-/* A group's sums of nb blocks (C tiles 0..nb-1, all rows) scaled and added into acc [nb][16][16]. */
-TAMX static INL void amx_close(float *acc, float *tmp, int nb, const void *scale, int sbf, int64_t off,
-                               int64_t sblk) {
-    _tile_stored(0, tmp, 64);
-    if (nb > 1) {
-        _tile_stored(1, tmp + 256, 64);
-    }
-    if (nb > 2) {
-        _tile_stored(2, tmp + 512, 64);
-    }
-    if (nb > 3) {
-        _tile_stored(3, tmp + 768, 64);
-    }
-    for (int j = 0; j < nb; j++) {
-        const void *sg = SAT(scale, sbf, off + j * sblk);
+/* One 16-column block's weights times their scales as bf16 halves in the tile unit's pair layout
+   (the packed layout: [kp][16][2]): hi into out, lo kpad / 2 pairs further on; pairs from K / 2
+   to kpad / 2 zero. */
+TAMX static void amx_halves(const uint8_t *wb, int64_t K, int64_t kpad, const void *s, int sbf, int64_t gk,
+                            uint16_t *out, int i8) {
+    const int64_t kp = K / 2, gp = gk / 2;
+    uint16_t *lo_out = out + kpad * 16;
+    /* lane 2j and 2j + 1 are column j's (k, k + 1): the 16 columns' scales, each twice */
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup1 = _mm512_add_epi32(dup, _mm512_set1_epi32(8));
+    for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {
+        const void *sg = SAT(s, sbf, g * 16);
         const __m512 sv = sbf ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)sg)), 16))
                               : _mm512_loadu_ps(sg);
-        float *a = acc + j * 256, *t = tmp + j * 256;
-        for (int r = 0; r < AMX_ROWS; r++)
-            _mm512_store_ps(a + r * 16, _mm512_fmadd_ps(_mm512_load_ps(t + r * 16), sv, _mm512_load_ps(a + r * 16)));
+        const __m512 s0 = _mm512_permutexvar_ps(dup, sv), s1 = _mm512_permutexvar_ps(dup1, sv);
+        const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;
+        for (int64_t p = p0; p < p1; p++) {
+            __m512 a, b;  /* columns 0-7 and 8-15, each (k, k + 1) */
+            if (i8) {
+                const __m256i r = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
+                a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(r)));
+                b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(r, 1)));
+            } else {
+                e4m3_f32x32_512(wb + p * 32, &a, &b);
+            }
+            a = _mm512_mul_ps(a, s0), b = _mm512_mul_ps(b, s1);
+            const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            const __m512 ah = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+            const __m512 bh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                  _mm512_extracti64x4_epi64(hi, 1)), 16));
+            _mm512_storeu_si512(out + p * 32, hi);
+            _mm512_storeu_si512(lo_out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah)));
+        }
+    }
+    for (int64_t p = kp; p < kpad / 2; p++) {
+        _mm512_storeu_si512(out + p * 32, _mm512_setzero_si512());
+        _mm512_storeu_si512(lo_out + p * 32, _mm512_setzero_si512());
     }
 }
 
+/* C tile j += x chunk (tile 4) . block j's hi and lo halves at pair offset q. */
+#define AMX_DP(J, BUF)                                    \
+    do {                                                  \
+        _tile_loadd(5, (BUF) + q * 32, 64);               \
+        _tile_dpbf16ps(J, 4, 5);                          \
+        _tile_loadd(6, (BUF) + half + q * 32, 64);        \
+        _tile_dpbf16ps(J, 4, 6);                          \
+    } while (0)
+
 TAMX static void tiles_amx(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
                            int64_t N, int64_t gk, float *y, int i8, int nthreads) {
-    /* ch: a tile product's depth (k); kc: a group padded to whole depths; ld: x's padded row */
-    const int64_t ch = gk <= 32 ? gk : 32, kc = (gk + ch - 1) / ch * ch, ng = (K + gk - 1) / gk, ld = ng * kc;
-    const int pad = kc != gk || K % gk != 0;
-    const int64_t mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, nblocks = N / 16, sblk = ng * 16;
-    const int64_t bstride = ng * kc * 16;  /* uint16 of one widened block */
-    uint16_t *xb = aligned_alloc(64, ((size_t)(mp * ld) * 2 + 63) / 64 * 64);
-    memset(xb, 0, (size_t)(mp * ld) * 2);
-    for (int64_t m = 0; m < M; m++) {
-        if (!pad) {
-            to_bf16(x + m * K, xb + m * ld, K);
-            continue;
-        }
-        for (int64_t g = 0; g < ng; g++) {
-            const int64_t k0 = g * gk, k1 = k0 + gk < K ? k0 + gk : K;
-            to_bf16(x + m * K + k0, xb + m * ld + g * kc, k1 - k0);
-        }
-    }
+    const int64_t kpad = (K + 31) / 32 * 32, mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, nblocks = N / 16;
+    const int64_t sblk = (K + gk - 1) / gk * 16, half = kpad * 16, bstride = 2 * half;  /* uint16 */
+    uint16_t *xb = aligned_alloc(64, ((size_t)(mp * kpad) * 2 + 63) / 64 * 64);
+    memset(xb, 0, (size_t)(mp * kpad) * 2);
+    for (int64_t m = 0; m < M; m++) to_bf16(x + m * K, xb + m * kpad, K);
 #pragma omp parallel num_threads(nthreads)
     {
         amx_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;  /* C: 16 rows x 16 fp32 */
-        cfg.rows[4] = AMX_ROWS, cfg.colsb[4] = (uint16_t)(ch * 2);            /* A: 16 rows x ch bf16 of x */
-        cfg.rows[5] = cfg.rows[6] = (uint8_t)(ch / 2), cfg.colsb[5] = cfg.colsb[6] = 64;  /* B: ch/2 pairs x 16 x 2 */
+        for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;  /* C 0-3: 16 x 16 fp32; x: 16 x 32 bf16;
+                                                                            halves: 16 pairs x 16 x 2 bf16 */
         _tile_loadconfig(&cfg);
         uint16_t *buf = aligned_alloc(64, (size_t)(AMX_NB * bstride) * 2);
-        float *acc = aligned_alloc(64, AMX_NB * 256 * 4), *tmp = aligned_alloc(64, AMX_NB * 256 * 4);
+        float *tmp = aligned_alloc(64, AMX_ROWS * 16 * 4);
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t bend = nblocks * (id + 1) / nt;
         for (int64_t b0 = nblocks * id / nt; b0 < bend; b0 += AMX_NB) {
             const int nb = bend - b0 < AMX_NB ? (int)(bend - b0) : AMX_NB;
-            for (int j = 0; j < nb; j++) amx_widen(w + (b0 + j) * (K / 2) * 32, K, gk, kc, pad, buf + j * bstride, i8);
+            for (int j = 0; j < nb; j++)
+                amx_halves(w + (b0 + j) * (K / 2) * 32, K, kpad, SAT(scale, sbf, (b0 + j) * sblk), sbf, gk,
+                           buf + j * bstride, i8);
             for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-                memset(acc, 0, AMX_NB * 256 * 4);
-                for (int64_t g = 0; g < ng; g++) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t c = 0; c < kc; c += ch) {
-                        const uint16_t *wb = buf + (g * kc + c) * 16;
-                        _tile_loadd(4, xb + m0 * ld + g * kc + c, ld * 2);
-                        _tile_loadd(5, wb, 64);
-                        _tile_dpbf16ps(0, 4, 5);
-                        if (nb > 1) {
-                            _tile_loadd(6, wb + bstride, 64);
-                            _tile_dpbf16ps(1, 4, 6);
-                        }
-                        if (nb > 2) {
-                            _tile_loadd(5, wb + 2 * bstride, 64);
-                            _tile_dpbf16ps(2, 4, 5);
-                        }
-                        if (nb > 3) {
-                            _tile_loadd(6, wb + 3 * bstride, 64);
-                            _tile_dpbf16ps(3, 4, 6);
-                        }
-                    }
-                    amx_close(acc, tmp, nb, scale, sbf, b0 * sblk + g * 16, sblk);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < kpad; c += 32) {
+                    const int64_t q = c / 2;
+                    _tile_loadd(4, xb + m0 * kpad + c, kpad * 2);
+                    AMX_DP(0, buf);
+                    if (nb > 1) AMX_DP(1, buf + bstride);
+                    if (nb > 2) AMX_DP(2, buf + 2 * bstride);
+                    if (nb > 3) AMX_DP(3, buf + 3 * bstride);
                 }
                 const int64_t rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                for (int j = 0; j < nb; j++)
-                    for (int64_t r = 0; r < rows; r++)
-                        memcpy(y + (m0 + r) * N + (b0 + j) * 16, acc + j * 256 + r * 16, 64);
+                for (int j = 0; j < nb; j++) {
+                    float *yj = y + m0 * N + (b0 + j) * 16;
+                    if (rows == AMX_ROWS) {
+                        if (j == 0) _tile_stored(0, yj, N * 4);
+                        if (j == 1) _tile_stored(1, yj, N * 4);
+                        if (j == 2) _tile_stored(2, yj, N * 4);
+                        if (j == 3) _tile_stored(3, yj, N * 4);
+                        continue;
+                    }
+                    if (j == 0) _tile_stored(0, tmp, 64);
+                    if (j == 1) _tile_stored(1, tmp, 64);
+                    if (j == 2) _tile_stored(2, tmp, 64);
+                    if (j == 3) _tile_stored(3, tmp, 64);
+                    for (int64_t r = 0; r < rows; r++) memcpy(yj + r * N, tmp + r * 16, 64);
+                }
             }
         }
-        free(buf), free(acc), free(tmp);
+        free(buf), free(tmp);
         _tile_release();
     }
     free(xb);
@@ -703,7 +692,6 @@ TAMX static void tiles_amx(const float *x, int64_t M, int64_t K, const uint8_t *
    machine: one lane per (column, k parity) as there, the same FMAs in the same order, the group's
    close and the parity pair added once at the end, so the bits are v1's and v2's with half the
    instructions (the AVX2 conversion's 14 ops for 32 bytes are 6 here). */
-#define T512F __attribute__((target("avx512f,avx512bw,f16c,fma")))
 T512F static INL void e4m3_f32x32_512(const uint8_t *p, __m512 *lo, __m512 *hi) {
     __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     w = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 1), _mm512_set1_epi16((short)0xbfff));
