@@ -238,7 +238,7 @@ class CpuLinear:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
     code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
     isa: int = 0  # the streaming kernel's instruction set (native.fp8_linear_isa) where its runs use it
-    bf16_tiles: bool = True  # the blocked product's tiles in bf16 where native.tiles_bf16 says the CPU runs them
+    bf16_tiles: bool = False  # the blocked product on AMX (x rounded to bf16) where native.tiles_bf16 says it runs
 
     def __post_init__(self):
         if self.weight is not None:
@@ -283,8 +283,8 @@ class CpuLinear:
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The torch oracle of an e4m3 weight's products, for x's row count: the streaming kernel
-        on AVX-512 BF16 and the bf16 tiles round the activations to bf16 (fp8_linear.c), the
-        other products read them in fp32; every product multiplies the exact weights."""
+        on AVX-512 BF16 and the blocked product on AMX round the activations to bf16
+        (fp8_linear.c), the other products read them in fp32; each multiplies the exact weights."""
         xf, w = x.float(), unpack_fp8(self.packed, self.scale, self.shape[0], self.code)
         kind = self.kind(x.shape[0])
         if (self.isa == 2 and kind == "fp8") or (kind == "tiles" and self.tiles_in_bf16()):

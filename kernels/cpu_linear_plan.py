@@ -78,7 +78,7 @@ def step_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def _cpu_key() -> str:
+def _cpu_key(amx: bool = False) -> str:
     name = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -91,7 +91,7 @@ def _cpu_key() -> str:
     # build of it says nothing of this one.
     isa = (f"{torch.backends.cpu.get_cpu_capability()}/{os.environ.get('ONEDNN_MAX_CPU_ISA', 'all')}"
            f"/fp8 {native.fp8_linear_isa()}" + (f"/bf16 {native.source_digest()}" if native_bf16() else "")
-           + ("/bf16 tiles" if native.tiles_bf16() else ""))
+           + ("/amx tiles" if amx else ""))
     return (f"v{CACHE_VERSION}|{name or os.uname().machine}|{isa}|torch {torch.__version__}"
             f"|threads {torch.get_num_threads()}")
 
@@ -219,7 +219,7 @@ def measure_plans(layers: list[CpuLinear], head_shape: tuple[int, int], max_toke
     for layer in layers:
         classes.setdefault(shape_class(layer), []).append(layer)
     isa = native.fp8_linear_isa()
-    cache, key, dirty = _load_cache(), _cpu_key(), False
+    cache, key, dirty = _load_cache(), _cpu_key(any(m.tiles_in_bf16() for m in layers)), False
     mine = cache.setdefault(key, {})
     wall0, cpu0 = time.perf_counter(), time.process_time()
     plans = {}
@@ -305,16 +305,19 @@ def describe_format(f: ShapeFormat, e4m3: bool = False) -> str:
 
 
 def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str = "auto",
-           max_tokens: int = 64, max_head_rows: int = 64) -> int:
+           max_tokens: int = 64, max_head_rows: int = 64, amx: bool = False) -> int:
     """Give each CPU layer the products that run fastest at each step size; -> the largest step
     size that runs a bf16 copy anywhere (0 = none). mode: auto (measured); fp32 (e4m3 weights
     through the blocked product, fp32 GEMM on their own values; others fp32); or bf16:N (e4m3
     weights through the streaming kernel up to N rows, the blocked product above; others a bf16
-    copy up to N rows)."""
+    copy up to N rows). amx: the blocked product runs on AMX's tile unit where the CPU has it,
+    activations rounded to bf16 (CpuLinear.bf16_tiles); else fp32 tiles, fp32-exact."""
     head_shape = tuple(head_shape)
     isa = native.fp8_linear_isa()
     if not layers:
         return 0
+    for m in layers:
+        m.bf16_tiles = amx
     if mode == "fp32" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         for m in layers:
             m.use(ShapeFormat([]), isa)

@@ -139,8 +139,8 @@ class NativeStack:
 
     def _key(self, kv_caches) -> tuple:
         """What the structs were built from: each product's CpuLinear and chosen formats (use()
-        rebinds runs), the blocked product's tiles (native.fp32_tiles), and each cache's tensors."""
-        return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears) + (native.tiles_bf16(),)
+        rebinds runs), and each cache's tensors."""
+        return (tuple((id(m.cpu), id(getattr(m.cpu, "runs", None))) for m in self.linears)
                 + tuple(id(getattr(kv, "k", kv)) for kv in kv_caches))  # a recurrent layer's state: no k
 
     def _build(self, key: tuple, kv_caches) -> bool:

@@ -304,26 +304,14 @@ def sgemm() -> int | None:
 
 
 def tiles_bf16() -> bool:
-    """Whether the blocked product runs on AMX's tile unit here (x rounded to bf16, each weight
+    """Whether the blocked product can run on AMX's tile unit here (x rounded to bf16, each weight
     times its scale as two bf16 halves that add up to it, fp32 sums): a CPU with AMX-BF16 and
-    AVX-512 BF16, and no fp32_tiles() in force. Elsewhere it runs fp32 tiles and torch's sgemm."""
-    if _state.get("fp32_tiles"):
-        return False
+    AVX-512 BF16. A layer runs it where asked (CpuLinear.bf16_tiles, --cpu-amx); elsewhere the
+    blocked product runs fp32 tiles and torch's sgemm, fp32-exact."""
     if "amx" not in _state:
         lib = library()
         _state["amx"] = bool(lib is not None and fp8_linear_isa() == 2 and lib.fp8_linear_amx())
     return _state["amx"]
-
-
-@contextmanager
-def fp32_tiles():
-    """The blocked product in fp32 tiles within, where it would run on AMX (tests compare the two;
-    benchmarks time them; deterministic mode's layers keep the fp32 tiles they were checked in)."""
-    saved, _state["fp32_tiles"] = _state.get("fp32_tiles"), True
-    try:
-        yield
-    finally:
-        _state["fp32_tiles"] = saved
 
 
 def tile_blocks(k: int) -> int:
@@ -338,15 +326,12 @@ TILE_BYTES = 512 << 10
 
 
 def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor,
-                     blocks: int | None = None, i8: bool = False, bf16: bool | None = None) -> torch.Tensor:
+                     blocks: int | None = None, i8: bool = False, bf16: bool = False) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
     `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
-    by torch's BLAS sgemm, one tile per thread at a time; or (bf16; by default where tiles_bf16())
-    on AMX: each weight times its scale as two bf16 halves (exact for e4m3 with bf16 scales), x
+    by torch's BLAS sgemm, one tile per thread at a time; or (bf16, where tiles_bf16()) on AMX: each weight times its scale as two bf16 halves (exact for e4m3 with bf16 scales), x
     rounded to bf16 (as the AVX-512 streaming kernel rounds it), fp32 sums. Arguments as
     fp8_linear's."""
-    bf16 = tiles_bf16() if bf16 is None else bf16
-
     def fp8_linear_tiles(x, s, gk, sbf, y):
         k = x.shape[1]
         return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,

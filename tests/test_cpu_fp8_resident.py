@@ -25,14 +25,6 @@ pytestmark = pytest.mark.skipif(not tiles_offered(), reason="ridge's e4m3 produc
 CPU = torch.device("cpu")
 
 
-def upcast_product(layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T, w the torch upcast of the layer's bytes, x rounded as the product the layer runs
-    at x's rows rounds it: bf16 tiles round it to bf16 (native.tiles_bf16), the weights exact."""
-    if layer.kind(x.shape[0]) == "tiles" and layer.tiles_in_bf16():
-        x = x.bfloat16().float()
-    return x @ w.T
-
-
 def _fused(cfg, seed: int = 3) -> dict[str, torch.Tensor]:
     """A random model's state dict in ridge's fused names (what quant/fuse.py hands the model)."""
     g = torch.Generator().manual_seed(seed)
@@ -107,9 +99,10 @@ def test_the_default_recipes_hold_the_table_and_head_as_int8_codes(tied, recipe)
     head = table if tied else (lambda c, s: c.float() * s.float().repeat_interleave(32, 1)[:, :64])(
         *quantize_q8(sd["lm_head.weight"]))
     h = torch.randn(5, 64)
+    ref = h @ head.T
     for rows in (1, 5):  # the streaming kernel and the blocked product
-        ref = upcast_product(m.lm_head.cpu, h[:rows], head)
-        torch.testing.assert_close(m.compute_logits(h[:rows]), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
+        torch.testing.assert_close(m.compute_logits(h[:rows]), ref[:rows], atol=1e-5 * ref.abs().max().item(),
+                                   rtol=1e-4)
     for mode in ("auto", "fp32", "bf16:64"):  # no start-up choice copies the 8-bit head
         cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode=mode, max_tokens=16, max_head_rows=4)
         assert all(not layer.copies for layer in cpu_format.cpu_layers(m)), mode
@@ -139,7 +132,7 @@ def test_the_int8_packer_in_c_is_its_torch_form(shape, dtype):
         torch.testing.assert_close(native.fp8_linear(x, packed, scales, 1, True)[:, :n], want, **tol)
         torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=False)[:, :n], want,
                                    **tol)
-        if native.tiles_bf16():  # AMX's bf16 tiles: x rounded to bf16
+        if native.tiles_bf16():  # AMX's tiles: x rounded to bf16, the weights exact
             want = x.bfloat16().float() @ ref.T
             torch.testing.assert_close(native.fp8_linear_tiles(x, packed, scales, i8=True, bf16=True)[:, :n], want,
                                        **tol)
@@ -161,7 +154,7 @@ def test_the_lookup_and_the_logits_are_the_upcast_numbers(tied):
     assert (table - wide).abs().max() <= wide.abs().amax(1, keepdim=True).max() / 8
     h = torch.randn(5, 64)
     head = m.lm_head.cpu
-    ref = upcast_product(head, h, table if tied else unpack_fp8(head.packed, head.scale, head.shape[0], head.code))
+    ref = h @ (table if tied else unpack_fp8(head.packed, head.scale, head.shape[0], head.code)).T
     torch.testing.assert_close(m.compute_logits(h), ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
 
 
@@ -183,15 +176,36 @@ def test_the_deterministic_products_give_a_row_the_same_bits_at_any_row_count():
 
 def test_the_blocked_product_is_exact_against_mkl_on_the_upcast_at_twelve_rows_or_more():
     """The blocked product's fp32 tiles are MKL's GEMM over the same fp32 numbers the upcast
-    holds; its AMX tiles the same numbers with x rounded to bf16."""
+    holds; its AMX tiles (where asked) the same weights with x rounded to bf16."""
     from ridge.kernels.cpu_linear import CpuLinear
     from ridge.quant.fp8 import quantize_fp8
 
     q, s = quantize_fp8(torch.randn(200, 96), "absmax", "g16")
     layer = CpuLinear.from_fp8(q, s)
     x = torch.randn(40, 96)
-    with native.fp32_tiles():
-        torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)
-    if native.tiles_bf16():  # AMX's bf16 tiles over the same weights, x rounded to bf16
+    torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)  # fp32 by default
+    if native.tiles_bf16():  # on AMX where asked: x rounded to bf16, the weights exact
+        layer.bf16_tiles = True
         want = x.bfloat16().float() @ dequantize(q, s).T
         torch.testing.assert_close(layer._tiles(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
+def test_cpu_amx_runs_the_large_steps_on_the_tile_unit_and_keeps_it_across_format_sets():
+    """--cpu-amx: every e4m3 layer's blocked product on AMX (its oracle rounds x to bf16), the
+    invariant set (deterministic requests) on fp32 tiles, and the fastest set's AMX back after it."""
+    m, _, _ = _model(True)
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24, amx=True)
+    layers = [layer for layer in cpu_format.cpu_layers(m) if layer.is_packed]
+    assert layers and all(layer.tiles_in_bf16() and layer.kind(20) == "tiles" for layer in layers)
+    x = torch.randn(20, layers[0].shape[1])
+    got = layers[0](x)
+    torch.testing.assert_close(got, layers[0].reference(x), atol=1e-5 * got.abs().max().item(), rtol=1e-4)
+    assert not torch.equal(got, x @ unpack_fp8(layers[0].packed, layers[0].scale, layers[0].shape[0]).T)
+    formats = cpu_format.CpuFormats(m, 24, 24, deterministic=False)
+    formats.use(True)
+    assert not any(layer.tiles_in_bf16() for layer in layers if "tiles" in layer.kinds)
+    formats.use(False)
+    assert all(layer.tiles_in_bf16() for layer in layers)
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24)
+    assert not any(layer.tiles_in_bf16() for layer in layers)  # off by default: fp32-exact

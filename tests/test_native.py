@@ -56,8 +56,7 @@ def test_fp8_linear_matches_the_reference(n, k, grouping):
         assert torch.equal(native.fp8_rows(packed, s256, ids), ref_w[ids])  # the embedding lookup
         for m in (1, 2, 3, 7, 8, 9, 17, 33):
             x = torch.randn(m, k, generator=g)
-            for bf16 in _tile_kinds():
-                # bf16 tiles: the activations rounded to bf16, the weights exact (two bf16 halves)
+            for bf16 in _tile_kinds():  # AMX's tiles: x rounded to bf16, the weights exact (two bf16 halves)
                 ref = (x.bfloat16().float() if bf16 else x) @ ref_w.T
                 for blocks in (2, None):
                     y = native.fp8_linear_tiles(x, packed, s256, blocks=blocks, bf16=bf16)[:, :n]

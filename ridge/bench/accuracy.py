@@ -124,9 +124,9 @@ def _self_draft(model, ids) -> list[dict]:
 def _cpu_products(conv, chosen, texts, refs) -> list[dict]:
     """The chosen recipe's bytes as a CPU holds them (e4m3 layers, an int8 table and head: loaded,
     not widened) through each of ridge's CPU products at every step size, against fp32: the
-    blocked product in fp32 tiles, in bf16 tiles where it runs them (AMX: as served past the
-    streaming sizes), and the streaming kernel (as served at few rows). None where the products
-    are not built here."""
+    blocked product in fp32 tiles (as served past the streaming sizes), on AMX where the CPU has
+    it (as --cpu-amx serves them), and the streaming kernel (as served at few rows). None where
+    the products are not built here."""
     from ridge.engine.cpu_format import choose_cpu_format, cpu_layers
     from ridge.kernels import native
     from ridge.kernels.cpu_linear import ShapeFormat
@@ -137,10 +137,10 @@ def _cpu_products(conv, chosen, texts, refs) -> list[dict]:
         return []
     head = f"FP8 recipe {chosen.recipe['spec']} on this CPU's products"
     choose_cpu_format(m, 1 << 40, "fp32")  # the blocked product at every size
-    with native.fp32_tiles():
-        rows = [_scored(f"{head}: blocked, fp32 tiles", m, texts, refs)]
+    rows = [_scored(f"{head}: blocked, fp32 tiles", m, texts, refs)]
     if native.tiles_bf16():
-        rows.append(_scored(f"{head}: blocked, bf16 tiles (AMX)", m, texts, refs))
+        choose_cpu_format(m, 1 << 40, "fp32", amx=True)
+        rows.append(_scored(f"{head}: blocked, AMX tiles (--cpu-amx)", m, texts, refs))
     isa = native.fp8_linear_isa()
     if isa:
         for layer in layers:

@@ -114,7 +114,7 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
     head_rows = min(budget, config.max_num_seqs * (1 + (config.num_speculative_tokens if spec is not None else 0)))
     # A deterministic engine runs every step batch-invariant: the fastest formats by step size are never used.
     lowp_max_tokens = 0 if config.deterministic else choose_cpu_format(
-        model, loaded.weight_bytes, config.cpu_weight_format, budget, head_rows)
+        model, loaded.weight_bytes, config.cpu_weight_format, budget, head_rows, config.cpu_amx)
     cpu_formats = CpuFormats(model, budget, head_rows, config.deterministic)
     draft = spec.draft if spec is not None else None
     if draft is not None and (why := draft_table_mismatch(loaded.config, draft.config)):
@@ -122,7 +122,8 @@ def build_engine(config: EngineConfig | None = None, loaded: LoadedModel | None 
     if draft is not None and draft.config.linear_layers:  # its states would need slots and rollback of their own
         raise ValueError(f"the draft model {draft.path.name}: a hybrid model (recurrent state) cannot draft yet")
     if draft is not None:  # the draft steps as often as the target: it gets the same CPU format
-        choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows)
+        choose_cpu_format(draft.model, draft.weight_bytes, config.cpu_weight_format, budget, head_rows,
+                          config.cpu_amx)
     act = measure_activation_peak(lambda: profile_forward(loaded, sched_config, kv_dtype, config.max_num_seqs,
                                                           max_model_len), device)
     room = cache_budget(device, act, gpu_reserve_gib=config.gpu_reserve_gib, cpu_kv_cap_gib=config.cpu_kv_cap_gib,

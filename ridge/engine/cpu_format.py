@@ -19,13 +19,14 @@ def cpu_layers(model) -> list[CpuLinear]:
 
 
 def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: int = 64,
-                      max_head_rows: int = 64) -> int:
-    """Let kernels choose each layer's CPU formats; -> the largest step size that runs bf16
-    anywhere (0 = none; always on a GPU, whose FP8 weights have no CPU formats)."""
+                      max_head_rows: int = 64, amx: bool = False) -> int:
+    """Let kernels choose each layer's CPU formats (amx: the blocked product may run on AMX,
+    activations rounded to bf16); -> the largest step size that runs bf16 anywhere (0 = none;
+    always on a GPU, whose FP8 weights have no CPU formats)."""
     if model.cos_sin.device.type != "cpu":
         return 0
     return cpu_linear_plan.choose(cpu_layers(model), (model.lm_head.out_features, model.lm_head.in_features), weight_bytes, mode,
-                                  max_tokens, max_head_rows)
+                                  max_tokens, max_head_rows, amx)
 
 
 class CpuFormats:
@@ -46,7 +47,7 @@ class CpuFormats:
 
     @staticmethod
     def _state(layer: CpuLinear) -> tuple:
-        return layer.bounds, layer.runs, layer.kinds, layer.copies
+        return layer.bounds, layer.runs, layer.kinds, layer.copies, layer.bf16_tiles
 
     def use(self, invariant: bool) -> None:
         want = self.sets.get(invariant)
@@ -57,7 +58,7 @@ class CpuFormats:
             self.sets[invariant] = [self._state(m) for m in self.layers]
             return
         for m, state in zip(self.layers, want):
-            m.bounds, m.runs, m.kinds, m.copies = state
+            m.bounds, m.runs, m.kinds, m.copies, m.bf16_tiles = state
 
 
 def invariant_unavailable(device) -> str | None:
