@@ -108,12 +108,15 @@ def _kernel_at(isa: int, x, cpu, ids, w, H: int, inter: int, E: int) -> torch.Te
 @pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 form of the experts' row tiles")
 def test_the_avx512_row_tiles_give_the_avx2_bits():
     """On an AVX-512 machine an expert's 1-2 rows run 16-lane tiles with the AVX2 tiles' lanes and
-    order: the same bits at one token (every expert 1 row), a few (1-2 rows each) and many (the
-    3-row tiles over a widened block, which neither form changes)."""
-    E, H, inter = 12, 80, 48
-    w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=45, fp8=True)
-    cpu = CpuExperts.packed_from(w13, s13, w2, s2)
-    for T in (1, 2, 5, 43):
-        ids, w = _routing(T, E, 4, seed=T)
-        x = torch.randn(T, H)
-        assert torch.equal(_kernel_at(2, x, cpu, ids, w, H, inter, E), _kernel_at(1, x, cpu, ids, w, H, inter, E)), T
+    order: the same bits at one token (every expert 1 row: two blocks at once, gate with up and
+    down blocks in pairs where H has an even count of them, 96), a few (1-2 rows each) and many
+    (the 3-row tiles over a widened block, which neither form changes)."""
+    E, inter = 12, 48
+    for H in (80, 96):
+        w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=45, fp8=True)
+        cpu = CpuExperts.packed_from(w13, s13, w2, s2)
+        for T in (1, 2, 5, 43):
+            ids, w = _routing(T, E, 4, seed=T)
+            x = torch.randn(T, H)
+            got = _kernel_at(2, x, cpu, ids, w, H, inter, E)
+            assert torch.equal(got, _kernel_at(1, x, cpu, ids, w, H, inter, E)), (H, T)

@@ -737,16 +737,59 @@ T512F static void NAME(const float *x, int64_t K, int64_t gp, const void *w, con
       for (int j = 0; j < 16; j++) y[i * ldy + j] = t[2 * j] + t[2 * j + 1];                     \
   }                                                                                              \
 }
-TILE512F(v1_512, 1) TILE512F(v2_512, 2)
+TILE512F(v1_512, 1) TILE512F(v2_512, 2) TILE512F(v3_512, 3) TILE512F(v4_512, 4) TILE512F(v5_512, 5)
+TILE512F(v6_512, 6) TILE512F(v7_512, 7) TILE512F(v8_512, 8)
+typedef void (*tile512f_fn)(const float *, int64_t, int64_t, const void *, const void *, int, int64_t, float *, int64_t);
+static const tile512f_fn V512F[9] = {0, v1_512, v2_512, v3_512, v4_512, v5_512, v6_512, v7_512, v8_512};
+
+/* One row through two 16-column blocks (wa and wb, each with its channel scales, one group: an
+   expert's gate and up blocks, or two down blocks) with v1_512's arithmetic for each: the same
+   FMAs in the same order a column, so the same bits. Its two blocks are four independent sums,
+   where v1_512's two wait on the FMA's latency: an expert's one-row product was bound by that,
+   not by its bytes. */
+T512F static void v1x2_512(const float *x, int64_t K, const uint8_t *wa, const float *sa, float *ya,
+                           const uint8_t *wb, const float *sb, float *yb) {
+    const __m512i i0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(8));
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t p = 0; p < K / 2; p++) {
+        __m512 u0, u1, v0, v1;
+        e4m3_f32x32_512(wa + p * 32, &u0, &u1);
+        e4m3_f32x32_512(wb + p * 32, &v0, &v1);
+        ahead(wa, p, 32);
+        ahead(wb, p, 32);
+        const __m512 xv = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(x + 2 * p))));
+        a0 = _mm512_fmadd_ps(u0, xv, a0), a1 = _mm512_fmadd_ps(u1, xv, a1);
+        b0 = _mm512_fmadd_ps(v0, xv, b0), b1 = _mm512_fmadd_ps(v1, xv, b1);
+    }
+    const __m512 s[2][2] = {{_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sa)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sa))},
+                            {_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sb)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sb))}};
+    const __m512 acc[2][2] = {{a0, a1}, {b0, b1}};
+    float *ys[2] = {ya, yb};
+    for (int h = 0; h < 2; h++) {
+        float t[32];
+        _mm512_storeu_ps(t, _mm512_mul_ps(acc[h][0], s[h][0]));
+        _mm512_storeu_ps(t + 16, _mm512_mul_ps(acc[h][1], s[h][1]));
+        for (int j = 0; j < 16; j++) ys[h][j] = t[2 * j] + t[2 * j + 1];
+    }
+}
 
 /* rows [n][K] through one 16-column block wb of a packed [N/16][K/2][16][2] weight -> y
-   (ldy apart): up to 2 rows convert the bytes as they stream (on 16 lanes where wide: the CPU
-   has AVX-512 and the caller's isa allows it), more convert the block once into buf (K * 16
-   floats) and run 3-row tiles over it. */
+   (ldy apart). Where wide (the CPU has AVX-512 and the caller's isa allows it) every row runs
+   the 16-lane tiles, up to 8 rows a pass converting the bytes as they stream (an expert's rows
+   of a prefill: one conversion for 8 rows, where the block's fp32 copy was read again every 3).
+   Else up to 2 rows convert as they stream, more convert the block once into buf (K * 16
+   floats) and run 3-row tiles over it. Each tile has the others' arithmetic a column: the same
+   bits whatever the rows. */
 T256 static void block256(const float *x, int64_t n, int64_t K, const uint8_t *wb, const float *s, float *y,
                           int64_t ldy, float *buf, int wide) {
+    if (wide) {
+        for (int64_t m0 = 0; m0 < n; m0 += 8)
+            V512F[n - m0 < 8 ? n - m0 : 8](x + m0 * K, K, K / 2, wb, s, 0, 0, y + m0 * ldy, ldy);
+        return;
+    }
     if (n <= 2) {
-        (wide ? (n == 1 ? v1_512 : v2_512) : (n == 1 ? v1 : v2))(x, K, K / 2, wb, s, 0, 0, y, ldy);
+        (n == 1 ? v1 : v2)(x, K, K / 2, wb, s, 0, 0, y, ldy);
         return;
     }
     for (int64_t q = 0; q < K * 16; q += 32) e4m3_f32x32(wb + q, (__m256 *)(buf + q));
@@ -841,8 +884,12 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
             const int64_t e = active[item / ib], c = item % ib, r0 = off[e], n = off[e + 1] - r0;
             const uint8_t *w = w_gu + e * 2 * I * H;
             const float *s = s_gu + e * 2 * I, *xe = T == 1 ? x : xs + r0 * H;
-            block256(xe, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf, wide);
-            block256(xe, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16, wide);
+            if (n == 1 && wide) {
+                v1x2_512(xe, H, w + c * 16 * H, s + c * 16, tmp, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16);
+            } else {
+                block256(xe, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf, wide);
+                block256(xe, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16, wide);
+            }
             if (b_gu) {
                 const float *bg = b_gu + e * 2 * I + c * 16, *bu = bg + I;
                 for (int64_t r = 0; r < n; r++)
@@ -859,14 +906,25 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
                 }
             }
         }
+        /* down: two blocks an item where H has an even count of them (v1x2_512 for one row) */
+        const int64_t per = hb % 2 ? 1 : 2, hi = hb / per;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < na * hb; item++) {
-            const int64_t e = active[item / hb], c = item % hb, r0 = off[e], n = off[e + 1] - r0;
-            float *y = ys + r0 * H + c * 16;
-            block256(a + r0 * I, n, I, w_dn + e * H * I + c * 16 * I, s_dn + e * H + c * 16, y, H, buf, wide);
-            const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
-            for (int64_t r = 0; r < n; r++)
-                for (int j = 0; j < 16; j++) y[r * H + j] = (bd ? y[r * H + j] + bd[j] : y[r * H + j]) * ws[r0 + r];
+        for (int64_t item = 0; item < na * hi; item++) {
+            const int64_t e = active[item / hi], c0 = item % hi * per, r0 = off[e], n = off[e + 1] - r0;
+            const uint8_t *we = w_dn + e * H * I;
+            const float *se = s_dn + e * H;
+            if (n == 1 && wide && per == 2)
+                v1x2_512(a + r0 * I, I, we + c0 * 16 * I, se + c0 * 16, ys + r0 * H + c0 * 16, we + (c0 + 1) * 16 * I,
+                         se + (c0 + 1) * 16, ys + r0 * H + (c0 + 1) * 16);
+            else
+                for (int64_t c = c0; c < c0 + per; c++)
+                    block256(a + r0 * I, n, I, we + c * 16 * I, se + c * 16, ys + r0 * H + c * 16, H, buf, wide);
+            for (int64_t c = c0; c < c0 + per; c++) {
+                float *y = ys + r0 * H + c * 16;
+                const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
+                for (int64_t r = 0; r < n; r++)
+                    for (int j = 0; j < 16; j++) y[r * H + j] = (bd ? y[r * H + j] + bd[j] : y[r * H + j]) * ws[r0 + r];
+            }
         }
         if (!small) {
 #pragma omp for schedule(static)
