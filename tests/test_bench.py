@@ -288,3 +288,15 @@ def test_server_bench_says_how_to_run_a_spinning_peer(tmp_path):
     assert "--poll 0" in note and "--fixed-threads" in note
     assert "--poll" not in _peer_note(make_engine(loaded), Namespace(api="openai"))
     assert _peer_note(make_engine(loaded, adaptive_threads=False), Namespace(api="llama")) is None
+
+
+def test_the_header_says_when_the_large_steps_run_in_bf16_on_amx():
+    """A figure taken with --cpu-amx is labelled so (its activations past the streaming sizes are
+    bf16, not fp32): the env records the option and the header prints it."""
+    from ridge.bench.report import Report
+
+    rep = Report("ridge bench overhead")
+    rep.data["env"].update(device="cpu", cpu_fp8_max_tokens=8, cpu_amx=True)
+    assert "cpu-amx" in rep.header()
+    rep.data["env"]["cpu_amx"] = False
+    assert "cpu-amx" not in rep.header()

@@ -64,7 +64,7 @@ class Report:
                        max_num_batched_tokens=engine.sched_config.max_num_batched_tokens,
                        kv_pool_blocks=engine.kv_cache_manager.num_blocks, max_model_len=engine.max_model_len,
                        cpu_lowp_max_tokens=getattr(engine, "lowp_max_tokens", 0),
-                       cpu_fp8_max_tokens=getattr(engine, "fp8_max_tokens", 0))
+                       cpu_fp8_max_tokens=getattr(engine, "fp8_max_tokens", 0), cpu_amx=getattr(c, "cpu_amx", False))
             if engine.device.type == "cuda":
                 env["gpu"] = torch.cuda.get_device_name(engine.device)
         elif args is not None:
@@ -82,6 +82,8 @@ class Report:
         if e.get("cpu_lowp_max_tokens"):
             label += (", " if e.get("cpu_fp8_max_tokens") else " weights=") + \
                 f"bf16 where faster (up to {e['cpu_lowp_max_tokens']} tok), else fp32"
+        if e.get("cpu_amx"):
+            label += " cpu-amx (large steps' activations in bf16 where the CPU has AMX)"
         return f"[{label}]\n$ {self.data['command']}"
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:
