@@ -115,8 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, i32]
     lib.fp8_linear_grouped.restype = i32
     lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32, i32]
-    lib.fp8_linear_amx.argtypes, lib.fp8_linear_amx.restype = [], i32
     lib.fp8_linear_tiles.restype = i32
+    lib.fp8_linear_amx.argtypes, lib.fp8_linear_amx.restype = [], i32
     lib.fp8_widen.argtypes = [p, i64, p, i32, i64, i64, i64, p, i64, i32]
     lib.fp8_widen.restype = i32
     lib.fp8_rows.argtypes = [p, i64, i64, p, i32, i64, p, i64, p, i32, i32]
@@ -329,9 +329,9 @@ def fp8_linear_tiles(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tens
                      blocks: int | None = None, i8: bool = False, bf16: bool = False) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32 by the blocked product: tiles of
     `blocks` 16-column blocks (tile_blocks(K) by default) widened to fp32 once each and multiplied
-    by torch's BLAS sgemm, one tile per thread at a time; or (bf16, where tiles_bf16()) on AMX: each weight times its scale as two bf16 halves (exact for e4m3 with bf16 scales), x
-    rounded to bf16 (as the AVX-512 streaming kernel rounds it), fp32 sums. Arguments as
-    fp8_linear's."""
+    by torch's BLAS sgemm, one tile per thread at a time; or (bf16, where tiles_bf16()) on AMX:
+    each weight times its scale as two bf16 halves (exact for e4m3 with bf16 scales), x rounded
+    to bf16 (as the AVX-512 streaming kernel rounds it), fp32 sums. Arguments as fp8_linear's."""
     def fp8_linear_tiles(x, s, gk, sbf, y):
         k = x.shape[1]
         return library().fp8_linear_tiles(x.data_ptr(), x.shape[0], k, packed.data_ptr(), s.data_ptr(), sbf,
