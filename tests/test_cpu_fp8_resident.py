@@ -209,3 +209,17 @@ def test_cpu_amx_runs_the_large_steps_on_the_tile_unit_and_keeps_it_across_forma
     assert all(layer.tiles_in_bf16() for layer in layers)
     cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24)
     assert not any(layer.tiles_in_bf16() for layer in layers)  # off by default: fp32-exact
+
+
+@pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
+def test_the_start_up_says_where_cpu_amx_would_help(caplog):
+    """On an AMX machine the start-up's measured plan names --cpu-amx while it is off; with it on,
+    it does not."""
+    m, _, _ = _model(True)
+    with caplog.at_level("INFO", logger="ridge.kernels"):
+        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="auto", max_tokens=64, max_head_rows=64)
+    assert "--cpu-amx" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ridge.kernels"):
+        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="auto", max_tokens=64, max_head_rows=64, amx=True)
+    assert "--cpu-amx" not in caplog.text
