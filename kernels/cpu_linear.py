@@ -23,10 +23,19 @@ the CPU has AVX-512 BF16, else oneDNN's blocked layout) and ATen's bf16 GEMV for
 measured faster (docs/benchmarks.md).
 
 A layer's CpuLinear holds its weight and the copies its chosen formats read, as one table:
-step-size bounds and, for each, the one product that runs there."""
+step-size bounds and, for each, the one product that runs there.
+
+On a CPU with AMX the blocked product may run on the tile unit, the activations rounded to bf16
+(CpuLinear.bf16_tiles, --cpu-amx): "decode" (the default) where the step has no prompt rows,
+only sampled tokens and drafts (decode_step, set by the model runner), as the AVX-512 streaming
+kernel of small steps already rounds them; "all" on every step; "off" never. A prompt's rows
+stay fp32 by default: they are what the families' exactness against transformers measures, and
+the KV cache every later token reads is written from them."""
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +45,25 @@ from . import native
 from .fp8_scales import column_groups, dequantize, scale_block
 
 FP8 = torch.float8_e4m3fn
+AMX_MODES = ("off", "decode", "all")  # where CpuLinear.bf16_tiles lets the blocked product run bf16 tiles
+# Whether the step running now only continues sequences (decode_step): per thread, as each
+# model's engine steps in its own.
+_DECODE: ContextVar[bool] = ContextVar("ridge_decode_step", default=False)
+
+
+@contextmanager
+def decode_step(on: bool = True):
+    """Within: the step's every row lies past its sequence's prompt (sampled tokens and drafts to
+    verify, no prompt rows), so the layers whose bf16_tiles is "decode" run AMX tiles."""
+    token = _DECODE.set(on)
+    try:
+        yield
+    finally:
+        _DECODE.reset(token)
+
+
+def in_decode_step() -> bool:
+    return _DECODE.get()
 
 
 def native_bf16() -> bool:
@@ -238,7 +266,7 @@ class CpuLinear:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> the copy its runs read (bf16, gemv)
     code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
     isa: int = 0  # the streaming kernel's instruction set (native.fp8_linear_isa) where its runs use it
-    bf16_tiles: bool = False  # the blocked product on AMX (x rounded to bf16) where native.tiles_bf16 says it runs
+    bf16_tiles: str = "off"  # AMX_MODES: where the blocked product runs on AMX (x rounded to bf16), if tiles_bf16()
 
     def __post_init__(self):
         if self.weight is not None:
@@ -292,8 +320,10 @@ class CpuLinear:
         return F.linear(xf, w).to(x.dtype)
 
     def tiles_in_bf16(self) -> bool:
-        """Whether this weight's blocked product runs bf16 tiles (native.fp8_linear_tiles)."""
-        return self.bf16_tiles and native.tiles_bf16()
+        """Whether this weight's blocked product runs bf16 tiles now (native.fp8_linear_tiles): on
+        AMX, in every step ("all") or in a decode step ("decode")."""
+        mode = self.bf16_tiles
+        return (mode == "all" or (mode == "decode" and _DECODE.get())) and native.tiles_bf16()
 
     def _cut(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .cpu_linear import (CpuLinear, ShapeFormat, bf16_linear, gemv_bf16, gemv_offered, native_bf16, pack_bf16,
-                         tiles_offered)
+from .cpu_linear import (AMX_MODES, CpuLinear, ShapeFormat, bf16_linear, decode_step, gemv_bf16, gemv_offered,
+                         native_bf16, pack_bf16, tiles_offered)
 
 log = logging.getLogger("ridge.kernels")
 MIN_WEIGHT_BYTES = 64 << 20  # below this the weights sit in cache and bf16 buys nothing
@@ -305,19 +305,32 @@ def describe_format(f: ShapeFormat, e4m3: bool = False) -> str:
 
 
 def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str = "auto",
-           max_tokens: int = 64, max_head_rows: int = 64, amx: bool = False) -> int:
+           max_tokens: int = 64, max_head_rows: int = 64, amx: str = "off") -> int:
     """Give each CPU layer the products that run fastest at each step size; -> the largest step
     size that runs a bf16 copy anywhere (0 = none). mode: auto (measured); fp32 (e4m3 weights
     through the blocked product, fp32 GEMM on their own values; others fp32); or bf16:N (e4m3
     weights through the streaming kernel up to N rows, the blocked product above; others a bf16
-    copy up to N rows). amx: the blocked product runs on AMX's tile unit where the CPU has it,
-    activations rounded to bf16 (CpuLinear.bf16_tiles); else fp32 tiles, fp32-exact."""
+    copy up to N rows). amx (cpu_linear.AMX_MODES): the steps whose blocked product runs on AMX's
+    tile unit where the CPU has it, activations rounded to bf16 (CpuLinear.bf16_tiles); the others
+    run fp32 tiles, fp32-exact; none in the fp32 mode. The step sizes are timed as decode steps
+    run them."""
+    if amx not in AMX_MODES:
+        raise ValueError(f"cpu_amx {amx!r}: choose {', '.join(AMX_MODES)}")
     head_shape = tuple(head_shape)
     isa = native.fp8_linear_isa()
     if not layers:
         return 0
+    # fp32 products asked for (or a model too small to measure, whose products are fp32): no
+    # activation is rounded to bf16 on AMX either
+    fp32 = mode == "fp32" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES)
     for m in layers:
-        m.bf16_tiles = amx
+        m.bf16_tiles = "off" if fp32 else amx
+    with decode_step():
+        return _choose(layers, head_shape, weight_bytes, mode, max_tokens, max_head_rows, amx, isa)
+
+
+def _choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: int, mode: str, max_tokens: int,
+            max_head_rows: int, amx: str, isa: int) -> int:
     if mode == "fp32" or (mode == "auto" and weight_bytes < MIN_WEIGHT_BYTES):
         for m in layers:
             m.use(ShapeFormat([]), isa)
@@ -342,9 +355,9 @@ def choose(layers: list[CpuLinear], head_shape: tuple[int, int], weight_bytes: i
     log.info("CPU weights by matrix and step size (%.1f s): %s", time.perf_counter() - t0,
              "; ".join(f"{o}x{i}{'' if e is None else ' ' + e.split()[0]}: {describe_format(f, e is not None)}"
                        for ((o, i), e), f in formats.items()))
-    if not amx and native.tiles_bf16():
-        log.info("this CPU has AMX: --cpu-amx runs the steps past the streaming sizes (many streams, prefill) "
-                 "about 2x faster, their activations rounded to bf16 as the streaming kernel rounds them")
+    if amx == "off" and native.tiles_bf16():
+        log.info("this CPU has AMX: --cpu-amx decode runs the decode steps past the streaming sizes (many "
+                 "streams) about 2x faster, their activations rounded to bf16 as the streaming kernel rounds them")
     return max((n for (_, e), f in formats.items() if e is None for n, use in f.plan if use), default=0)
 
 
@@ -432,7 +445,7 @@ def _fp32_run(layer: CpuLinear, rows=fp32_rows):
     """MKL's fp32 GEMM at every size, padded to `rows`: on the e4m3 weight's fp32 tiles (the bf16
     ones, where the CPU has them, were never checked for invariance), or the weight itself."""
     if layer.is_packed:
-        layer.bf16_tiles = False
+        layer.bf16_tiles = "off"
     return _pad_rows(layer._tiles if layer.is_packed else (lambda x: F.linear(x, layer.weight)), rows)
 
 

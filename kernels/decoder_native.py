@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from . import attention_native, native
-from .cpu_linear import CpuLinear, tiles_offered
+from .cpu_linear import CpuLinear, in_decode_step, tiles_offered
 from .kv_cache import NATIVE_KV
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -134,7 +134,9 @@ class NativeStack:
         self.attention_fits = attention_fits  # whether the attention kernel takes a layer's caches (ops gives it)
         self.specs: list[LayerSpec] = []
         self._built: tuple | None = None  # (key, the caches' (k, v), or None where the layers are not taken)
-        self._rows: dict[int, tuple | None] = {}  # rows -> (layer structs, tensors they point into) or None
+        # (rows, decode step) -> (layer structs, tensors they point into) or None: a decode step's
+        # blocked products may run AMX's bf16 tiles where a prompt's of the same size do not
+        self._rows: dict[tuple[int, bool], tuple | None] = {}
         self._plain = True  # False once specs() said no: a model's layer classes do not change
 
     def _key(self, kv_caches) -> tuple:
@@ -163,10 +165,11 @@ class NativeStack:
         """The layers' structs for a step of `rows` rows, each product in the kernel its CpuLinear
         runs at that size (the streaming kernel or the blocked product); None where one runs
         another format (a bf16 or fp32 copy)."""
-        if rows in self._rows:
-            return self._rows[rows]
+        key = (rows, in_decode_step())
+        if key in self._rows:
+            return self._rows[key]
         layers, keep = (_Layer * len(self.specs))(), []
-        self._rows[rows] = None
+        self._rows[key] = None
         for lay, s, (k, v) in zip(layers, self.specs, self._built[1]):
             lins = [_linear(p, b, rows, keep) for p, b in zip(s.products, s.biases) if p is not None]
             if None in lins:
@@ -182,8 +185,12 @@ class NativeStack:
             lay.eps, lay.scale, lay.heads, lay.kv_heads, lay.head_dim = s.eps, s.scale, s.heads, s.kv_heads, s.head_dim
             lay.window = 0 if s.window is None else min(s.window, 2 ** 31 - 1)
             lay.kind, lay.num_slots, lay.block_size = NATIVE_KV[k.dtype], k.shape[0] * k.shape[1], k.shape[1]
-        self._rows[rows] = (layers, keep)
-        return self._rows[rows]
+        self._rows[key] = (layers, keep)
+        return self._rows[key]
+
+    def took(self, rows: int) -> bool:
+        """Whether a step of `rows` rows ran in one call (its structs built), decode or prompt."""
+        return any(self._rows.get((rows, decode)) is not None for decode in (False, True))
 
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches, count: int):
         """The structs of the first `count` layers for this step, or None where it does not fit."""

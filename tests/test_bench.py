@@ -291,12 +291,14 @@ def test_server_bench_says_how_to_run_a_spinning_peer(tmp_path):
 
 
 def test_the_header_says_when_the_large_steps_run_in_bf16_on_amx():
-    """A figure taken with --cpu-amx is labelled so (its activations past the streaming sizes are
-    bf16, not fp32): the env records the option and the header prints it."""
+    """A figure taken with --cpu-amx on an AMX machine is labelled so (its activations past the
+    streaming sizes are bf16, not fp32): the env records the mode and the header prints it."""
     from ridge.bench.report import Report
 
     rep = Report("ridge bench overhead")
-    rep.data["env"].update(device="cpu", cpu_fp8_max_tokens=8, cpu_amx=True)
-    assert "cpu-amx" in rep.header()
-    rep.data["env"]["cpu_amx"] = False
+    rep.data["env"].update(device="cpu", cpu_fp8_max_tokens=8, cpu_amx="decode")
+    assert "cpu-amx=decode" in rep.header()
+    rep.data["env"]["cpu_amx"] = "off"
     assert "cpu-amx" not in rep.header()
+    rep.data["env"]["cpu_amx"] = True  # a file from before the modes: --cpu-amx ran every step on AMX
+    assert "cpu-amx=all" in rep.header()

@@ -65,7 +65,7 @@ def test_breakdown_of_real_engine_steps_adds_up(engine, one_call):
     inside = {"norm", "rope", "act", "linear", "kv_write", "attention"}
     want = (ENGINE_SECTIONS - inside) | {"layers", "linear"} if one_call else ENGINE_SECTIONS  # linear: the head's
     assert want <= set(ms), want - set(ms)
-    assert one_call == (engine.model.__dict__["_native_stack"]._rows.get(3) is not None)
+    assert one_call == engine.model.__dict__["_native_stack"].took(3)
     parts = {k: v for k, v in ms.items() if k != "total"}
     assert all(v > 0 for k, v in parts.items() if k != "other")
     assert sum(parts.values()) == pytest.approx(ms["total"])

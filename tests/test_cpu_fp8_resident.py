@@ -185,17 +185,17 @@ def test_the_blocked_product_is_exact_against_mkl_on_the_upcast_at_twelve_rows_o
     x = torch.randn(40, 96)
     torch.testing.assert_close(layer._tiles(x), x @ dequantize(q, s).T, atol=1e-5, rtol=1e-5)  # fp32 by default
     if native.tiles_bf16():  # on AMX where asked: x rounded to bf16, the weights exact
-        layer.bf16_tiles = True
+        layer.bf16_tiles = "all"
         want = x.bfloat16().float() @ dequantize(q, s).T
         torch.testing.assert_close(layer._tiles(x), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
-def test_cpu_amx_runs_the_large_steps_on_the_tile_unit_and_keeps_it_across_format_sets():
-    """--cpu-amx: every e4m3 layer's blocked product on AMX (its oracle rounds x to bf16), the
+def test_cpu_amx_all_runs_the_large_steps_on_the_tile_unit_and_keeps_it_across_format_sets():
+    """--cpu-amx all: every e4m3 layer's blocked product on AMX (its oracle rounds x to bf16), the
     invariant set (deterministic requests) on fp32 tiles, and the fastest set's AMX back after it."""
     m, _, _ = _model(True)
-    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24, amx=True)
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="bf16:4", max_tokens=24, max_head_rows=24, amx="all")
     layers = [layer for layer in cpu_format.cpu_layers(m) if layer.is_packed]
     assert layers and all(layer.tiles_in_bf16() and layer.kind(20) == "tiles" for layer in layers)
     x = torch.randn(20, layers[0].shape[1])
@@ -207,8 +207,39 @@ def test_cpu_amx_runs_the_large_steps_on_the_tile_unit_and_keeps_it_across_forma
     assert not any(layer.tiles_in_bf16() for layer in layers if "tiles" in layer.kinds)
     formats.use(False)
     assert all(layer.tiles_in_bf16() for layer in layers)
-    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24)
-    assert not any(layer.tiles_in_bf16() for layer in layers)  # off by default: fp32-exact
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="bf16:4", max_tokens=24, max_head_rows=24)
+    assert not any(layer.tiles_in_bf16() for layer in layers)  # the kernels' own default: fp32-exact
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", max_tokens=24, max_head_rows=24, amx="all")
+    assert not any(layer.tiles_in_bf16() for layer in layers)  # fp32 products asked for: none rounded
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 10, mode="auto", max_tokens=24, max_head_rows=24, amx="all")
+    assert not any(layer.tiles_in_bf16() for layer in layers)  # a model too small to measure: fp32 products
+
+
+@pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
+def test_cpu_amx_decode_rounds_only_the_decode_steps_activations():
+    """--cpu-amx decode (the engine's default): a step with prompt rows keeps fp32 tiles, exact
+    against fp32 on the upcast; a decode step (cpu_linear.decode_step) runs the same rows on AMX."""
+    from ridge.kernels.cpu_linear import decode_step, in_decode_step
+
+    m, _, _ = _model(True)
+    cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="bf16:4", max_tokens=24, max_head_rows=24,
+                                 amx="decode")
+    layers = [layer for layer in cpu_format.cpu_layers(m) if layer.is_packed]
+    layer = layers[0]
+    x = torch.randn(20, layer.shape[1])
+    exact = x @ unpack_fp8(layer.packed, layer.scale, layer.shape[0]).T
+    assert not in_decode_step() and not any(lay.tiles_in_bf16() for lay in layers)
+    torch.testing.assert_close(layer(x), exact, atol=1e-5 * exact.abs().max().item(), rtol=1e-5)
+    with decode_step():
+        assert all(lay.tiles_in_bf16() for lay in layers)
+        got = layer(x)
+        torch.testing.assert_close(got, layer.reference(x), atol=1e-5 * got.abs().max().item(), rtol=1e-4)
+        with decode_step(False):  # nested: a prompt's step inside keeps fp32
+            assert not layer.tiles_in_bf16()
+    assert not torch.equal(got, exact)
+    assert not in_decode_step()
+    with pytest.raises(ValueError, match="cpu_amx 'yes'"):
+        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="fp32", amx="yes")
 
 
 @pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
@@ -218,8 +249,9 @@ def test_the_start_up_says_where_cpu_amx_would_help(caplog):
     m, _, _ = _model(True)
     with caplog.at_level("INFO", logger="ridge.kernels"):
         cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="auto", max_tokens=64, max_head_rows=64)
-    assert "--cpu-amx" in caplog.text
+    assert "--cpu-amx decode" in caplog.text
     caplog.clear()
     with caplog.at_level("INFO", logger="ridge.kernels"):
-        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="auto", max_tokens=64, max_head_rows=64, amx=True)
+        cpu_format.choose_cpu_format(m, weight_bytes=1 << 40, mode="auto", max_tokens=64, max_head_rows=64,
+                                     amx="decode")
     assert "--cpu-amx" not in caplog.text

@@ -24,10 +24,10 @@ def _load(tmp_path_factory, model_type: str, **fields):
     return load_model(path, device="cpu", use_cache=False)
 
 
-def _outputs(loaded, kv_dtype: str) -> list:
+def _outputs(loaded, kv_dtype: str, **kw) -> list:
     """Five requests of odd lengths together (decode steps of 1-5 rows, prefill chunks of up to
     64): each one's tokens and top-5 logprobs."""
-    eng = make_engine(loaded, kv_dtype=kv_dtype)
+    eng = make_engine(loaded, kv_dtype=kv_dtype, **kw)
     ps = prompts(loaded.config.vocab_size, [1, 9, 40, 70, 23], seed=3)
     for i, p in enumerate(ps):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12 - i, ignore_eos=True, logprobs=5))
@@ -56,11 +56,28 @@ def test_one_call_equals_per_op(tmp_path_factory, arch, kw, kv_dtype):
     loaded = _load(tmp_path_factory, arch, **kw)
     fused = _outputs(loaded, kv_dtype)
     stack = _stack(loaded)
-    assert stack is not None and stack._rows.get(1) is not None, "the one-call path did not take a decode step"
+    assert stack is not None and stack.took(1), "the one-call path did not take a decode step"
     with decoder_native.off():
         per_op = _outputs(loaded, kv_dtype)
     assert fused == per_op
     assert all(len(r) for r in fused)
+
+
+@pytest.mark.skipif(not native.tiles_bf16(), reason="the CPU has no AMX")
+def test_one_call_runs_the_amx_decode_steps_as_per_op(tmp_path_factory):
+    """--cpu-amx decode on a measured plan (here set: the streaming kernel at one row, the blocked
+    product above): the decode steps of 2-5 rows run AMX's bf16 tiles in the C call too, a
+    prompt's fp32 tiles, and the bits are the per-op path's."""
+    loaded = _load(tmp_path_factory, "llama")
+    fused = _outputs(loaded, "bf16", cpu_weight_format="bf16:1")
+    stack = _stack(loaded)
+    decode = [built for (rows, dec), built in stack._rows.items() if dec and rows > 1 and built is not None]
+    assert decode and all(lay.qkv.bf16 == lay.down.bf16 == 1 for built in decode for lay in built[0])
+    assert all(lay.qkv.bf16 == 0 for (_, dec), built in stack._rows.items() if not dec and built is not None
+               for lay in built[0])
+    with decoder_native.off():
+        per_op = _outputs(loaded, "bf16", cpu_weight_format="bf16:1")
+    assert fused == per_op
 
 
 def test_fp8_cache_runs_per_op(tmp_path_factory):
@@ -85,7 +102,7 @@ def test_rows_past_the_streaming_formats_run_per_op(tmp_path_factory):
     loaded = _load(tmp_path_factory, "llama")
     _outputs(loaded, "fp32")
     stack = _stack(loaded)
-    assert stack._rows.get(1) is not None
+    assert stack.took(1)
     lin = stack.specs[0].products[1]
     runs, kinds, bounds = lin.runs, lin.kinds, lin.bounds
     try:
@@ -104,3 +121,28 @@ def test_kv_groups_run_per_op(tmp_path_factory):
                    layer_types=["full_attention", "sliding_attention"] * 2, num_hidden_layers=4)
     _outputs(loaded, "fp32")
     assert loaded.model.plain_layer_specs() is None
+
+
+def test_a_step_without_prompt_rows_is_a_decode_step(tmp_path_factory):
+    """The runner marks a step whose rows all lie past their prompts (cpu_linear.decode_step: where
+    --cpu-amx decode rounds the products' activations to bf16), and never one with a prompt's rows:
+    a one-token prompt's, or a new prompt's step beside running decodes."""
+    from ridge.kernels.cpu_linear import in_decode_step
+
+    loaded = _load(tmp_path_factory, "llama")
+    eng = make_engine(loaded)
+    seen: list[tuple[int, bool]] = []
+    hook = loaded.model.register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape[0], in_decode_step())))
+    try:
+        a, b, c = prompts(loaded.config.vocab_size, [9, 1, 5], seed=4)
+        eng.add_request("a", a, SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.add_request("b", b, SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.step()
+        eng.step()
+        eng.add_request("c", c, SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.step()
+        eng.step()
+    finally:
+        hook.remove()
+    assert seen == [(10, False), (2, True), (7, False), (3, True)]
+    assert not in_decode_step()

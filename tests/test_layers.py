@@ -162,7 +162,8 @@ KERNEL_ENTRIES = {
     "ridge.kernels.timing": None,
     "ridge.kernels.cuda_graph": None,  # capture and replay, whatever kernels a step runs
     "ridge.kernels.native": {"start_build"},  # the C kernels start compiling with the engine
-    "ridge.kernels.cpu_linear": {"CpuLinear", "pack_fp8"},  # a layer's CPU weight, its e4m3 bytes packed at load
+    # a layer's CPU weight, its e4m3 bytes packed at load; the runner's word that a step has no prompt rows
+    "ridge.kernels.cpu_linear": {"CpuLinear", "pack_fp8", "decode_step"},
     # the start-up measurement, its result, and the batch-invariant formats (deterministic mode)
     "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens", "choose_invariant", "invariant_unavailable"},
     "ridge.kernels.moe": {"CpuExperts"},

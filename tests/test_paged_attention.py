@@ -141,11 +141,31 @@ def test_bad_window_or_softcap_is_refused(window, softcap):
 needs_cc = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 
 
+def _attention_forms() -> list[int]:
+    lib = native.library()
+    return [1] + ([2] if lib is not None and lib.paged_attention_wide() else [])
+
+
+@pytest.fixture(params=_attention_forms(), ids=lambda c: {1: "generic", 2: "avx512"}[c])
+def attention_form(request):
+    """The C kernel's generic form (the AVX2 and baseline clones), and its AVX-512 one (keys in
+    the lanes) where this build and CPU run it: each test of the kernel runs both."""
+    lib = native.library()
+    if lib is None:
+        yield request.param
+        return
+    was = lib.paged_attention_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        lib.paged_attention_isa(was)
+
+
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("window", [1, 7, 16, 33, None])
-def test_paged_attention_cpu_window_softcap_matches_the_reference(window, softcap, dtype):
+def test_paged_attention_cpu_window_softcap_matches_the_reference(window, softcap, dtype, attention_form):
     """Windows smaller than a block (16), equal, larger and none, over decodes, short chunks (the C
     kernel) and one past NATIVE_MAX_Q (the reference's chunk path), contexts across block and
     window boundaries; the blocks wholly behind each window hold NaN, so reading one fails."""
@@ -161,7 +181,24 @@ def test_paged_attention_cpu_window_softcap_matches_the_reference(window, softca
 
 
 @needs_cc
-def test_paged_attention_cpu_window_on_long_decodes():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block", [(16, 1, 128, 16), (6, 3, 80, 8), (4, 4, 256, 64),
+                                                           (9, 3, 64, 16)])
+def test_paged_attention_cpu_shapes_match_the_reference(heads, kv_heads, head_dim, block, dtype, attention_form):
+    """A GQA group of 16 heads (the kernel's most), an odd count of 16-column chunks (80), the
+    widest head (256) and block sizes under, at and over 16 keys, over decodes and short chunks
+    whose contexts end anywhere in a block."""
+    batch = make_paged_batch([1, 1, 7, 1, 3], [200, 31, 50, 1, 16], num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, kv_dtype=dtype, q_dtype=torch.float32, block_size=block)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale, batch.meta, head_dim ** -0.5)
+    assert attention_native.fits(*args[:6])
+    out = ops.paged_attention(*args)
+    assert_close(out, naive_attention(batch, args[-1]).float(), torch.float32)
+    assert_close(out, paged_attention_ref(*args), torch.float32)
+
+
+@needs_cc
+def test_paged_attention_cpu_window_on_long_decodes(attention_form):
     """Decodes at several windows' length with blocks of 32: the kernel starts at the window."""
     batch = make_paged_batch([1, 1, 1], [1000, 257, 64], num_heads=4, num_kv_heads=1, head_dim=64,
                              kv_dtype=torch.bfloat16, q_dtype=torch.float32, block_size=32)
@@ -225,7 +262,7 @@ def test_bad_sinks_are_refused(sinks):
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (7, None), (16, 1.5), (33, None), (None, 1.5)])
-def test_paged_attention_cpu_sinks_match_the_reference(window, softcap, dtype):
+def test_paged_attention_cpu_sinks_match_the_reference(window, softcap, dtype, attention_form):
     """The C kernel's sinks over decodes and short chunks, and the reference's chunk path past
     NATIVE_MAX_Q, against the naive oracle; a window of 1 sees only the query's own key."""
     batch = make_paged_batch([1, 17, NATIVE_MAX_Q + 9, 1, 5, 1], [100, 40, 30, 47, 3, 15], num_heads=8,
@@ -243,7 +280,7 @@ def test_paged_attention_cpu_sinks_match_the_reference(window, softcap, dtype):
 
 @needs_cc
 @pytest.mark.parametrize("window", [128, None])
-def test_paged_attention_cpu_sinks_on_long_decodes(window):
+def test_paged_attention_cpu_sinks_on_long_decodes(window, attention_form):
     batch = make_paged_batch([1, 1, 1], [1000, 257, 64], num_heads=4, num_kv_heads=1, head_dim=64,
                              kv_dtype=torch.bfloat16, q_dtype=torch.float32, block_size=32)
     if window is not None:

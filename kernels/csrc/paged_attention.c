@@ -76,6 +76,19 @@ static inline __attribute__((always_inline)) void softcap_scores(float *s, int n
     }
 }
 
+/* A head's output scale once its keys are summed (m their max, l the softmax's denominator):
+   1 / l, with the sink's logit (gpt-oss) joined to the denominator, the max moved to the sink
+   where it is larger, as the softmax over both. */
+static inline __attribute__((always_inline)) float out_scale(float m, float l, const float *sink) {
+    float corr = 1.0f;
+    if (sink) {
+        float z = *sink;
+        if (z > m) { corr = exp_neg(m - z); l = l * corr + 1.0f; }
+        else l += exp_neg(z - m);
+    }
+    return l > 0.0f ? corr / l : 0.0f;
+}
+
 /* One query token x one KV head: the G query heads sharing that KV head, over keys lo..len-1
    of the sequence's blocks (lo > 0: a sliding window; the blocks wholly before lo are never
    read, nor their block-table entries, which may name a freed block). Online softmax a block at
@@ -177,13 +190,7 @@ static inline __attribute__((always_inline)) void attend(
         }
     }
     for (int h = 0; h < G; h++) {
-        float corr = 1.0f;
-        if (sink) {  /* the max moves to the sink where it is larger, as the softmax over both */
-            float z = sink[h];
-            if (z > m[h]) { corr = exp_neg(m[h] - z); l[h] = l[h] * corr + 1.0f; }
-            else l[h] += exp_neg(z - m[h]);
-        }
-        float inv = l[h] > 0.0f ? corr / l[h] : 0.0f;
+        float inv = out_scale(m[h], l[h], sink ? sink + h : NULL);
         for (int c = 0; c < DC; c++) *(v16u *)(out + h * D + c * 16) = acc[h][c] * inv;
     }
 }
@@ -196,6 +203,202 @@ CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int 
     else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
     else attend(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
 }
+
+/* The same contract on AVX-512, keys in the lanes. A key's row is read once for the G heads:
+   each head's product with it is a 16-lane partial (D / 16 FMAs, no horizontal sum), and the
+   partials of 16 keys fold into one vector of their 16 scores (reduce16: 45 shuffles and adds,
+   where a sum per key and head cost about 15). The scores' softmax then runs 16 keys a vector,
+   and the values a head at a time with its D columns in registers. Rows are widened as they
+   are read (bf16 by a shift, e4m3 by F16C), values once a block into vb. The generic attend
+   above stays the AVX2 and baseline clones' (paged_attention_isa). */
+#if defined(__x86_64__) && !defined(RIDGE_BASELINE) && !defined(RIDGE_MAX_AVX2)
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#define HAVE_ATTEND512 1
+
+/* 16 elements of a K or V row (element offset off) as fp32; e4m3 times its scale sc. */
+static inline T512 __attribute__((always_inline)) __m512 row16(const void *c, int kind, int64_t off, float sc) {
+    if (kind == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)c + off))), 16));
+    if (kind == KV_FP8) {  /* e4m3 -> fp16 bits (value / 256, as e4m3x16), times scale * 256 */
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)c + off)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc));
+    }
+    return _mm512_loadu_ps((const float *)c + off);
+}
+
+/* exp_neg on 16 lanes: the same steps as common.h's, each one rounding as the scalar's does. */
+static inline T512 __attribute__((always_inline)) __m512 exp_neg16(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n), p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* p[0..15]: one 16-lane partial per key -> lane j the sum of p[j]'s lanes. Halves fold into
+   halves (256-bit, 128-bit, then pairs and single lanes within 128 bits), which leaves key
+   k + 4m in lane 4k + m; one permute puts key j in lane j. */
+static inline T512 __attribute__((always_inline)) __m512 reduce16(const __m512 *p) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* Lanes j16 + i in j0..n-1. */
+static inline T512 __attribute__((always_inline)) __mmask16 keys16(int j16, int j0, int n) {
+    uint32_t lo = j0 > j16 ? j0 - j16 : 0, hi = n - j16 < 16 ? n - j16 : 16;
+    return (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+static inline T512 __attribute__((always_inline)) void attend512(
+        const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
+        const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
+        float softcap, const float *sink, float *out) {
+    const int D = DC * 16, esize = kind == KV_FP8 ? 1 : kind == KV_BF16 ? 2 : 4;
+    __m512 qv[MAXG][MAXD / 16], acc[MAXG][MAXD / 16], part[MAXG][16];
+    float m[MAXG], l[MAXG], s[MAXG][BS_MAX] __attribute__((aligned(64)));
+    float vb[kind ? BS_MAX : 1][kind ? MAXD : 1] __attribute__((aligned(64)));
+    for (int h = 0; h < G; h++) {
+        m[h] = -INFINITY; l[h] = 0.0f;
+        for (int c = 0; c < DC; c++) {
+            acc[h][c] = _mm512_setzero_ps();
+            qv[h][c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + c * 16), _mm512_set1_ps(scale));
+        }
+    }
+    for (int start = lo / bs * bs; start < len; start += bs) {
+        int n = len - start < bs ? len - start : bs, j0 = start < lo ? lo - start : 0;  /* keys j0..n-1 */
+        int64_t base = ((int64_t)blocks[start / bs] * bs) * hkv + g;  /* (slot, head) row of key 0 */
+        /* The next block's rows are scattered: each key's turn below fetches the same key's K and
+           V rows of the next block, so that they arrive while this one runs (all at once, the
+           fetches wait on each other). */
+        const int nn = start + bs < len ? (len - start - bs < bs ? len - start - bs : bs) : 0;
+        const int64_t nb = nn ? ((int64_t)blocks[start / bs + 1] * bs) * hkv + g : 0;
+        float sk[BS_MAX], sv[BS_MAX];
+        for (int j = j0; j < n; j++) {
+            sk[j] = sv[j] = 1.0f;
+            if (kind == KV_FP8) {
+                _Float16 a, b; memcpy(&a, ks + base + (int64_t)j * hkv, 2); memcpy(&b, vs + base + (int64_t)j * hkv, 2);
+                sk[j] = (float)a * 256.0f, sv[j] = (float)b * 256.0f;
+            }
+        }
+        for (int j16 = j0 / 16 * 16; j16 < n; j16 += 16) {  /* 16 keys' scores a vector per head */
+            for (int j = j16; j < j16 + 16; j++) {
+                if (j < nn)
+                    for (int o = 0; o < D * esize; o += 64) {
+                        _mm_prefetch((const char *)kc + (nb + (int64_t)j * hkv) * D * esize + o, _MM_HINT_T0);
+                        _mm_prefetch((const char *)vc + (nb + (int64_t)j * hkv) * D * esize + o, _MM_HINT_T0);
+                    }
+                if (j < j0 || j >= n) {
+                    for (int h = 0; h < G; h++) part[h][j - j16] = _mm512_setzero_ps();
+                    continue;
+                }
+                int64_t r = (base + (int64_t)j * hkv) * D;
+                __m512 kr[MAXD / 16];
+                for (int c = 0; c < DC; c++) kr[c] = row16(kc, kind, r + c * 16, sk[j]);
+                for (int h = 0; h < G; h++) {
+                    __m512 a0 = _mm512_mul_ps(qv[h][0], kr[0]), a1 = _mm512_setzero_ps();
+                    for (int c = 1; c < DC; c++)
+                        if (c & 1) a1 = _mm512_fmadd_ps(qv[h][c], kr[c], a1);
+                        else a0 = _mm512_fmadd_ps(qv[h][c], kr[c], a0);
+                    part[h][j - j16] = _mm512_add_ps(a0, a1);
+                }
+            }
+            for (int h = 0; h < G; h++) _mm512_store_ps(s[h] + j16, reduce16(part[h]));
+        }
+        if (kind) {  /* the block's values, widened once for the G heads */
+            for (int j = j0; j < n; j++) {
+                int64_t r = (base + (int64_t)j * hkv) * D;
+                for (int c = 0; c < DC; c++) _mm512_store_ps(vb[j] + c * 16, row16(vc, kind, r + c * 16, sv[j]));
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            if (softcap > 0.0f) softcap_scores(s[h] + j0, n - j0, softcap);
+            __m512 vmx = _mm512_set1_ps(m[h]);
+            for (int j16 = j0 / 16 * 16; j16 < n; j16 += 16)
+                vmx = _mm512_mask_max_ps(vmx, keys16(j16, j0, n), vmx, _mm512_load_ps(s[h] + j16));
+            const float mx = _mm512_reduce_max_ps(vmx);
+            float corr = exp_neg(m[h] - mx);  /* m = -inf at first: exp_neg clamps to 2^-126 ~ 0 */
+            m[h] = mx;
+            __m512 vsum = _mm512_setzero_ps();
+            for (int j16 = j0 / 16 * 16; j16 < n; j16 += 16) {  /* the keys outside j0..n-1 stay unread */
+                const __mmask16 k = keys16(j16, j0, n);
+                __m512 e = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(_mm512_load_ps(s[h] + j16), _mm512_set1_ps(mx))));
+                _mm512_store_ps(s[h] + j16, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            l[h] = l[h] * corr + _mm512_reduce_add_ps(vsum);
+            for (int c0 = 0; c0 < DC; c0 += 8) {  /* 128 columns at a time: 8 chains in registers */
+                const int cn = DC - c0 < 8 ? DC - c0 : 8;
+                __m512 a[8];
+                for (int c = 0; c < cn; c++) a[c] = _mm512_mul_ps(acc[h][c0 + c], _mm512_set1_ps(corr));
+                for (int j = j0; j < n; j++) {
+                    const __m512 sj = _mm512_set1_ps(s[h][j]);
+                    const float *vj = kind ? vb[j] : (const float *)vc + (base + (int64_t)j * hkv) * D;
+                    for (int c = 0; c < cn; c++) a[c] = _mm512_fmadd_ps(sj, _mm512_loadu_ps(vj + (c0 + c) * 16), a[c]);
+                }
+                for (int c = 0; c < cn; c++) acc[h][c0 + c] = a[c];
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float inv = out_scale(m[h], l[h], sink ? sink + h : NULL);
+        for (int c = 0; c < DC; c++) _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv)));
+    }
+}
+
+T512 static void attend_one512(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
+                               int lo, int len, const void *kc, const void *vc, const uint16_t *ks,
+                               const uint16_t *vs, int kind, float scale, float softcap, const float *sink,
+                               float *out) {
+    if (D == 64) attend512(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+    else if (D == 128) attend512(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+    else attend512(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+}
+
+static int avx512_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#else
+#define HAVE_ATTEND512 0
+static void attend_one512(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks, int lo,
+                          int len, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
+                          float scale, float softcap, const float *sink, float *out) {
+    (void)q; (void)G; (void)D; (void)hkv; (void)g; (void)bs; (void)blocks; (void)lo; (void)len; (void)kc; (void)vc;
+    (void)ks; (void)vs; (void)kind; (void)scale; (void)softcap; (void)sink; (void)out;
+}
+static int avx512_ok(void) { return 0; }
+#endif
+
+/* The widest form this build and CPU run, capped at `cap` (1: the generic clones only; tests
+   compare the two): -> the previous cap. Read once per call of paged_attention. */
+static int att_cap = 2;
+int paged_attention_isa(int cap) {
+    int was = att_cap;
+    att_cap = cap;
+    return was;
+}
+
+int paged_attention_wide(void) { return HAVE_ATTEND512 && avx512_ok(); }
 
 /* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
    position p = seq_lens[i] - qlen + j and sees keys 0 .. p, or with window > 0 the keys
@@ -215,6 +418,7 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
     int G = H / hkv;
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
     if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
+    const int wide = att_cap >= 2 && paged_attention_wide();
     int64_t nw = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (qsl[i + 1] - qsl[i] > max_q) continue;
@@ -227,9 +431,10 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
         int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
         int pos1 = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && pos1 > window ? pos1 - window : 0;
         int len = key_end ? key_end[t] : pos1;
-        attend_one(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs, block_table + i * bt_stride, lo, len,
-                   kc, vc, ks, vs, kind, scale, softcap, sinks ? sinks + (int64_t)g * G : NULL,
-                   out + (t * H + (int64_t)g * G) * D);
+        (wide ? attend_one512 : attend_one)(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs,
+                                            block_table + i * bt_stride, lo, len, kc, vc, ks, vs, kind, scale,
+                                            softcap, sinks ? sinks + (int64_t)g * G : NULL,
+                                            out + (t * H + (int64_t)g * G) * D);
     }
     return 0;
 }

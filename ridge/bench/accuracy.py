@@ -125,8 +125,8 @@ def _cpu_products(conv, chosen, texts, refs) -> list[dict]:
     """The chosen recipe's bytes as a CPU holds them (e4m3 layers, an int8 table and head: loaded,
     not widened) through each of ridge's CPU products at every step size, against fp32: the
     blocked product in fp32 tiles (as served past the streaming sizes), on AMX where the CPU has
-    it (as --cpu-amx serves them), and the streaming kernel (as served at few rows). None where
-    the products are not built here."""
+    it (as --cpu-amx serves them: decode steps by default), and the streaming kernel (as served at
+    few rows). None where the products are not built here."""
     from ridge.engine.cpu_format import choose_cpu_format, cpu_layers
     from ridge.kernels import native
     from ridge.kernels.cpu_linear import ShapeFormat
@@ -139,8 +139,9 @@ def _cpu_products(conv, chosen, texts, refs) -> list[dict]:
     choose_cpu_format(m, 1 << 40, "fp32")  # the blocked product at every size
     rows = [_scored(f"{head}: blocked, fp32 tiles", m, texts, refs)]
     if native.tiles_bf16():
-        choose_cpu_format(m, 1 << 40, "fp32", amx=True)
-        rows.append(_scored(f"{head}: blocked, AMX tiles (--cpu-amx)", m, texts, refs))
+        for layer in layers:  # the blocked product as before, on AMX at every step (fp32 mode itself never is)
+            layer.bf16_tiles = "all"
+        rows.append(_scored(f"{head}: blocked, AMX tiles (--cpu-amx: decode steps by default)", m, texts, refs))
     isa = native.fp8_linear_isa()
     if isa:
         for layer in layers:

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ridge.kernels.cpu_linear import decode_step
+
 from .runs import greedy_params
 from .workloads import QUESTIONS, long_prompt
 
@@ -65,7 +67,7 @@ def step_mode(engine, batch: int) -> str:
     if engine.device.type == "cuda" and graphs is not None and graphs.can_run(batch):
         return "cuda graph"
     stack = engine.model.__dict__.get("_native_stack")  # the CPU layers in one C call (kernels/decoder_native.py)
-    return "one call" if stack is not None and stack._rows.get(batch) is not None else "eager"
+    return "one call" if stack is not None and stack.took(batch) else "eager"
 
 
 class Products:
@@ -83,8 +85,9 @@ class Products:
 
         @torch.inference_mode()
         def run_all() -> None:
-            for m in mods:
-                m(xs[m.in_features])
+            with decode_step():  # as a pure-decode step runs them (AMX's bf16 tiles where --cpu-amx says so)
+                for m in mods:
+                    m(xs[m.in_features])
 
         for _ in range(warmup):  # lazy init, and kernels compiled or tuned for this shape
             run_all()

@@ -30,6 +30,14 @@ def _git() -> str | None:
         return None
 
 
+def _amx_mode(engine) -> str:
+    """Where the engine's CPU products ran AMX's bf16 tiles (--cpu-amx), "off" where none could."""
+    from ridge.kernels import native
+
+    mode = getattr(engine.config, "cpu_amx", "off")
+    return mode if engine.device.type == "cpu" and native.tiles_bf16() else "off"
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{1e3 * x:.0f}" if x >= 0.1 else f"{1e3 * x:.1f}"
 
@@ -64,7 +72,7 @@ class Report:
                        max_num_batched_tokens=engine.sched_config.max_num_batched_tokens,
                        kv_pool_blocks=engine.kv_cache_manager.num_blocks, max_model_len=engine.max_model_len,
                        cpu_lowp_max_tokens=getattr(engine, "lowp_max_tokens", 0),
-                       cpu_fp8_max_tokens=getattr(engine, "fp8_max_tokens", 0), cpu_amx=getattr(c, "cpu_amx", False))
+                       cpu_fp8_max_tokens=getattr(engine, "fp8_max_tokens", 0), cpu_amx=_amx_mode(engine))
             if engine.device.type == "cuda":
                 env["gpu"] = torch.cuda.get_device_name(engine.device)
         elif args is not None:
@@ -82,8 +90,9 @@ class Report:
         if e.get("cpu_lowp_max_tokens"):
             label += (", " if e.get("cpu_fp8_max_tokens") else " weights=") + \
                 f"bf16 where faster (up to {e['cpu_lowp_max_tokens']} tok), else fp32"
-        if e.get("cpu_amx"):
-            label += " cpu-amx (large steps' activations in bf16 where the CPU has AMX)"
+        amx = {True: "all", False: "off", None: "off"}.get(e.get("cpu_amx"), e.get("cpu_amx"))  # older files: a bool
+        if amx != "off":
+            label += f" cpu-amx={amx} (the large {'decode ' if amx == 'decode' else ''}steps' activations in bf16 on AMX)"
         return f"[{label}]\n$ {self.data['command']}"
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:

@@ -76,10 +76,12 @@ class EngineConfig:
                         choices=("auto", "last", "mean", "rank", "none"), per_model=True)
     cpu_weight_format: str = _opt("auto", "CPU weights: auto (measured at start-up) | fp32 | bf16:N "
                                           "(bf16 for steps of <= N tokens)", per_model=True)
-    cpu_amx: bool = _opt(False, "on a CPU with AMX, run the FP8 products of large steps (16-64 rows: many streams, "
-                                "prefill) on its tile unit with activations rounded to bf16, as the AVX-512 kernel "
-                                "of small steps rounds them: about 2x at 16-64 rows, FP8's KL against fp32 up "
-                                "0.0001-0.0002; off: those products stay fp32-exact", per_model=True)
+    cpu_amx: str = _opt("decode", "on a CPU with AMX, which steps run their FP8 products past the streaming sizes "
+                                  "on its tile unit, activations rounded to bf16 as the AVX-512 kernel of small steps "
+                                  "rounds them (about 2x at 16-64 rows; FP8's KL against fp32 up 0.0001-0.0002): "
+                                  "decode (steps that only continue their streams: many streams), all (prompts "
+                                  "too), off (those products stay fp32-exact)",
+                        choices=("off", "decode", "all"), per_model=True)
     deterministic: bool = _opt(False, "a request's tokens the same whatever its batch mates, prefill chunks and "
                                       "speculation: batch-invariant products and attention, sampling keyed by seed "
                                       "and position (a request's params.deterministic overrides it)")

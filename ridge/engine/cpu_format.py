@@ -19,9 +19,9 @@ def cpu_layers(model) -> list[CpuLinear]:
 
 
 def choose_cpu_format(model, weight_bytes: int, mode: str = "auto", max_tokens: int = 64,
-                      max_head_rows: int = 64, amx: bool = False) -> int:
-    """Let kernels choose each layer's CPU formats (amx: the blocked product may run on AMX,
-    activations rounded to bf16); -> the largest step size that runs bf16 anywhere (0 = none;
+                      max_head_rows: int = 64, amx: str = "off") -> int:
+    """Let kernels choose each layer's CPU formats (amx: the steps whose blocked product may run on
+    AMX, activations rounded to bf16: off, decode or all); -> the largest step size that runs bf16 anywhere (0 = none;
     always on a GPU, whose FP8 weights have no CPU formats)."""
     if model.cos_sin.device.type != "cpu":
         return 0

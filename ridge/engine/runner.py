@@ -23,6 +23,7 @@ import torch
 
 from ridge.cache.kv_cache import KVCache
 from ridge.cache.state_cache import restore
+from ridge.kernels.cpu_linear import decode_step
 from ridge.kernels.timing import section
 
 from ridge.models.layers.mrope import step_positions
@@ -228,11 +229,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[StepBatch, torch.Tensor]:
-        """Run the model over the step; -> (batch, logits [num sample rows, V])."""
-        batch, hidden = self.forward(out)
-        if self.speculator is not None:  # a draft head (speculative/mtp.py) reads every row's final state
-            self.speculator.on_forward(out, batch, hidden)
-        return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        """Run the model over the step; -> (batch, logits [num sample rows, V]). A step of decodes
+        alone may round its CPU products' activations to bf16 (cpu_linear.decode_step, --cpu-amx)."""
+        with decode_step(out.only_decodes):
+            batch, hidden = self.forward(out)
+            if self.speculator is not None:  # a draft head (speculative/mtp.py) reads every row's final state
+                self.speculator.on_forward(out, batch, hidden)
+            return batch, self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:

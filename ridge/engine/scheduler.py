@@ -65,6 +65,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def only_decodes(self) -> bool:
+        """Every scheduled row lies past its request's prompt: last step's samples and the drafts
+        that follow them, no prompt rows."""
+        return all(s.start >= s.request.num_prompt_tokens for s in self.scheduled)
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
