@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import attention_native, native
+from . import attention_native, moe, native
 from .cpu_linear import CpuLinear, in_decode_step, tiles_offered
 from .kv_cache import NATIVE_KV
 
@@ -34,8 +34,14 @@ class _Linear(ctypes.Structure):
                 ("i8", _i64), ("isa", _i64), ("tb", _i64), ("bf16", _i64), ("gemm", _p)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("router_w", _p), ("router_b", _p), ("gu", _p), ("dn", _p), ("s_gu", _p), ("s_dn", _p), ("b_gu", _p),
+                ("b_dn", _p), ("experts", _i64), ("topk", _i64), ("kind", _i64), ("norm", _i64), ("inter", _i64),
+                ("act", _i64), ("isa", _i64), ("alpha", _f32), ("limit", _f32)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("moe", _Moe),
                 ("norm1", _p), ("norm2", _p), ("cos_sin", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p),
                 ("v_cache", _p),
                 ("k_scale", _p), ("v_scale", _p), ("eps", _f32), ("scale", _f32),
@@ -46,8 +52,40 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("T", _i64), ("table_stride", _i64), ("num_seqs", _i64), ("max_q", _i64), ("nthreads", _i64),
                 ("first", _i64), ("positions", _p), ("slots", _p), ("table", _p), ("seq_lens", _p), ("loc", _p),
-                ("key_end", _p), ("work", _p), ("h", _p), ("res", _p), ("normed", _p), ("qkv", _p), ("q", _p),
-                ("k", _p), ("attn", _p), ("gu", _p), ("act", _p)]
+                ("key_end", _p), ("work", _p), ("ids", _p), ("h", _p), ("res", _p), ("normed", _p), ("qkv", _p),
+                ("q", _p), ("k", _p), ("attn", _p), ("gu", _p), ("act", _p), ("weights", _p)]
+
+
+@dataclass
+class MoeSpec:
+    """A mixture of experts as the model holds it, for the C stack to run in place of the layer's
+    own MLP where the kernels take it (moe_runs): its router (fp32 [E, H] weight, bias or None,
+    the family's rule, k, renormalization) and its experts (a CpuExperts, their biases,
+    activation and SwiGLU constants), as ops.moe_route and ops.fused_moe take them."""
+    router_w: torch.Tensor
+    router_b: torch.Tensor | None
+    route: str
+    k: int
+    norm: bool
+    experts: object
+    b_gate_up: torch.Tensor | None
+    b_down: torch.Tensor | None
+    act: str
+    alpha: float
+    limit: float
+
+
+def moe_runs(m: MoeSpec | None, hidden: int) -> bool:
+    """Whether the C stack runs this mixture of experts: the per-op path's two C kernels would
+    (moe.route_fits, and the packed experts moe.native_fits asks for), fp32 biases, the experts'
+    hidden size the layer's."""
+    if m is None or m.experts is None or m.experts.packed is None or m.act not in moe._ACT_CODE or m.k > 64:
+        return False
+    gu = m.experts.packed[0]
+    wide = [t for t in (m.b_gate_up, m.b_down) if t is not None]
+    return (moe.route_fits(m.router_w, m.router_b, m.route, m.k)
+            and m.router_w.shape[1] == hidden and gu.shape[0] == m.router_w.shape[0] and gu.shape[2] * 2 == hidden
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in wide))
 
 
 @dataclass
@@ -57,7 +95,7 @@ class LayerSpec:
     for a layer without RoPE; window None for full attention; q_norm, k_norm: per-head RMSNorm
     weights (qwen3) or None. mlp: None where the MLP is that SiLU-gated one (run in C), else the
     layer's own (h -> h: a mixture of experts), run in Python on norm2's output, gate_up and
-    down then None."""
+    down then None; moe: that MLP as the C stack runs it in its place where it can (moe_runs)."""
     products: tuple
     biases: tuple
     norm1: torch.Tensor
@@ -72,6 +110,7 @@ class LayerSpec:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     mlp: Callable | None = None
+    moe: MoeSpec | None = None  # the mlp as the C stack may run it (a mixture of experts), or None
 
 
 def spec_fits(spec: LayerSpec) -> bool:
@@ -110,6 +149,16 @@ def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _
                    native.tile_blocks(p.shape[1]) if tiles else 0, int(bf16), native.sgemm() if tiles else None)
 
 
+def _moe(m: MoeSpec) -> _Moe:
+    """The struct of a mixture of experts that moe_runs; its tensors are the spec's, which the
+    model holds."""
+    gu, s_gu, dn, s_dn = m.experts.packed
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _Moe(m.router_w.data_ptr(), ptr(m.router_b), gu.data_ptr(), dn.data_ptr(), s_gu.data_ptr(),
+                s_dn.data_ptr(), ptr(m.b_gate_up), ptr(m.b_down), gu.shape[0], m.k, moe.ROUTES[m.route], int(m.norm),
+                gu.shape[1] * 8, moe._ACT_CODE[m.act], native.fp8_linear_isa(), m.alpha, m.limit)
+
+
 _STATE = {"on": True}
 
 
@@ -133,6 +182,7 @@ class NativeStack:
         self.make_specs, self.linears = specs, linears
         self.attention_fits = attention_fits  # whether the attention kernel takes a layer's caches (ops gives it)
         self.specs: list[LayerSpec] = []
+        self.c_moe: list[bool] = []  # per layer: its own MLP (a mixture of experts) runs in the C call
         self._built: tuple | None = None  # (key, the caches' (k, v), or None where the layers are not taken)
         # (rows, decode step) -> (layer structs, tensors they point into) or None: a decode step's
         # blocked products may run AMX's bf16 tiles where a prompt's of the same size do not
@@ -159,6 +209,7 @@ class NativeStack:
                     and self.attention_fits(torch.empty(0, s.heads, s.head_dim), k, v, None, None, _NO_SEQS)):
                 return False
         self.specs, self._built = specs, (key, [(kv.k, kv.v) for kv in kv_caches[: len(specs)]])
+        self.c_moe = [moe_runs(s.moe, s.products[0].shape[1]) if s.mlp is not None else False for s in specs]
         return True
 
     def _layers(self, rows: int):
@@ -170,14 +221,16 @@ class NativeStack:
             return self._rows[key]
         layers, keep = (_Layer * len(self.specs))(), []
         self._rows[key] = None
-        for lay, s, (k, v) in zip(layers, self.specs, self._built[1]):
+        for lay, s, (k, v), c_moe in zip(layers, self.specs, self._built[1], self.c_moe):
             lins = [_linear(p, b, rows, keep) for p, b in zip(s.products, s.biases) if p is not None]
             if None in lins:
                 return None
             lay.qkv, lay.o = lins[:2]
             if s.mlp is None:
                 lay.gate_up, lay.down = lins[2:]
-            lay.mlp = int(s.mlp is None)
+            lay.mlp = 1 if s.mlp is None else 2 if c_moe else 0
+            if c_moe:
+                lay.moe = _moe(s.moe)
             lay.q_norm, lay.k_norm = (None, None) if s.q_norm is None else (s.q_norm.data_ptr(), s.k_norm.data_ptr())
             lay.norm1, lay.norm2 = s.norm1.data_ptr(), s.norm2.data_ptr()
             lay.cos_sin, lay.rot = (None, 0) if s.cos_sin is None else (s.cos_sin.data_ptr(), s.cos_sin.shape[1])
@@ -215,9 +268,10 @@ def fits(stack: NativeStack, h: torch.Tensor, positions: torch.Tensor, meta, kv_
 
 
 def decoder_layers_native(stack: NativeStack, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
-                          count: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The first `count` layers over h [T, hidden] (the embeddings) for a step that fits(): ->
-    (h, residual) as the per-op loop leaves them."""
+    (h, residual) as the per-op loop leaves them; None where a router met a tie across its
+    top-k cut (moe.moe_route_native): the caller runs the step per op."""
     t = h.shape[0]
     built = stack._layers(t)  # built by fits() for this step a moment ago
     specs, first = stack.specs[:count], stack.specs[0]
@@ -225,28 +279,33 @@ def decoder_layers_native(stack: NativeStack, h: torch.Tensor, positions: torch.
                           torch.empty(t, first.heads, first.head_dim), kv_caches[0].k)
     qkv_n = max(s.products[0].shape[0] for s in specs)  # scratch for the widest layer
     gu_n = max((s.products[2].shape[0] for s in specs if s.mlp is None), default=0)
+    top_k = max((s.moe.k for s, c in zip(specs, stack.c_moe) if c), default=0)
     q_size, kv_size = max(s.heads * s.head_dim for s in specs), max(s.kv_heads * s.head_dim for s in specs)
     h = h.clone()  # the caller's embeddings stay as they were
     res, normed = torch.empty_like(h), torch.empty_like(h)
     qkv, gu, act = torch.empty(t, qkv_n), torch.empty(t, gu_n), torch.empty(t, gu_n // 2)
+    ids, weights = torch.empty(t, top_k, dtype=torch.int64), torch.empty(t, top_k)
     q, k, attn = torch.empty(t, q_size), torch.empty(t, kv_size), torch.empty(t, q_size)
     table, stride, seq_lens, loc, num_seqs, _ = plan.batch
     work, threads = plan.tail
     st = _Step(t, stride, num_seqs, plan.max_q, threads, 1, positions.data_ptr(), meta.slot_mapping.data_ptr(),
-               table, seq_lens, loc, plan.key_end, work, h.data_ptr(), res.data_ptr(), normed.data_ptr(),
-               qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr())
+               table, seq_lens, loc, plan.key_end, work, ids.data_ptr(), h.data_ptr(), res.data_ptr(),
+               normed.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(), gu.data_ptr(),
+               act.data_ptr(), weights.data_ptr())
     lib, base, size = native.library(), ctypes.addressof(built[0]), ctypes.sizeof(_Layer)
     start = 0
-    for stop in [i + 1 for i, s in enumerate(specs) if s.mlp is not None] + [count]:
-        if stop > start:  # layers start..stop-1 in one call, the last one's MLP in Python where it has its own
+    python_mlp = [i + 1 for i, (s, c) in enumerate(zip(specs, stack.c_moe)) if s.mlp is not None and not c]
+    for stop in python_mlp + [count]:
+        if stop > start:  # layers start..stop-1 in one call, the last one's MLP in Python where C does not run it
             rc = lib.decoder_layers(base + start * size, stop - start, ctypes.byref(st))
+            if rc > 0:  # a router's tie, which torch breaks its own way: the step runs per op (the
+                return None  # same kernels: what was written to the caches is written again, the same)
             if rc:
                 raise RuntimeError(f"decoder_layers: layer {start - rc - 1}'s kernels refused the step "
                                    "(a slot past the cache, or a shape past the attention kernel's limits)")
             st.first = 0
-            mlp = specs[stop - 1].mlp
-            if mlp is not None:
-                h.copy_(mlp(normed))
+            if stop in python_mlp:
+                h.copy_(specs[stop - 1].mlp(normed))
         start = stop
     return h, res
 

@@ -34,7 +34,13 @@ fp8_moe): the whole layer in one call over the experts' e4m3 bytes, packed at lo
 (CpuExperts.packed). fused_moe_cpu is the CPU path elsewhere: the T * k routed slots sorted
 by expert once, then one product per active expert over its contiguous run of gathered rows
 (no per-token Python loop), each through the format its CpuLinear chose for that many rows
-(kernels/cpu_linear.py). A GPU backend registers as "fused_moe" (ops.register_triton)."""
+(kernels/cpu_linear.py). A GPU backend registers as "fused_moe" (ops.register_triton).
+
+The router before it (ops.moe_route) has its own small contract: moe_route_ref(h, weight, bias,
+kind, k, norm) -> (topk_ids [T, k] int64, topk_weights [T, k] fp32) from fp32 logits h @ W.T
+(+ bias): "softmax_topk" takes the k largest of the softmax over all E (renormalized where
+norm), "topk_softmax" the softmax over the k largest logits. moe_route_native is the C kernel
+(kernels/csrc/small_ops.c), which the one-call layers run too (kernels/decoder_native.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,6 +53,44 @@ from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_re
 from .cpu_linear import FP8, CpuLinear, fp8_linear_cpu, unpack_fp8
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "swigluoai")
+ROUTES = {"softmax_topk": 0, "topk_softmax": 1}  # the routers moe_route takes (moe_route's kind)
+
+
+def moe_route_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, k: int,
+                  norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(h.float(), weight, bias)  # [T, E]
+    if kind == "softmax_topk":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if norm:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, torch.softmax(top, dim=-1)
+
+
+def route_fits(weight: torch.Tensor, bias: torch.Tensor | None, kind: str, k: int) -> bool:
+    """Whether moe_route_native takes a router, where the library is built: a rule it knows,
+    fp32 contiguous weights of at most 1024 experts."""
+    E = weight.shape[0]
+    return (kind in ROUTES and 0 < k <= E <= 1024 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def moe_route_native(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, k: int,
+                     norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_route_ref's contract in one C call, for a router that route_fits. A tie across the
+    top-k cut (two experts' values equal where one is taken: a router's copied rows) routes the
+    call by torch, whose topk breaks it as transformers does."""
+    E, H = weight.shape
+    assert h.shape[-1] == H, (h.shape, weight.shape)
+    x = h.contiguous() if h.dtype == torch.float32 else h.float().contiguous()
+    T = x.shape[0]
+    ids, weights = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    rc = native.library().moe_route(x.data_ptr(), T, H, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    E, k, ROUTES[kind], int(norm), ids.data_ptr(), weights.data_ptr(),
+                                    torch.get_num_threads())
+    assert rc >= 0, "moe_route refused a router route_fits took"
+    return (ids, weights) if rc == 0 else moe_route_ref(h, weight, bias, kind, k, norm)
 
 
 def swigluoai_and_mul_ref(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

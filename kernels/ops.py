@@ -251,6 +251,16 @@ def _silu_and_mul_any(h):
     return _silu_and_mul_cpu(h)(h)
 
 
+def moe_route(h, weight, bias, kind: str, k: int, norm: bool):
+    """A mixture of experts' router: h [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)
+    by the family's rule (kernels/moe.py, moe_route_ref): on a CPU ridge's C kernel where it takes
+    the call, which the one-call layers run too; else the torch reference."""
+    with section("router"):
+        if not h.is_cuda and _FORCE is None and native.library() is not None and moe.route_fits(weight, bias, kind, k):
+            return moe.moe_route_native(h, weight, bias, kind, k, norm)
+        return moe.moe_route_ref(h, weight, bias, kind, k, norm)
+
+
 def _fused_moe_cpu(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, topk_weights, *, act="silu",
                    cpu=None, **kw):
     """The C kernel over the layer's e4m3 bytes where it takes the call (moe.native_fits: a layer

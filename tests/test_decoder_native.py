@@ -57,6 +57,8 @@ def test_one_call_equals_per_op(tmp_path_factory, arch, kw, kv_dtype):
     fused = _outputs(loaded, kv_dtype)
     stack = _stack(loaded)
     assert stack is not None and stack.took(1), "the one-call path did not take a decode step"
+    if arch in ("qwen3_moe", "mixtral"):  # the experts run in the call too (the dense layer's MLP as ever)
+        assert any(stack.c_moe) and all(c or s.mlp is None for c, s in zip(stack.c_moe, stack.specs))
     with decoder_native.off():
         per_op = _outputs(loaded, kv_dtype)
     assert fused == per_op
@@ -78,6 +80,23 @@ def test_one_call_runs_the_amx_decode_steps_as_per_op(tmp_path_factory):
     with decoder_native.off():
         per_op = _outputs(loaded, "bf16", cpu_weight_format="bf16:1")
     assert fused == per_op
+
+
+def test_a_routers_tie_in_the_call_runs_the_step_per_op(tmp_path_factory):
+    """Experts whose router rows are equal tie for every token (tests/test_moe.py's _tie): torch
+    breaks such ties its own way, so a step whose router meets one in the C call runs per op
+    again, and the tokens are the per-op path's (which breaks them as transformers does)."""
+    from ridge.models.loader import load_model
+    from test_families import build_hf
+    from test_moe import VARIANTS, _tie
+
+    _, path = build_hf(tmp_path_factory.mktemp("tie"), "qwen3_moe", VARIANTS["qwen3_moe"][1], edit=_tie)
+    loaded = load_model(path, device="cpu", use_cache=False)
+    fused = _outputs(loaded, "fp32")
+    stack = _stack(loaded)
+    assert stack.took(1) and all(stack.c_moe)
+    with decoder_native.off():
+        assert fused == _outputs(loaded, "fp32")
 
 
 def test_fp8_cache_runs_per_op(tmp_path_factory):

@@ -167,7 +167,7 @@ KERNEL_ENTRIES = {
     # the start-up measurement, its result, and the batch-invariant formats (deterministic mode)
     "ridge.kernels.cpu_linear_plan": {"choose", "fp8_max_tokens", "choose_invariant", "invariant_unavailable"},
     "ridge.kernels.moe": {"CpuExperts"},
-    "ridge.kernels.decoder_native": {"LayerSpec"},  # what a model says its layers are, for the one-call CPU path  # a mixture of experts' CpuLinear per expert product, held as FP8Linear's
+    "ridge.kernels.decoder_native": {"LayerSpec", "MoeSpec"},  # what a model says its layers are, for the one-call CPU path  # a mixture of experts' CpuLinear per expert product, held as FP8Linear's
     "ridge.kernels.fp8_scales": None,  # the FP8 scale layouts: data the converter writes and every product reads
     "ridge.kernels.fp8_search": {"search_scale"},  # the converter's scale search, C or torch as kernels choose
 }

@@ -120,3 +120,38 @@ def test_the_avx512_row_tiles_give_the_avx2_bits():
             x = torch.randn(T, H)
             got = _kernel_at(2, x, cpu, ids, w, H, inter, E)
             assert torch.equal(got, _kernel_at(1, x, cpu, ids, w, H, inter, E)), (H, T)
+
+
+@pytest.mark.parametrize("kind", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("T,E,H,k", [(1, 32, 1024, 4), (39, 128, 96, 8), (5, 7, 48, 7), (3, 1024, 16, 1)])
+def test_the_router_in_c_takes_the_experts_torch_takes(kind, T, E, H, k):
+    """moe_route (kernels/csrc/small_ops.c) against the torch reference: the same experts, the
+    weights within fp32 rounding, with and without a bias and renormalization; up to 1024 experts."""
+    from ridge.kernels.moe import moe_route_native, moe_route_ref, route_fits
+
+    g = torch.Generator().manual_seed(T * E + k)
+    h, w = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * 0.05
+    for bias in (None, torch.randn(E, generator=g)):
+        for norm in (False, True):
+            assert route_fits(w, bias, kind, k)
+            ids, weights = moe_route_native(h, w, bias, kind, k, norm)
+            want_ids, want = moe_route_ref(h, w, bias, kind, k, norm)
+            assert torch.equal(ids.sort(-1)[0], want_ids.sort(-1)[0])
+            torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want.gather(1, want_ids.argsort(-1)),
+                                       atol=1e-6, rtol=1e-5)
+    assert not route_fits(torch.randn(1025, H), None, kind, k) and not route_fits(w, None, "topk_sigmoid", k)
+
+
+def test_a_tie_across_the_routers_cut_is_broken_as_torch_breaks_it():
+    """Equal router rows tie for every token: which of them is taken is torch.topk's rule (what
+    transformers runs), so the C router hands such a call to torch; it matches it exactly."""
+    from ridge.kernels.moe import moe_route_native, moe_route_ref
+
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(40, 64, generator=g), torch.randn(8, 64, generator=g)
+    w[3] = w[1]
+    w[5] = w[1]
+    for kind in ("softmax_topk", "topk_softmax"):
+        ids, weights = moe_route_native(h, w, None, kind, 2, True)
+        want_ids, want = moe_route_ref(h, w, None, kind, 2, True)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want)

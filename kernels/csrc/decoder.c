@@ -1,12 +1,12 @@
-/* A dense decoder's layers in one call, for a CPU step of few rows (kernels/decoder_native.py).
+/* A decoder's layers in one call, for a CPU step of few rows (kernels/decoder_native.py).
 
    A one-row step of a 30-layer model is about 300 small calls (four products, two norms, RoPE,
    the KV write, attention, the activation, per layer); made from Python each pays 5-30 us of
    dispatch, several milliseconds a step against ~10 ms of weight reads. Here the same kernels
    run back to back with no Python between them: each is the exported function the per-op path
-   calls (fp8_linear_grouped, rms_norm, rope, write_kv, paged_attention, silu_and_mul) with the
-   same arguments, so a step's bits are the per-op path's (tests/test_decoder_native.py holds
-   them equal). The caller checks what each layer holds (decoder_native.fits). */
+   calls (fp8_linear_grouped, rms_norm, rope, write_kv, paged_attention, silu_and_mul; a mixture
+   of experts' moe_route and fp8_moe) with the same arguments, so a step's bits are the per-op
+   path's (tests/test_decoder_native.py holds them equal). The caller checks what each layer holds (decoder_native.fits). */
 #include <stdint.h>
 #include <string.h>
 
@@ -26,6 +26,12 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
                     float softcap, const float *sinks, const int32_t *key_end, int max_q, float *out, int64_t *work,
                     int nthreads);
 
+int moe_route(const float *h, int64_t T, int64_t H, const float *W, const float *bias, int64_t E, int64_t k, int kind,
+              int norm, int64_t *ids, float *weights, int nthreads);
+int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
+            const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu, const uint8_t *w_dn,
+            const float *s_dn, const float *b_dn, int act, float alpha, float limit, float *out, int isa,
+            int nthreads);
 int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf, int64_t N,
                      int64_t gk, float *y, int64_t tb, void *gemm, int bf16, int i8, int nthreads);
 
@@ -41,11 +47,24 @@ typedef struct {
     void *gemm;
 } rl_linear;
 
-/* A layer: mlp 1 runs its SiLU-gated MLP here; 0 stops after the post-attention norm, the
-   MLP's input then in the step's normed (a mixture of experts': the caller runs it), and must be
-   the call's last layer. q_norm and k_norm: per-head RMSNorm weights (qwen3), or NULL. */
+/* A mixture of experts run here: its router (moe_route: fp32 [E][H] weights, bias or NULL, kind,
+   norm) and its experts as fp8_moe takes them (the packed e4m3 bytes and their scales, biases
+   or NULL, the activation's code, isa). */
+typedef struct {
+    const float *router_w, *router_b;
+    const uint8_t *gu, *dn;
+    const float *s_gu, *s_dn, *b_gu, *b_dn;
+    int64_t experts, topk, kind, norm, inter, act, isa;
+    float alpha, limit;
+} rl_moe;
+
+/* A layer: mlp 1 runs its SiLU-gated MLP here, 2 its mixture of experts (moe); 0 stops after the
+   post-attention norm, the MLP's input then in the step's normed (a MLP of the layer's own: the
+   caller runs it), and must be the call's last layer. q_norm and k_norm: per-head RMSNorm
+   weights (qwen3), or NULL. */
 typedef struct {
     rl_linear qkv, o, gate_up, down;
+    rl_moe moe;
     const float *norm1, *norm2, *cos_sin, *q_norm, *k_norm;
     void *k_cache, *v_cache;
     uint16_t *k_scale, *v_scale;
@@ -59,8 +78,8 @@ typedef struct {
     int64_t T, table_stride, num_seqs, max_q, nthreads, first;
     const int64_t *positions, *slots;
     const int32_t *table, *seq_lens, *loc, *key_end;
-    int64_t *work;
-    float *h, *res, *normed, *qkv, *q, *k, *attn, *gu, *act;
+    int64_t *work, *ids;  /* ids, weights: [T][k] of the widest router */
+    float *h, *res, *normed, *qkv, *q, *k, *attn, *gu, *act, *weights;
 } rl_step;
 
 static int product(const rl_linear *l, const float *x, int64_t T, float *y, int nt) {
@@ -74,7 +93,9 @@ static int product(const rl_linear *l, const float *x, int64_t T, float *y, int 
     return 0;
 }
 
-/* Returns 0, or the 1-based index of the layer where a kernel refused its arguments, negated. */
+/* Returns 0; the 1-based index of the layer where a kernel refused its arguments, negated; or
+   that of a layer whose router met a tie across its top-k cut (moe_route), which the per-op
+   path breaks as torch does. */
 int decoder_layers(const rl_layer *layers, int64_t count, const rl_step *st) {
     const int64_t T = st->T;
     const int nt = (int)st->nthreads;
@@ -123,6 +144,17 @@ int decoder_layers(const rl_layer *layers, int64_t count, const rl_step *st) {
         if (!L->mlp) {
             if (rc || i + 1 != count) return (int)-(i + 1);
             break;
+        }
+        if (L->mlp == 2) {  /* as the per-op path: the router's op, then the experts' */
+            const rl_moe *M = &L->moe;
+            int ties = moe_route(st->normed, T, hidden, M->router_w, M->router_b, M->experts, M->topk, (int)M->kind,
+                                 (int)M->norm, st->ids, st->weights, nt);
+            if (ties > 0) return (int)(i + 1);  /* torch breaks the tie: the caller runs the step per op */
+            rc |= ties;
+            rc |= fp8_moe(st->normed, T, hidden, M->inter, M->experts, M->topk, st->ids, st->weights, M->gu, M->s_gu,
+                          M->b_gu, M->dn, M->s_dn, M->b_dn, (int)M->act, M->alpha, M->limit, st->h, (int)M->isa, nt);
+            if (rc) return (int)-(i + 1);
+            continue;
         }
         rc |= product(&L->gate_up, st->normed, T, st->gu, nt);
         silu_and_mul(st->gu, T, inter, st->act, nt);

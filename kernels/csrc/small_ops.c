@@ -153,3 +153,63 @@ CLONES uint64_t read_bytes(const uint8_t *buf, int64_t n, int nthreads) {
         total ^= w[i] ^ w[i + 1] ^ w[i + 2] ^ w[i + 3] ^ w[i + 4] ^ w[i + 5] ^ w[i + 6] ^ w[i + 7];
     return total;
 }
+
+/* A mixture of experts' router over h [T][H] (kernels/moe.py, moe_route_ref): logits[e] =
+   h . W[e] (+ bias[e]) in fp32; kind 0: softmax over the E logits, then the k largest
+   probabilities, renormalized to sum 1 where norm (qwen3_moe, mixtral); kind 1: the k largest
+   logits, then a softmax over them (gpt-oss). ids [T][k] int64 in descending order, weights
+   [T][k] fp32. Returns the count of rows whose k-th value ties the best one left out (taken
+   here: the lower expert), where torch.topk, which transformers runs, breaks the tie its own
+   way: the caller then routes the call by torch (moe_route_native); -1 for E past 1024 or k
+   past E. */
+#define ROUTE_MAX_E 1024
+CLONES int moe_route(const float *h, int64_t T, int64_t H, const float *W, const float *bias, int64_t E,
+                     int64_t k, int kind, int norm, int64_t *ids, float *weights, int nthreads) {
+    if (E > ROUTE_MAX_E || k > E || k < 1) return -1;
+    int ties = 0;
+#pragma omp parallel for num_threads(nthreads) if (T * E * H >= 4 * PAR_MIN) reduction(+ : ties)
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = h + t * H;
+        float p[ROUTE_MAX_E];
+        for (int64_t e = 0; e < E; e++) {
+            const float *w = W + e * H;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t j = 0; j < H; j++) s += x[j] * w[j];
+            p[e] = bias ? s + bias[e] : s;
+        }
+        if (kind == 0) {  /* softmax over every expert first */
+            float mx = p[0], sum = 0.0f;
+            for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+            for (int64_t e = 0; e < E; e++) { p[e] = expf(p[e] - mx); sum += p[e]; }
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        }
+        int64_t *id = ids + t * k;
+        float *wt = weights + t * k;
+        for (int64_t i = 0; i < k; i++) {  /* k passes: k is small, the taken ones skipped */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < i; j++) taken |= id[j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            id[i] = best;
+            wt[i] = p[best];
+        }
+        for (int64_t e = 0; e < E; e++) {  /* a tie across the cut: which expert is in depends on the rule */
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= id[j] == e;
+            if (!taken && p[e] == wt[k - 1]) { ties++; break; }
+        }
+        if (kind == 1) {  /* a softmax over the k logits taken */
+            float sum = 0.0f, mx = wt[0];
+            for (int64_t i = 0; i < k; i++) { wt[i] = expf(wt[i] - mx); sum += wt[i]; }
+            for (int64_t i = 0; i < k; i++) wt[i] /= sum;
+        } else if (norm) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < k; i++) sum += wt[i];
+            for (int64_t i = 0; i < k; i++) wt[i] /= sum;
+        }
+    }
+    return ties;
+}

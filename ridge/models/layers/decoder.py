@@ -177,8 +177,17 @@ class CausalLM(nn.Module):
                 tuple(m.cpu for m in mods) + (None, None) * own_mlp, tuple(m._buffers.get("bias") for m in mods),
                 norms[0].weight, norms[1].weight, norms[0].eps, layer.scale, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, layer.window, self.rope_for(layer) if layer.rotary else None,
-                *(n if n is None else n.weight for n in heads), layer.mlp if own_mlp else None))
+                *(n if n is None else n.weight for n in heads), layer.mlp if own_mlp else None,
+                self._moe_spec(layer) if own_mlp else None))
         return specs
+
+    @staticmethod
+    def _moe_spec(layer):
+        """A layer's own MLP as the C stack may run it: a mixture of experts' spec where the
+        layer's MLP is that mixture's own (moe_spec), unchanged by its family."""
+        spec = getattr(layer, "moe_spec", None)
+        owner = next((k for k in type(layer).__mro__ if "mlp" in k.__dict__), None)
+        return spec() if spec is not None and owner is not None and "moe_spec" in owner.__dict__ else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

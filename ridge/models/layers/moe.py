@@ -5,8 +5,9 @@ GLM-4.5: a sigmoid router with a correction bias and expert groups, and shared e
 and Qwen3.5-MoE: a shared expert behind a sigmoid gate, on their own layers through SparseMlp).
 
 The router's logits are computed in fp32 from fp32 weights, whatever the activations' dtype,
-and each family's rule turns them into k experts and their weights (ModelConfig.moe_router).
-Ties among the logits go as torch.topk breaks them, which is what transformers runs. The
+and each family's rule turns them into k experts and their weights (ModelConfig.moe_router):
+the two common rules through ops.moe_route (ridge's C kernel on a CPU, which breaks ties to the
+lower expert; torch.topk, which transformers runs, elsewhere), the others here. The
 experts run through ops.fused_moe (kernels/moe.py): grouped per expert on CPU, the grouped
 kernel on a GPU."""
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.kernels import ops
+from ridge.kernels.decoder_native import MoeSpec
 from ridge.kernels.timing import section
 from ridge.quant.experts import FP8Experts
 from ridge.quant.linear import FP8Linear
@@ -34,16 +37,11 @@ class Router(nn.Module):
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        if self.kind in ("softmax_topk", "topk_softmax"):  # the common rules: an op of their own
+            return ops.moe_route(h, self.weight, self.bias, self.kind, self.k, self.norm)
         with section("router"):
             logits = F.linear(h.float(), self.weight, self.bias)  # [T, E]
-            if self.kind == "softmax_topk":
-                weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.k, dim=-1)
-                if self.norm:
-                    weights /= weights.sum(dim=-1, keepdim=True)
-            elif self.kind == "topk_softmax":
-                top, ids = torch.topk(logits, self.k, dim=-1)
-                weights = torch.softmax(top, dim=-1)
-            elif self.kind == "topk_sigmoid":
+            if self.kind == "topk_sigmoid":
                 top, ids = torch.topk(logits, self.k, dim=-1)
                 weights = torch.sigmoid(top)
             else:
@@ -97,6 +95,14 @@ class SparseMlp:
         self.experts = FP8Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                   cfg.moe_act or cfg.hidden_act, cfg.moe_bias, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.shared_experts = SharedExperts(cfg) if cfg.shared_expert_intermediate_size else None
+
+    def moe_spec(self) -> MoeSpec | None:
+        """This MLP as the one-call layers may run it in C (kernels/decoder_native.py): a router
+        of the two rules ops.moe_route runs and no shared experts; else None (run here)."""
+        r, e = self.router, self.experts
+        if self.shared_experts is not None or r.kind not in ("softmax_topk", "topk_softmax"):
+            return None
+        return MoeSpec(r.weight, r.bias, r.kind, r.k, bool(r.norm), e.cpu, e.b_gate_up, e.b_down, e.act, *e.swiglu)
 
     def mlp(self, h):
         ids, weights = self.router.forward(h)
