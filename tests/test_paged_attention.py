@@ -198,15 +198,39 @@ def test_paged_attention_cpu_shapes_match_the_reference(heads, kv_heads, head_di
 
 
 @needs_cc
-def test_paged_attention_cpu_window_on_long_decodes(attention_form):
-    """Decodes at several windows' length with blocks of 32: the kernel starts at the window."""
-    batch = make_paged_batch([1, 1, 1], [1000, 257, 64], num_heads=4, num_kv_heads=1, head_dim=64,
+@pytest.mark.parametrize("window", [100, 600, None])
+def test_paged_attention_cpu_window_on_long_decodes(window, attention_form):
+    """Decodes at several windows' length with blocks of 32: the kernel starts at the window; past
+    512 keys (SPLIT) a query runs as parts, from the window's start to multiples of 512, merged."""
+    batch = make_paged_batch([1, 1, 1, 2], [1000, 257, 64, 1600], num_heads=4, num_kv_heads=1, head_dim=64,
                              kv_dtype=torch.bfloat16, q_dtype=torch.float32, block_size=32)
-    poison_behind_window(batch, 100)
+    if window is not None:
+        poison_behind_window(batch, window)
     args = (batch.q, batch.k_cache, batch.v_cache, None, None, batch.meta, 0.125)
     for softcap in (None, 30.0):
-        assert_close(ops.paged_attention(*args, window=100, softcap=softcap),
-                     naive_attention(batch, 0.125, 100, softcap).float(), torch.float32)
+        assert_close(ops.paged_attention(*args, window=window, softcap=softcap),
+                     naive_attention(batch, 0.125, window, softcap).float(), torch.float32)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_long_querys_parts_do_not_depend_on_its_batch(dtype, attention_form):
+    """A long query's split into parts depends on its keys alone: its rows are the same bits alone
+    and beside other sequences (deterministic mode's batch invariance), and match the oracle."""
+    lens, ctx = [1, 1, 3], [1500, 40, 700]
+    batch = make_paged_batch(lens, ctx, num_heads=6, num_kv_heads=2, head_dim=64, kv_dtype=dtype,
+                             q_dtype=torch.float32, block_size=16)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale)
+    together = ops.paged_attention(*args, batch.meta, 0.125)
+    assert_close(together, naive_attention(batch, 0.125).float(), torch.float32)
+    m = batch.meta
+    tables = [m.block_table[i, : -(-(c + n) // 16)].tolist() for i, (n, c) in enumerate(zip(lens, ctx))]
+    row = 0
+    for n, c, table in zip(lens, ctx, tables):
+        alone = AttentionMetadata.build([n], [c + n], [table], [-1] * n)
+        got = ops.paged_attention(batch.q[row:row + n], *args[1:], alone, 0.125)
+        assert torch.equal(got, together[row:row + n])
+        row += n
 
 
 # Attention sinks (gpt-oss): a per-head logit in the softmax's denominator, with windows and without.

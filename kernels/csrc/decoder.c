@@ -4,9 +4,10 @@
    the KV write, attention, the activation, per layer); made from Python each pays 5-30 us of
    dispatch, several milliseconds a step against ~10 ms of weight reads. Here the same kernels
    run back to back with no Python between them: each is the exported function the per-op path
-   calls (fp8_linear_grouped, rms_norm, rope, write_kv, paged_attention, silu_and_mul; a mixture
-   of experts' moe_route and fp8_moe) with the same arguments, so a step's bits are the per-op
-   path's (tests/test_decoder_native.py holds them equal). The caller checks what each layer holds (decoder_native.fits). */
+   calls (fp8_linear_grouped, rms_norm, rope, write_kv, paged_attention, silu_and_mul; a
+   mixture of experts' moe_route and fp8_moe) with the same arguments, so a step's bits are
+   the per-op path's (tests/test_decoder_native.py holds them equal). The caller checks what
+   each layer holds (decoder_native.fits). */
 #include <stdint.h>
 #include <string.h>
 

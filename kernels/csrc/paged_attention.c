@@ -5,6 +5,7 @@
    each key is loaded once. Plain C with GCC vector types; target_clones compiles it for
    AVX-512, AVX2 and baseline x86-64 and picks at load time. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -101,7 +102,7 @@ static int f16c_ready;  /* set once per call of paged_attention, before the thre
 static inline __attribute__((always_inline)) void attend(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
         const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
-        float softcap, const float *sink, float *out) {
+        float softcap, const float *sink, float *out, float *ml) {
     const int D = DC * 16;
     const int f16c_rows = kind == KV_FP8 && f16c_ready;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
@@ -190,18 +191,24 @@ static inline __attribute__((always_inline)) void attend(
         }
     }
     for (int h = 0; h < G; h++) {
-        float inv = out_scale(m[h], l[h], sink ? sink + h : NULL);
+        float inv = ml ? 1.0f : out_scale(m[h], l[h], sink ? sink + h : NULL);
+        if (ml) ml[2 * h] = m[h], ml[2 * h + 1] = l[h];  /* a part: its sums as they are (merge_parts) */
         for (int c = 0; c < DC; c++) *(v16u *)(out + h * D + c * 16) = acc[h][c] * inv;
     }
 }
 
+/* A form's body called with D / 16 a constant for the common head sizes (its loops unroll), at
+   run time for any other multiple of 16. */
+#define BY_HEAD_SIZE(FN)                                                                              \
+    if (D == 64) FN(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out, ml); \
+    else if (D == 128) FN(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out, ml); \
+    else FN(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out, ml)
+
 CLONES static void attend_one(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
                               int lo, int len, const void *kc, const void *vc, const uint16_t *ks,
                               const uint16_t *vs, int kind, float scale, float softcap, const float *sink,
-                              float *out) {
-    if (D == 64) attend(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
-    else if (D == 128) attend(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
-    else attend(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+                              float *out, float *ml) {
+    BY_HEAD_SIZE(attend);
 }
 
 /* The same contract on AVX-512, keys in the lanes. A key's row is read once for the G heads:
@@ -271,7 +278,7 @@ static inline T512 __attribute__((always_inline)) __mmask16 keys16(int j16, int 
 static inline T512 __attribute__((always_inline)) void attend512(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
         const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
-        float softcap, const float *sink, float *out) {
+        float softcap, const float *sink, float *out, float *ml) {
     const int D = DC * 16, esize = kind == KV_FP8 ? 1 : kind == KV_BF16 ? 2 : 4;
     __m512 qv[MAXG][MAXD / 16], acc[MAXG][MAXD / 16], part[MAXG][16];
     float m[MAXG], l[MAXG], s[MAXG][BS_MAX] __attribute__((aligned(64)));
@@ -340,7 +347,8 @@ static inline T512 __attribute__((always_inline)) void attend512(
             __m512 vsum = _mm512_setzero_ps();
             for (int j16 = j0 / 16 * 16; j16 < n; j16 += 16) {  /* the keys outside j0..n-1 stay unread */
                 const __mmask16 k = keys16(j16, j0, n);
-                __m512 e = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(_mm512_load_ps(s[h] + j16), _mm512_set1_ps(mx))));
+                const __m512 x = _mm512_sub_ps(_mm512_load_ps(s[h] + j16), _mm512_set1_ps(mx));
+                const __m512 e = _mm512_maskz_mov_ps(k, exp_neg16(x));
                 _mm512_store_ps(s[h] + j16, e);
                 vsum = _mm512_add_ps(vsum, e);
             }
@@ -359,18 +367,18 @@ static inline T512 __attribute__((always_inline)) void attend512(
         }
     }
     for (int h = 0; h < G; h++) {
-        float inv = out_scale(m[h], l[h], sink ? sink + h : NULL);
-        for (int c = 0; c < DC; c++) _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv)));
+        float inv = ml ? 1.0f : out_scale(m[h], l[h], sink ? sink + h : NULL);
+        if (ml) ml[2 * h] = m[h], ml[2 * h + 1] = l[h];  /* a part: its sums as they are (merge_parts) */
+        for (int c = 0; c < DC; c++)
+            _mm512_storeu_ps(out + h * D + c * 16, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv)));
     }
 }
 
 T512 static void attend_one512(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks,
                                int lo, int len, const void *kc, const void *vc, const uint16_t *ks,
                                const uint16_t *vs, int kind, float scale, float softcap, const float *sink,
-                               float *out) {
-    if (D == 64) attend512(q, G, 4, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
-    else if (D == 128) attend512(q, G, 8, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
-    else attend512(q, G, D / 16, hkv, g, bs, blocks, lo, len, kc, vc, ks, vs, kind, scale, softcap, sink, out);
+                               float *out, float *ml) {
+    BY_HEAD_SIZE(attend512);
 }
 
 static int avx512_ok(void) {
@@ -382,8 +390,9 @@ static int avx512_ok(void) {
 #define HAVE_ATTEND512 0
 static void attend_one512(const float *q, int G, int D, int hkv, int g, int bs, const int32_t *blocks, int lo,
                           int len, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
-                          float scale, float softcap, const float *sink, float *out) {
-    (void)q; (void)G; (void)D; (void)hkv; (void)g; (void)bs; (void)blocks; (void)lo; (void)len; (void)kc; (void)vc;
+                          float scale, float softcap, const float *sink, float *out, float *ml) {
+    (void)ml; (void)q; (void)G; (void)D; (void)hkv; (void)g; (void)bs; (void)blocks; (void)lo; (void)len;
+    (void)kc; (void)vc;
     (void)ks; (void)vs; (void)kind; (void)scale; (void)softcap; (void)sink; (void)out;
 }
 static int avx512_ok(void) { return 0; }
@@ -400,6 +409,42 @@ int paged_attention_isa(int cap) {
 
 int paged_attention_wide(void) { return HAVE_ATTEND512 && avx512_ok(); }
 
+/* A query's keys lo..len-1 (t: its row, i: its sequence): its position's, within the window. */
+static inline void keys_of(int64_t t, int64_t i, const int32_t *qsl, const int32_t *seq_lens, const int32_t *key_end,
+                           int window, int *lo, int *len) {
+    const int qlen = qsl[i + 1] - qsl[i], pos1 = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1;
+    *lo = window > 0 && pos1 > window ? pos1 - window : 0;
+    *len = key_end ? key_end[t] : pos1;
+}
+
+/* Keys a work item takes at most: a longer query runs as parts whose ends are multiples of
+   SPLIT (a multiple of every block size), so how a query splits depends on its keys alone and
+   a row's bits not on its batch (deterministic mode). */
+#define SPLIT 512
+static inline int num_parts(int lo, int len) {
+    return len - lo <= SPLIT ? 1 : (len - 1) / SPLIT - lo / SPLIT + 1;
+}
+
+/* n parts of one query x G heads (acc [n][G][D] unnormalized, ml [n][G][2] their max and sum)
+   -> out [G][D], as one pass over all the keys would leave it: each part's sums moved to the
+   common max, added in order, the sink joined as out_scale joins it. */
+static void merge_parts(const float *acc, const float *ml, int n, int G, int D, const float *sink, float *out) {
+    for (int h = 0; h < G; h++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int c = 0; c < n; c++) m = ml[(c * G + h) * 2] > m ? ml[(c * G + h) * 2] : m;
+        float *o = out + h * D;
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        for (int c = 0; c < n; c++) {
+            const float f = exp_neg(ml[(c * G + h) * 2] - m);
+            l += ml[(c * G + h) * 2 + 1] * f;
+            const float *a = acc + (c * G + h) * D;
+            for (int d = 0; d < D; d++) o[d] += a[d] * f;
+        }
+        const float inv = out_scale(m, l, sink ? sink + h : NULL);
+        for (int d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
 /* q, out: [T][H][D] fp32. Token t of sequence i (query_start_loc[i] <= t < [i+1]) sits at
    position p = seq_lens[i] - qlen + j and sees keys 0 .. p, or with window > 0 the keys
    p - window < key <= p (transformers' sliding window). softcap > 0: each scaled score s becomes
@@ -408,8 +453,10 @@ int paged_attention_wide(void) { return HAVE_ATTEND512 && avx512_ok(); }
    query sees (its position + 1, or past it inside a bidirectional run: Gemma 3's image tokens),
    or NULL for causal; the window still starts at p - window + 1. Sequences whose query is
    longer than max_q are skipped (their rows of out untouched): a long prefill chunk runs
-   faster through the reference's blocked SDPA. work: scratch of T * hkv int64.
-   Returns 0, or -1 when a shape is past the kernel's fixed limits. */
+   faster through the reference's blocked SDPA. work: scratch of T * hkv int64. A query past
+   SPLIT keys runs as parts (num_parts) that the team shares, merged after (merge_parts).
+   Returns 0, -1 when a shape is past the kernel's fixed limits, -2 when its scratch could not
+   be allocated. */
 int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void *kc, const void *vc,
                     const uint16_t *ks, const uint16_t *vs, int kind, const int32_t *block_table,
                     int64_t bt_stride, const int32_t *seq_lens, const int32_t *qsl, int64_t num_seqs,
@@ -419,22 +466,69 @@ int paged_attention(const float *q, int64_t T, int H, int hkv, int D, const void
     if (hkv <= 0 || G > MAXG || D > MAXD || D % 16 || bs > BS_MAX || G * hkv != H) return -1;
     if (kind == KV_FP8) f16c_ready = f16c_rows_ok();
     const int wide = att_cap >= 2 && paged_attention_wide();
-    int64_t nw = 0;
+    int64_t nw = 0, nparts = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (qsl[i + 1] - qsl[i] > max_q) continue;
-        for (int64_t t = qsl[i]; t < qsl[i + 1]; t++)
+        for (int64_t t = qsl[i]; t < qsl[i + 1]; t++) {
+            int lo, len;
+            keys_of(t, i, qsl, seq_lens, key_end, window, &lo, &len);
+            const int parts = num_parts(lo, len);
             for (int g = 0; g < hkv; g++) work[nw++] = ((t * hkv + g) << 20) | i;  /* i < 2^20 */
+            nparts += parts > 1 ? (int64_t)parts * hkv : 0;
+        }
+    }
+    /* Queries past SPLIT keys run as parts of SPLIT keys each (items: query x head x part), so
+       that a few long sequences still share the team; each part's sums (ml, acc) merge after. */
+    int64_t *items = NULL, ni = nw;
+    float *pacc = NULL, *pml = NULL;
+    if (nparts) {
+        items = malloc(sizeof(int64_t) * 2 * (size_t)(nw + nparts));
+        pacc = malloc(sizeof(float) * (size_t)nparts * G * D);
+        pml = malloc(sizeof(float) * (size_t)nparts * G * 2);
+        if (!items || !pacc || !pml) { free(items); free(pacc); free(pml); return -2; }
+        ni = 0;
+        for (int64_t w = 0, p = 0; w < nw; w++) {
+            int64_t i = work[w] & ((1 << 20) - 1), t = (work[w] >> 20) / hkv;
+            int lo, len;
+            keys_of(t, i, qsl, seq_lens, key_end, window, &lo, &len);
+            const int parts = num_parts(lo, len);
+            for (int c = 0; c < parts; c++) {  /* (work entry, part index p or -1: the whole query) */
+                items[2 * ni] = w | ((int64_t)c << 44);
+                items[2 * ni + 1] = parts > 1 ? p++ : -1;
+                ni++;
+            }
+        }
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t w = 0; w < nw; w++) {
+    for (int64_t k = 0; k < ni; k++) {
+        const int64_t w = items ? items[2 * k] & ((1LL << 44) - 1) : k, part = items ? items[2 * k + 1] : -1;
+        const int c = items ? (int)(items[2 * k] >> 44) : 0;
         int64_t i = work[w] & ((1 << 20) - 1), tg = work[w] >> 20, t = tg / hkv;
-        int g = (int)(tg % hkv), qlen = qsl[i + 1] - qsl[i];
-        int pos1 = seq_lens[i] - qlen + (int)(t - qsl[i]) + 1, lo = window > 0 && pos1 > window ? pos1 - window : 0;
-        int len = key_end ? key_end[t] : pos1;
+        int g = (int)(tg % hkv), lo, len;
+        keys_of(t, i, qsl, seq_lens, key_end, window, &lo, &len);
+        if (part >= 0) {  /* keys of part c: from the window's start or a multiple of SPLIT, to the next */
+            const int a = lo / SPLIT * SPLIT + c * SPLIT;
+            lo = a > lo ? a : lo;
+            len = a + SPLIT < len ? a + SPLIT : len;
+        }
         (wide ? attend_one512 : attend_one)(q + (t * H + (int64_t)g * G) * D, G, D, hkv, g, bs,
                                             block_table + i * bt_stride, lo, len, kc, vc, ks, vs, kind, scale,
                                             softcap, sinks ? sinks + (int64_t)g * G : NULL,
-                                            out + (t * H + (int64_t)g * G) * D);
+                                            part >= 0 ? pacc + part * G * D : out + (t * H + (int64_t)g * G) * D,
+                                            part >= 0 ? pml + part * G * 2 : NULL);
+    }
+    if (nparts) {  /* each split query's parts, merged in order */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t k = 0; k < ni; k++) {
+            const int64_t w = items[2 * k] & ((1LL << 44) - 1), part = items[2 * k + 1];
+            if (part < 0 || (items[2 * k] >> 44) != 0) continue;  /* the first part of each split query */
+            int64_t i = work[w] & ((1 << 20) - 1), tg = work[w] >> 20, t = tg / hkv;
+            int g = (int)(tg % hkv), lo, len;
+            keys_of(t, i, qsl, seq_lens, key_end, window, &lo, &len);
+            merge_parts(pacc + part * G * D, pml + part * G * 2, num_parts(lo, len), G, D,
+                        sinks ? sinks + (int64_t)g * G : NULL, out + (t * H + (int64_t)g * G) * D);
+        }
+        free(items), free(pacc), free(pml);
     }
     return 0;
 }
