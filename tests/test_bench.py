@@ -302,3 +302,25 @@ def test_the_header_says_when_the_large_steps_run_in_bf16_on_amx():
     assert "cpu-amx" not in rep.header()
     rep.data["env"]["cpu_amx"] = True  # a file from before the modes: --cpu-amx ran every step on AMX
     assert "cpu-amx=all" in rep.header()
+
+
+def test_a_steps_read_counts_the_experts_its_rows_reach(tmp_path):
+    """Of a mixture of experts a one-row step reads k of E experts; a step of more rows the share
+    uniform routing reaches, all of them in the limit (the dense weights always, in full)."""
+    from ridge.bench.decode import weights_read
+    from ridge.models.loader import load_model
+    from ridge.quant.experts import FP8Experts
+    from test_families import build_hf
+    from test_moe import VARIANTS
+
+    _, path = build_hf(tmp_path, "qwen3_moe", VARIANTS["qwen3_moe"][1])
+    lm = load_model(path, device="cpu", use_cache=False, show_progress=False)
+    layers = [m for m in lm.model.modules()
+              if hasattr(m, "router") and isinstance(getattr(m, "experts", None), FP8Experts)]
+    k, E = layers[0].router.k, layers[0].experts.shapes["gate_up_proj"][0]
+    every = weights_read(lm.model, 10 ** 6)
+    one = weights_read(lm.model, 1)
+    experts = sum(t.numel() * t.element_size() for m in layers for t in m.experts._buffers.values()
+                  if t is not None)
+    assert one == pytest.approx(every - experts * (1 - k / E), rel=1e-6)
+    assert one < weights_read(lm.model, 4) < every

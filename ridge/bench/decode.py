@@ -127,14 +127,21 @@ def _uncontended(timed, retries: int) -> tuple[object, float, int]:
     return r, util, attempt + 1
 
 
-def weights_read(model) -> int:
-    """Bytes a decode step's products read of the weights: every linear layer's weight as held
-    (packed bytes and scales on a CPU), the head's included; a mixture of experts' every expert
-    (an upper bound: a step reads the routed ones)."""
+def weights_read(model, rows: int = 1) -> int:
+    """Bytes a decode step of `rows` rows reads of the weights with its products: every linear
+    layer's weight as held (packed bytes and scales on a CPU), the head's included; of a mixture
+    of experts, the share of its experts such a step reaches under uniform routing (k of E at
+    one row, 1 - (1 - k/E)^rows of them in general: the expected count, not the routed one)."""
     from ridge.quant.experts import FP8Experts
     from ridge.quant.linear import FP8Linear
 
-    seen, total = set(), 0
+    share = {}
+    for m in model.modules():  # a router beside its experts (models/layers/moe.py's SparseMlp)
+        experts, router = getattr(m, "experts", None), getattr(m, "router", None)
+        if isinstance(experts, FP8Experts) and router is not None:
+            num = experts.shapes["gate_up_proj"][0]
+            share[id(experts)] = 1.0 - (1.0 - min(router.k, num) / num) ** rows
+    seen, total = set(), 0.0
     for m in model.modules():
         if isinstance(m, FP8Linear):
             tensors = (m.weight, m.weight_scale)
@@ -145,8 +152,8 @@ def weights_read(model) -> int:
         for t in tensors:
             if t is not None and t.numel() and t.data_ptr() not in seen:  # a tied head: the table's bytes, once
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
+                total += t.numel() * t.element_size() * share.get(id(m), 1.0)
+    return int(total)
 
 
 def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: int = 4, retries: int = 2,
@@ -181,7 +188,7 @@ def run_overhead(engine, batch: int, context: int, steps: int, profile_steps: in
         (_, bd), _, _ = _uncontended(lambda: (None, _breakdown(fx, profile_steps)), retries)
         s, m = statistics.median(step_t), statistics.median(mm_t)
         # What the step reads: the weights once, and each sequence's KV over its context.
-        read = weights_read(engine.model) + batch * fx.context * engine.memory.kv_bytes_per_token
+        read = weights_read(engine.model, batch) + batch * fx.context * engine.memory.kv_bytes_per_token
         return {"batch": batch, "context": fx.context, "steps": steps, "mode": mode,
                 "read_bytes_per_token": read / batch, "read_gbs": read / s / 1e9,
                 "of_bandwidth": read / s / bandwidth if bandwidth else None,

@@ -92,7 +92,8 @@ class Report:
                 f"bf16 where faster (up to {e['cpu_lowp_max_tokens']} tok), else fp32"
         amx = {True: "all", False: "off", None: "off"}.get(e.get("cpu_amx"), e.get("cpu_amx"))  # older files: a bool
         if amx != "off":
-            label += f" cpu-amx={amx} (the large {'decode ' if amx == 'decode' else ''}steps' activations in bf16 on AMX)"
+            which = "decode " if amx == "decode" else ""
+            label += f" cpu-amx={amx} (the large {which}steps' activations in bf16 on AMX)"
         return f"[{label}]\n$ {self.data['command']}"
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:
@@ -194,7 +195,9 @@ class Report:
         note = ("matmul = every linear layer (qkv, o, gate_up, down x layers, and the logits) over the step's "
                 "rows, run as the step ran (one CUDA graph replay, or eagerly), synchronized, median; per-op step = "
                 "the same step with the layers one op at a time, alternating with the one-call step (CPU); "
-                "read = the weights' bytes as held plus each sequence's KV over its context, per step")
+                "read = the weights' bytes as held (a mixture of experts: the share of its experts a step "
+                "of that many rows reaches under uniform routing) plus each sequence's KV over its context, "
+                "per step")
         if bandwidth:
             note += f"; of bound = read GB/s over the memory's read bandwidth with this thread team, {bandwidth / 1e9:.1f} GB/s"
         weights = min((r["read_bytes_per_token"] * r["batch"] for r in rows), default=0)
