@@ -99,11 +99,22 @@ static inline __attribute__((always_inline)) float out_scale(float m, float l, c
    value 0, after the last block. DC: D / 16, a constant where inlined for the common head sizes. */
 static int f16c_ready;  /* set once per call of paged_attention, before the threads start */
 
+/* Key j's K and V rows of the block whose (slot, head) row of key 0 is nb, fetched ahead: the
+   block table scatters blocks where no hardware prefetcher follows. */
+static inline __attribute__((always_inline)) void fetch_rows(const void *kc, const void *vc, int64_t nb, int j,
+                                                             int hkv, int D, int esize) {
+    const int64_t off = (nb + (int64_t)j * hkv) * D * esize;
+    for (int o = 0; o < D * esize; o += 64) {
+        __builtin_prefetch((const char *)kc + off + o, 0, 3);
+        __builtin_prefetch((const char *)vc + off + o, 0, 3);
+    }
+}
+
 static inline __attribute__((always_inline)) void attend(
         const float *q, int G, int DC, int hkv, int g, int bs, const int32_t *blocks, int lo, int len,
         const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind, float scale,
         float softcap, const float *sink, float *out, float *ml) {
-    const int D = DC * 16;
+    const int D = DC * 16, esize = kind == KV_FP8 ? 1 : kind == KV_BF16 ? 2 : 4;
     const int f16c_rows = kind == KV_FP8 && f16c_ready;
     v16 acc[MAXG][MAXD / 16], qv[MAXG][MAXD / 16];
     float m[MAXG], l[MAXG], s[MAXG][BS_MAX];
@@ -116,11 +127,15 @@ static inline __attribute__((always_inline)) void attend(
     for (int start = lo / bs * bs; start < len; start += bs) {
         int n = len - start < bs ? len - start : bs, j0 = start < lo ? lo - start : 0;  /* keys j0..n-1 */
         int64_t base = ((int64_t)blocks[start / bs] * bs) * hkv + g;  /* (slot, head) row of key 0 */
+        const int nn = start + bs < len ? (len - start - bs < bs ? len - start - bs : bs) : 0;
+        const int64_t nb = nn ? ((int64_t)blocks[start / bs + 1] * bs) * hkv + g : 0;
+        for (int j = 0; j < j0 && j < nn; j++) fetch_rows(kc, vc, nb, j, hkv, D, esize);
         const float *kr[BS_MAX], *vr[BS_MAX];
         if (kind == KV_FP8) {
             const uint8_t *k8 = kc, *v8 = vc;
             for (int j = j0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
+                if (j < nn) fetch_rows(kc, vc, nb, j, hkv, D, esize);
                 _Float16 a, b; memcpy(&a, ks + r, 2); memcpy(&b, vs + r, 2);
                 float sk = (float)a * 256.0f, sv = (float)b * 256.0f;  /* e4m3x16 gives value / 256 */
                 if (f16c_rows) {
@@ -138,6 +153,7 @@ static inline __attribute__((always_inline)) void attend(
             const uint16_t *k16 = kc, *v16p = vc;
             for (int j = j0; j < n; j++) {
                 int64_t r = (base + (int64_t)j * hkv) * D;
+                if (j < nn) fetch_rows(kc, vc, nb, j, hkv, D, esize);
                 uint32_t *kw = (uint32_t *)kb[j], *vw = (uint32_t *)vb[j];
                 for (int d = 0; d < D; d++) { kw[d] = (uint32_t)k16[r + d] << 16; vw[d] = (uint32_t)v16p[r + d] << 16; }
                 kr[j] = kb[j]; vr[j] = vb[j];
@@ -145,6 +161,7 @@ static inline __attribute__((always_inline)) void attend(
         } else {
             for (int j = j0; j < n; j++) {
                 int64_t r = base + (int64_t)j * hkv;
+                if (j < nn) fetch_rows(kc, vc, nb, j, hkv, D, esize);
                 kr[j] = (const float *)kc + r * D; vr[j] = (const float *)vc + r * D;
             }
         }
@@ -308,11 +325,7 @@ static inline T512 __attribute__((always_inline)) void attend512(
         }
         for (int j16 = j0 / 16 * 16; j16 < n; j16 += 16) {  /* 16 keys' scores a vector per head */
             for (int j = j16; j < j16 + 16; j++) {
-                if (j < nn)
-                    for (int o = 0; o < D * esize; o += 64) {
-                        _mm_prefetch((const char *)kc + (nb + (int64_t)j * hkv) * D * esize + o, _MM_HINT_T0);
-                        _mm_prefetch((const char *)vc + (nb + (int64_t)j * hkv) * D * esize + o, _MM_HINT_T0);
-                    }
+                if (j < nn) fetch_rows(kc, vc, nb, j, hkv, D, esize);
                 if (j < j0 || j >= n) {
                     for (int h = 0; h < G; h++) part[h][j - j16] = _mm512_setzero_ps();
                     continue;
