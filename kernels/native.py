@@ -129,6 +129,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_attention.argtypes = [p, i64, i32, i32, i32, p, p, p, p, i32, p, i64, p, p, i64, i32, f32, i32, f32,
                                     p, p, i32, p, p, i32]
     lib.paged_attention.restype = i32
+    lib.argmax_rows.argtypes, lib.argmax_rows.restype = [p, i64, i64, i64, p, i32], i32
     lib.moe_route.argtypes, lib.moe_route.restype = [p, i64, i64, p, p, i64, i64, i32, i32, p, p, i32], i32
     lib.paged_attention_isa.argtypes, lib.paged_attention_isa.restype = [i32], i32
     lib.paged_attention_wide.argtypes, lib.paged_attention_wide.restype = [], i32

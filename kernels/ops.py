@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import activation, attention_native, decoder_native, kv_cache, moe, native, norm, rope as rope_impl
+from . import activation, attention_native, decoder_native, kv_cache, moe, native, norm, rope as rope_impl, sample
 from .activation import gelu_and_mul_ref, gelu_tanh_and_mul_ref, silu_and_mul_native, silu_and_mul_ref
 from .attention import paged_attention_ref
 from .attention_native import paged_attention_native
@@ -249,6 +249,14 @@ def fused_moe(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_ids, top
 
 def _silu_and_mul_any(h):
     return _silu_and_mul_cpu(h)(h)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] int64, each row's first largest value (kernels/sample.py): ridge's C kernel
+    on a CPU where it takes x, torch's argmax elsewhere."""
+    if not x.is_cuda and _FORCE is None and sample.native_fits(x):
+        return sample.argmax_native(x)
+    return sample.argmax_ref(x)
 
 
 def moe_route(h, weight, bias, kind: str, k: int, norm: bool):

@@ -188,3 +188,25 @@ def test_partial_rotary_rotates_only_the_leading_dims(backend, dim, rotary):
     assert_close(out_q, want_q)
     assert_close(out_k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before), "V must be untouched"
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 49152), (3, 17), (5, 1), (7, 33), (2, 151936)])
+def test_argmax_is_torchs(rows, cols):
+    """ops.argmax (kernels/sample.py's C kernel on a CPU) against torch.argmax: random rows, equal
+    maxima in and past the 16-lane steps (the first wins), NaNs (the first wins), rows of -inf,
+    and a strided view (the rows of a wider block)."""
+    from ridge.kernels import sample
+
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols + 5, generator=g)[:, :cols]
+    assert sample.native_fits(x) and (rows == 1 or not x.is_contiguous())
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+    x = x.contiguous()
+    if cols > 20:
+        x[:, 3] = x[:, cols - 1] = x[:, 19] = 1e3
+        assert torch.equal(ops.argmax(x), torch.full((rows,), 3))
+        x[rows - 1, 9] = x[rows - 1, cols - 2] = float("nan")
+        assert torch.equal(ops.argmax(x), x.argmax(-1)) and ops.argmax(x)[rows - 1] == 9
+    x[0] = float("-inf")
+    assert torch.equal(ops.argmax(x), x.argmax(-1))

@@ -213,3 +213,43 @@ CLONES int moe_route(const float *h, int64_t T, int64_t H, const float *W, const
     }
     return ties;
 }
+
+/* out[r] = the index of row r's largest value (x [rows][ld], n columns), as torch.argmax: the
+   first of equal maxima, the first NaN where a row has one. Rows share the team; each row runs
+   16 lanes a step, each lane keeping its first maximum, the lanes then folded by value and
+   index (kernels/sample.py, argmax_ref). */
+CLONES int argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int nthreads) {
+    if (n < 1) return -1;
+#pragma omp parallel for num_threads(nthreads) if (rows * n >= 4 * PAR_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ld;
+        float best[16];
+        int64_t at[16];
+        int nan = 0;
+        const int64_t full = n / 16 * 16;
+        for (int l = 0; l < 16; l++) { best[l] = -INFINITY; at[l] = -1; }
+        for (int64_t j = 0; j < full; j += 16) {
+#pragma omp simd reduction(| : nan)
+            for (int l = 0; l < 16; l++) {
+                const float e = v[j + l];
+                const int gt = e > best[l] || at[l] < 0;
+                best[l] = gt ? e : best[l];
+                at[l] = gt ? j + l : at[l];
+                nan |= e != e;
+            }
+        }
+        int64_t idx = -1;
+        float m = -INFINITY;
+        for (int l = 0; l < 16; l++)  /* the lanes: the largest value, the lowest index among its equals */
+            if (at[l] >= 0 && (idx < 0 || best[l] > m || (best[l] == m && at[l] < idx))) { m = best[l]; idx = at[l]; }
+        for (int64_t j = full; j < n; j++) {
+            nan |= v[j] != v[j];
+            if (idx < 0 || v[j] > m) { m = v[j]; idx = j; }
+        }
+        if (nan)  /* torch's rule: a NaN is the largest, the first one taken */
+            for (int64_t j = 0; j < n; j++)
+                if (v[j] != v[j]) { idx = j; break; }
+        out[r] = idx;
+    }
+    return 0;
+}

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.kernels import ops
+
 from .request import Request
 from .sampler_chain import adjust_logits, chain_probs, mirostat_update
 from .sampler_keys import keyed_generator, keyed_seed, to_device  # noqa: F401  (their home before sampler_keys.py)
@@ -130,7 +132,7 @@ class Sampler:
         A mirostat row's mu then moves by the drawn token's surprise (plain decoding only: such a
         request never speculates, SamplingParams.plain_decoding)."""
         p = self.probs(logits, reqs, positions)
-        tokens = (p / self.noise(p, reqs, positions)).argmax(dim=-1)
+        tokens = ops.argmax(p / self.noise(p, reqs, positions))
         miro = [i for i, r in enumerate(reqs) if r.params.mirostat]
         if miro:
             rows = to_device(miro, torch.int64, logits.device)
@@ -188,7 +190,7 @@ class Sampler:
         raw = logits if raw is None else raw
         # Penalties, logit_bias and DRY change the logits the argmax and every sampler read.
         logits = adjust_logits(logits.clone(), reqs) if any(r.params._adjusts for r in reqs) else logits
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.argmax(logits)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(sampled) == len(reqs):
             tokens = self.sample_tokens(logits, reqs, positions)

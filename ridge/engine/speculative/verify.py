@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.kernels import ops
+
 from ..sampler import to_device
 
 Item = tuple  # (ScheduledRequest, first logits row, rows: its drafts + 1)
@@ -77,7 +79,7 @@ def verify_batch(logits: torch.Tensor, items: list[Item], sampler) -> Verified:
     if greedy:
         rows = logits.index_select(0, _rows(greedy, logits.device))
         drawn = [i for i, (s, _, n) in enumerate(greedy) if not s.request.params.greedy]
-        best = rows.argmax(dim=-1)
+        best = ops.argmax(rows)
         if drawn:  # the deterministic sampled requests' rows: their keyed draws in place of the argmax
             span = [(sum(n for _, _, n in greedy[:i]), greedy[i]) for i in drawn]
             idx = [f + j for f, (_, _, n) in span for j in range(n)]
@@ -121,5 +123,5 @@ def _sample(logits: torch.Tensor, items: list[Item], sampler) -> torch.Tensor:
     accept = (u * qd <= pd) & (pd > 0) & to_device(is_draft, torch.bool, dev)
     residual = (p - q).clamp(min=0)
     dist = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
-    cand = (dist / sampler.noise(dist, reqs)).argmax(dim=-1)  # exponential race: unnormalised weights are fine
+    cand = ops.argmax(dist / sampler.noise(dist, reqs))  # exponential race: unnormalised weights are fine
     return torch.cat([accept.long(), cand])
