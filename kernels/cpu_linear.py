@@ -267,10 +267,15 @@ class CpuLinear:
     code: str = "e4m3"  # what packed's bytes are: e4m3, or "i8" (int8 codes, scales not times 256)
     isa: int = 0  # the streaming kernel's instruction set (native.fp8_linear_isa) where its runs use it
     bf16_tiles: str = "off"  # AMX_MODES: where the blocked product runs on AMX (x rounded to bf16), if tiles_bf16()
+    # e4m3: the k pairs holding a subnormal or NaN code (native.special_map), made with the
+    # packing; the AVX-512 streaming product converts the others by shifts
+    special: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.weight is not None:
             self.shape = tuple(self.weight.shape)
+        if self.packed is not None and self.code == "e4m3" and self.special is None:
+            self.special = native.special_map(self.packed)
 
     @classmethod
     def from_fp8(cls, w: torch.Tensor, scale: torch.Tensor) -> "CpuLinear":
@@ -332,13 +337,14 @@ class CpuLinear:
     def _stream(self, x: torch.Tensor, isa: int) -> torch.Tensor | None:
         if native.library() is None:
             return None
-        return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa, self.code == "i8"), x)
+        return self._cut(native.fp8_linear(x.float(), self.packed, self.scale, isa, self.code == "i8", self.special), x)
 
     def _streamer(self, isa: int):
         """The streaming product bound to this weight (native.fp8_linear_call): a one-row step
         makes about 120 of these calls, so the checks are made once. A weight replaced since
         (packed rebound) takes the checked path."""
-        packed, call, n = self.packed, native.fp8_linear_call(self.packed, self.scale, isa, self.code == "i8"), self.shape[0]
+        packed, n = self.packed, self.shape[0]
+        call = native.fp8_linear_call(packed, self.scale, isa, self.code == "i8", self.special)
 
         def run(x: torch.Tensor) -> torch.Tensor | None:
             y = call(x) if self.packed is packed else None

@@ -31,7 +31,7 @@ PLAIN_KV = (torch.float32, torch.bfloat16)  # an FP8 cache rotates q, k and v fi
 
 class _Linear(ctypes.Structure):
     _fields_ = [("w", _p), ("s", _p), ("bias", _p), ("sbf", _i64), ("gk", _i64), ("n", _i64), ("k", _i64),
-                ("i8", _i64), ("isa", _i64), ("tb", _i64), ("bf16", _i64), ("gemm", _p)]
+                ("i8", _i64), ("isa", _i64), ("tb", _i64), ("bf16", _i64), ("gemm", _p), ("map", _p)]
 
 
 class _Moe(ctypes.Structure):
@@ -146,7 +146,8 @@ def _linear(p: CpuLinear, bias: torch.Tensor | None, rows: int, keep: list) -> _
     bf16 = tiles and p.tiles_in_bf16()
     return _Linear(p.packed.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), sbf, gk,
                    p.shape[0], p.shape[1], int(p.code == "i8"), 0 if tiles else p.isa,
-                   native.tile_blocks(p.shape[1]) if tiles else 0, int(bf16), native.sgemm() if tiles else None)
+                   native.tile_blocks(p.shape[1]) if tiles else 0, int(bf16), native.sgemm() if tiles else None,
+                   None if tiles or p.special is None else p.special.data_ptr())
 
 
 def _moe(m: MoeSpec) -> _Moe:

@@ -111,8 +111,9 @@ def _build(cc: str, out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.fp8_linear_isa.argtypes, lib.fp8_linear_isa.restype = [], i32
-    lib.fp8_linear_force_novbmi.argtypes, lib.fp8_linear_force_novbmi.restype = [i32], i32  # tests: VBMI off/on
-    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, i32]
+    lib.fp8_linear_force_conversion.argtypes, lib.fp8_linear_force_conversion.restype = [i32], i32  # tests
+    lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, p, i32]
+    lib.fp8_special_map.argtypes, lib.fp8_special_map.restype = [p, i64, i64, p, i32], i64
     lib.fp8_linear_grouped.restype = i32
     lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32, i32]
     lib.fp8_linear_tiles.restype = i32
@@ -256,24 +257,29 @@ def _product(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, call
 
 
 def fp8_linear(x: torch.Tensor, packed: torch.Tensor, scale256: torch.Tensor, isa: int,
-               i8: bool = False) -> torch.Tensor:
+               i8: bool = False, special: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 @ (e4m3 weight * scale).T -> [M, N] fp32, streaming the bytes (the product of
     few rows). packed: cpu_linear.pack_fp8's [N/16, K/2, 16, 2] bytes; scale256: the scales times
-    256, as _scales takes them. i8: the bytes are int8 codes (pack_q8) and the scales as they are."""
+    256, as _scales takes them. i8: the bytes are int8 codes (pack_q8) and the scales as they are.
+    special: packed's special_map, which lets AVX-512 convert by shifts (None: by tables)."""
+    mp = _map_ptr(packed, special)
+
     def fp8_linear_grouped(x, s, gk, sbf, y):
         return library().fp8_linear_grouped(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), s.data_ptr(),
-                                            sbf, y.shape[1], gk, y.data_ptr(), isa, int(i8), torch.get_num_threads())
+                                            sbf, y.shape[1], gk, y.data_ptr(), isa, int(i8), mp,
+                                            torch.get_num_threads())
     return _product(x, packed, scale256, fp8_linear_grouped)
 
 
-def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: bool = False):
+def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: bool = False,
+                    special: torch.Tensor | None = None):
     """fp8_linear bound to one weight: its checks and pointers taken once, so that each of a
     step's products pays one ctypes call (fp8_linear's checks cost about 25 us a call, more than
     a one-row product of a small layer's bytes). -> call(x) -> y [M, N padded] fp32, or None
     where the library is off (native.off) or x is not a contiguous fp32 [M, K]."""
     scale256, gk, sbf = _scales(packed, scale256)
     n, k = packed.shape[0] * 16, packed.shape[1] * 2
-    wp, sp, i8 = packed.data_ptr(), scale256.data_ptr(), int(i8)
+    wp, sp, i8, mp = packed.data_ptr(), scale256.data_ptr(), int(i8), _map_ptr(packed, special)
     f32, empty, threads = torch.float32, torch.empty, torch.get_num_threads
 
     def call(x: torch.Tensor) -> torch.Tensor | None:
@@ -282,11 +288,33 @@ def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: 
             return None
         m = x.shape[0]
         y = empty((m, n), dtype=f32)
-        if m and lib.fp8_linear_grouped(x.data_ptr(), m, k, wp, sp, sbf, n, gk, y.data_ptr(), isa, i8, threads()):
+        if m and lib.fp8_linear_grouped(x.data_ptr(), m, k, wp, sp, sbf, n, gk, y.data_ptr(), isa, i8, mp, threads()):
             raise RuntimeError("fp8_linear_grouped: not built here")
         return y
-    call.weights = (packed, scale256)  # held: the pointers above are theirs
+    call.weights = (packed, scale256, special)  # held: the pointers above are theirs
     return call
+
+
+def special_map(packed: torch.Tensor) -> torch.Tensor | None:
+    """The map of a packed e4m3 weight's k pairs that hold a subnormal or NaN code (a bit a pair,
+    [N/16, K/16 + 2] bytes): with it the AVX-512 product converts every other pair by shifts
+    (kernels/csrc/fp8_linear.c). None where the library is not built."""
+    nb, kp = packed.shape[:2]
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[2:] == (16, 2), packed.shape
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty((nb, kp // 8 + 2), dtype=torch.uint8)
+    marked = lib.fp8_special_map(packed.data_ptr(), nb, kp, out.data_ptr(), torch.get_num_threads())
+    return out if marked >= 0 else None
+
+
+def _map_ptr(packed: torch.Tensor, special: torch.Tensor | None) -> int | None:
+    if special is None:
+        return None
+    assert special.dtype == torch.uint8 and special.shape == (packed.shape[0], packed.shape[1] // 8 + 2) \
+        and special.is_contiguous(), (special.shape, packed.shape)
+    return special.data_ptr()
 
 
 def sgemm() -> int | None:

@@ -340,29 +340,34 @@ def test_ops_takes_the_c_kernels_for_the_calls_a_model_step_makes(tokens, cache_
         assert ops.backend("silu_and_mul", torch.randn(tokens, 2 * 1536)) is silu_and_mul_ref
 
 
-def _force_novbmi(on: bool) -> int:
-    """kernels/csrc/fp8_linear.c's test hook: 1 forces the AVX-512 e4m3 widening where the CPU has
-    VBMI, 0 restores the CPU's choice. -> 1 where the VBMI conversion is in use after the call."""
+CONVERSIONS = {"shift": 2, "vbmi": 1, "widen": 0}  # kernels/csrc/fp8_linear.c's conv_on
+
+
+def _force_conversion(c: int) -> int:
+    """kernels/csrc/fp8_linear.c's test hook: forces the narrower of AVX-512 e4m3 conversion c
+    (CONVERSIONS) and the CPU's best; c < 0 restores the CPU's choice. -> the one in use after."""
     import ctypes
 
     lib = native.library()
-    lib.fp8_linear_force_novbmi.argtypes, lib.fp8_linear_force_novbmi.restype = [ctypes.c_int], ctypes.c_int
-    return lib.fp8_linear_force_novbmi(int(on))
+    lib.fp8_linear_force_conversion.argtypes, lib.fp8_linear_force_conversion.restype = [ctypes.c_int], ctypes.c_int
+    return lib.fp8_linear_force_conversion(c)
 
 
 def _conversions() -> list[str]:
-    """The AVX-512 e4m3 conversions this CPU can run: VBMI's lookups where it has them, and the
-    widening that CPUs without VBMI run (forced where VBMI is present)."""
-    return ["vbmi", "widen"] if _force_novbmi(False) else ["widen"]
+    """The AVX-512 e4m3 conversions this CPU can run: shifts with the tables for the rare chunk
+    (VBMI and GFNI), VBMI's table lookups, and the widening CPUs without VBMI run."""
+    best = _force_conversion(-1)
+    return [name for name, c in CONVERSIONS.items() if c <= best]
 
 
 def _product_by(conv, x, packed, s256):
-    """native.fp8_linear on AVX-512 through one conversion; the CPU's own choice restored after."""
-    _force_novbmi(conv == "widen")
+    """native.fp8_linear on AVX-512 through one conversion (with the weight's map, which the
+    shifts need); the CPU's own choice restored after."""
+    _force_conversion(CONVERSIONS[conv])
     try:
-        return native.fp8_linear(x, packed, s256, 2)
+        return native.fp8_linear(x, packed, s256, 2, special=native.special_map(packed))
     finally:
-        _force_novbmi(False)
+        _force_conversion(-1)
 
 
 def _every_byte(n, k):
@@ -377,7 +382,8 @@ def test_every_e4m3_code_converts_exactly_at_every_row_count():
     output is one weight times its scale, exact in fp32, so it must equal the torch upcast
     bit for bit, through the one-row path, the converting tiles (2-8 rows) and the widened
     panel (> 8 rows), by each conversion. NaN (0x7f, 0xff) poisons its output column, as in
-    torch: VBMI reads it as NaN; the widening as 480, so those columns are held apart."""
+    torch: the tables (and the shifts, which hand such a chunk to them) read it as NaN; the
+    widening as 480, so those columns are held apart."""
     n, k = 256, 64
     q = _every_byte(n, k)
     g = torch.Generator().manual_seed(45)
@@ -392,33 +398,102 @@ def test_every_e4m3_code_converts_exactly_at_every_row_count():
         for m0, m1 in steps:
             y, ref = _product_by(conv, eye[m0:m1], packed, s256), ref_w.T[m0:m1]
             assert torch.equal(y[:, ~nan_col], ref[:, ~nan_col]), (conv, m0, m1)
-            if conv == "vbmi":
+            if conv != "widen":
                 assert torch.isnan(y[:, nan_col]).all()
 
 
-@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 BF16 product")
-@pytest.mark.parametrize("k,groups", [(34, 17), (34, 3), (34, 1), (576, 36), (130, 1)])
-def test_vbmi_conversion_gives_the_widenings_bits(k, groups):
-    """The VBMI conversion against the widening it replaces, on random rows over every code but
-    NaN, bit for bit: odd counts of k pairs per group and per row (one pair left over after the
-    conversion's two-pair steps), fp32 channel and bf16 group scales, every path by row count;
-    and a row's bits the same alone as in any step."""
-    n = 256 + 16 * 3  # blocks left over past the one-row path's runs of four and two
-    q = _every_byte(n, k).view(torch.uint8)
+def _sparse_specials(n, k, g):
+    """[n, k] e4m3 of exponents 1-15 (the shifts' own chunks) with a few zeros, subnormals and
+    NaN scattered, so that a row's chunks alternate between the shifts and the tables."""
+    q = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    q = (q & 0x87) | ((torch.randint(1, 16, (n, k), generator=g, dtype=torch.uint8)) << 3)
     q[(q & 0x7f) == 0x7f] = 0x7e
-    q = q.view(FP8)
+    hit = torch.rand(n, k, generator=g) < 0.004
+    special = torch.tensor([0x00, 0x80, 0x01, 0x83, 0x07, 0x86, 0x7f, 0xff], dtype=torch.uint8)
+    q[hit] = special[torch.randint(0, len(special), (int(hit.sum()),), generator=g)]
+    return q
+
+
+def test_special_map_marks_the_pairs_holding_a_subnormal_or_nan():
+    """The shifts' map against torch: bit p of block b's row set exactly where pair p's 32 bytes
+    hold a subnormal (exponent 0, mantissa not 0) or NaN; zeros and normals unmarked."""
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((32, 34), (48, 576), (16, 2)):
+        q = _sparse_specials(n, k, g)
+        packed = pack_fp8(q.view(FP8))
+        got = native.special_map(packed)
+        nb, kp = packed.shape[:2]
+        assert got.shape == (nb, kp // 8 + 2)
+        mag = packed.view(nb, kp, 32) & 0x7F
+        want = (((mag >= 1) & (mag <= 7)) | (mag == 0x7F)).any(2)
+        bits = (got[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+        assert torch.equal(bits.reshape(nb, -1)[:, :kp].bool(), want)
+        assert not bits.reshape(nb, -1)[:, kp:].any()
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 BF16 product")
+def test_shifts_scale_the_activations_without_changing_a_bit():
+    """The shifts take the activations times 2^112: zeros and bf16 denormals (zeros to the dot
+    product) stay zeros of their sign, and a step holding |x| >= 2^16 or a non-finite value goes
+    to the tables whole; each gives the tables' bits, at 1, 2-8 and 9 rows."""
+    if "shift" not in _conversions():
+        pytest.skip("the shifts need VBMI")
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 96
+    q = _sparse_specials(n, k, g)
+    q[(q & 0x7F) == 0x7F] = 0x7E
+    packed = pack_fp8(q.view(FP8))
+    s256 = kernel_scales((torch.rand(n, k // 16, generator=g) * 0.01 + 1e-3).to(torch.bfloat16), (n, k))
+    x = torch.randn(9, k, generator=g)
+    x[0, :5] = torch.tensor([0.0, -0.0, 1e-39, -1e-39, 3e-40])
+    x[1, 3] = 70000.0
+    x[2, 7] = float("inf")
+    x[3, :4] = torch.tensor([-65000.0, 32768.0, 2.0 ** -120, -(2.0 ** -126)])
+    for rows in ([0], [0, 3], [0, 1], [2, 4, 5], list(range(9)), [3], [1]):
+        a, b = (_product_by(c, x[rows], packed, s256) for c in ("shift", "vbmi"))
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), rows
+
+
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 BF16 product")
+@pytest.mark.parametrize("codes", ["every", "sparse"])
+@pytest.mark.parametrize("k,groups", [(34, 17), (34, 3), (34, 1), (576, 36), (130, 1)])
+def test_conversions_give_the_same_bits(k, groups, codes):
+    """Each AVX-512 conversion against the others, bit for bit: every code but NaN in each
+    chunk (the shifts hand every chunk to the tables), or the shifts' own codes with a few
+    zeros, subnormals and NaN scattered (chunks alternate); odd counts of k pairs per group and
+    per row (one pair left over after the two-pair steps), fp32 channel and bf16 group scales,
+    every path by row count; and a row's bits the same alone as in any step."""
+    n = 256 + 16 * 3  # blocks left over past the one-row path's runs of four and two
     g = torch.Generator().manual_seed(k * groups)
+    if codes == "every":
+        q = _every_byte(n, k).view(torch.uint8)
+        q[(q & 0x7f) == 0x7f] = 0x7e
+    else:
+        q = _sparse_specials(n, k, g)
+    q = q.view(FP8)
     s = torch.rand(n, groups, generator=g) * 0.01 + 1e-3
     s = s[:, 0] if groups == 1 else s.to(torch.bfloat16)
     packed, s256 = pack_fp8(q), kernel_scales(s, (n, k))
     x = torch.randn(20, k, generator=g)
+
+    def same(a, b):  # bit for bit, NaN where the other has NaN
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
     ys = {}
     for conv in _conversions():
         ys[conv] = [_product_by(conv, x[:m], packed, s256) for m in (1, 2, 3, 5, 8, 9, 20)]
         for y in ys[conv][1:]:
-            assert torch.equal(y[:1], ys[conv][0]), conv
+            same(y[:1], ys[conv][0])
     ref = x.to(torch.bfloat16).float() @ (q.float() * expand_scale(s, (n, k))).T
-    torch.testing.assert_close(ys[next(iter(ys))][-1][:, :n], ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-4)
-    if len(ys) == 2:
-        for a, b in zip(ys["vbmi"], ys["widen"]):
-            assert torch.equal(a, b)
+    nan_col = torch.isnan(ref).any(0)
+    assert (codes == "every") != bool(nan_col.any())
+    ok = lambda y: y[:, :n][:, ~nan_col]  # noqa: E731
+    torch.testing.assert_close(ok(ys["widen"][-1]), ref[:, ~nan_col], atol=1e-5 * ref[:, ~nan_col].abs().max().item(),
+                               rtol=1e-4)
+    tables = [c for c in ys if c != "widen"]  # the widening reads NaN as 480: its columns held apart
+    for c in tables:
+        for a, b in zip(ys[c], ys[tables[0]]):
+            same(a, b)
+        for a, b in zip(ys[c], ys["widen"]):
+            same(ok(a), ok(b))
+        assert torch.isnan(ys[c][-1][:, :n][:, nan_col]).all()

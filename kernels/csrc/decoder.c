@@ -12,7 +12,7 @@
 #include <string.h>
 
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads);
+                       int64_t N, int64_t gk, float *y, int isa, int i8, const uint8_t *map, int nthreads);
 int rms_norm(float *x, const float *residual, const float *w, float eps, float *out, int64_t rows, int64_t n,
              int nthreads);
 int rope(float *x, int64_t T, int64_t H, int64_t stride_t, int64_t stride_h, int64_t D, const int64_t *positions,
@@ -39,13 +39,14 @@ int fp8_linear_tiles(const float *x, int64_t M, int64_t K, const uint8_t *w, con
 /* One product's weight as its kernel takes it: the streaming kernel (tb 0) or the blocked
    product (tb blocks a tile and gemm the BLAS's sgemm, or AMX's tiles where bf16), as the
    layer's CpuLinear chose for the step's rows; n its outputs (a multiple of 16, so that no
-   padding column is written), bias NULL or n fp32. */
+   padding column is written), bias NULL or n fp32, map the weight's fp8_special_map or NULL. */
 typedef struct {
     const uint8_t *w;
     const void *s;
     const float *bias;
     int64_t sbf, gk, n, k, i8, isa, tb, bf16;
     void *gemm;
+    const uint8_t *map;
 } rl_linear;
 
 /* A mixture of experts run here: its router (moe_route: fp32 [E][H] weights, bias or NULL, kind,
@@ -86,7 +87,8 @@ typedef struct {
 static int product(const rl_linear *l, const float *x, int64_t T, float *y, int nt) {
     if (l->tb ? fp8_linear_tiles(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, l->tb, l->gemm, (int)l->bf16,
                                   (int)l->i8, nt)
-              : fp8_linear_grouped(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, (int)l->isa, (int)l->i8, nt))
+              : fp8_linear_grouped(x, T, l->k, l->w, l->s, (int)l->sbf, l->n, l->gk, y, (int)l->isa, (int)l->i8, l->map,
+                                   nt))
         return -1;
     if (l->bias)  /* as the per-op path adds it: y + bias, once per element */
         for (int64_t t = 0; t < T; t++)

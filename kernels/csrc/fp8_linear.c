@@ -74,12 +74,17 @@ T512 static INL void close512(float *y, __m512 acc, const void *s, int sbf, int6
 #define T512V __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,f16c,fma")))
 static uint8_t vbmi_tab[4][64];  /* low bytes 0-63, 64-127; high bytes 0-63, 64-127; by magnitude */
 static uint8_t vbmi_mix[2][64];  /* the interleave: word i of half h is (low, high) byte 32h + i */
-static int vbmi_on;              /* the CPU has VBMI and no test has forced the widening above */
+/* The conversion the AVX-512 BF16 products use: 0 the widening above, 1 these tables, 2 shifts
+   with these tables for the rare chunk that needs them (below); the CPU's best unless a test
+   forced a narrower one. */
+static int conv_on;
 
-static int vbmi_cpu(void) {
+static int conv_cpu(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")
-           && __builtin_cpu_supports("avx512bw");
+    if (!__builtin_cpu_supports("avx512vbmi") || !__builtin_cpu_supports("avx512bf16")
+        || !__builtin_cpu_supports("avx512bw"))
+        return 0;
+    return __builtin_cpu_supports("gfni") ? 2 : 1;
 }
 
 __attribute__((constructor)) static void vbmi_init(void) {
@@ -95,7 +100,7 @@ __attribute__((constructor)) static void vbmi_init(void) {
     for (int h = 0; h < 2; h++)
         for (int i = 0; i < 32; i++)
             vbmi_mix[h][2 * i] = (uint8_t)(32 * h + i), vbmi_mix[h][2 * i + 1] = (uint8_t)(64 + 32 * h + i);
-    __atomic_store_n(&vbmi_on, vbmi_cpu(), __ATOMIC_RELAXED);
+    __atomic_store_n(&conv_on, conv_cpu(), __ATOMIC_RELAXED);
 }
 
 struct vtab { __m512i lo0, lo1, hi0, hi1, mix0, mix1, sign; };
@@ -124,9 +129,98 @@ T512V static INL __m512bh vbmi_bf16x32(const struct vtab *t, const uint8_t *q) {
     return (__m512bh)_mm512_permutex2var_epi8(lo, t->mix0, hi);
 }
 
-/* A weight's k pairs p (W1) and p, p + 1 (W2) as bf16 words, three ways: e4m3 bytes by VBMI
-   (vbmi), e4m3 bytes widened (cvt), bf16 words read as they are (ld). Same signatures, so that
-   the tiles below take one as a macro argument; t is read by vbmi only. */
+/* By shifts, without the tables' four permutes a 64 bytes (the bound of a product of few rows:
+   converting and multiplying one row from the cache ran 1.35x the bytes a second): a byte
+   sign-extended to 16 bits and shifted left by 4 holds its sign at bit 15, its exponent at bits
+   7-10 and its mantissa at 4-6, a bf16's places, and one and keeps those. The word is the
+   tables' word times 2^-112 (bf16's exponent field holds e4m3's own: a bias of 7 for bf16's 127,
+   less the scale's 8), so the activations come times 2^112 (scale_up) and every product is the
+   tables' product, bit for bit. Zeros too; but a subnormal (exponent 0) would be a bf16
+   denormal, which the dot product reads as zero, and the NaN code a number: a k pair holding
+   either is marked in the weight's map (fp8_special_map, made once at load), and a step whose
+   pairs are marked takes the tables and the activations as they are. A weight's map costs a
+   bit a 32 bytes; a GGUF's integer codes convert to no subnormal at all. */
+#define T512S __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,f16c,fma")))
+#define SX_TAKE 0x87f0       /* sign, exponent, mantissa: the bits kept from the shifted byte */
+#define SX_SCALE (112 << 7)  /* 2^112 on a bf16's exponent field */
+
+T512S static INL __m512bh sx_bf16x32(const uint8_t *q) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    return (__m512bh)_mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16((short)SX_TAKE));
+}
+
+/* The map's bits for k pairs p and p + 1 (one pair: sp1) of a block whose row of the map is m. */
+static INL int sp2_sx(const uint8_t *m, int64_t p) {
+    uint16_t v;
+    memcpy(&v, m + (p >> 3), 2);
+    return (v >> (p & 7)) & 3;
+}
+static INL int sp1_sx(const uint8_t *m, int64_t p) { return (m[p >> 3] >> (p & 7)) & 1; }
+T512S static INL void w2_sx(const struct vtab *t, const void *w, int64_t p, __m512bh *a, __m512bh *b) {
+    (void)t;
+    *a = sx_bf16x32((const uint8_t *)w + p * 32), *b = sx_bf16x32((const uint8_t *)w + p * 32 + 32);
+}
+T512S static INL __m512bh w1_sx(const struct vtab *t, const void *w, int64_t p) {
+    (void)t;
+    return sx_bf16x32((const uint8_t *)w + p * 32);
+}
+/* The tables for a marked step (tab*_W; the other conversions mark nothing, so theirs is never
+   taken). */
+T512S static INL void tab2_sx(const struct vtab *t, const void *w, int64_t p, __m512bh *a, __m512bh *b) {
+    (void)t;
+    const struct vtab v = vtab_load();
+    vbmi_bf16x64(&v, (const uint8_t *)w + p * 32, a, b);
+}
+T512S static INL __m512bh tab1_sx(const struct vtab *t, const void *w, int64_t p) {
+    (void)t;
+    const struct vtab v = vtab_load();
+    return vbmi_bf16x32(&v, (const uint8_t *)w + p * 32);
+}
+
+/* A map's bytes for each block: a bit a k pair, and a byte to spare for sp2's two-byte read. */
+static INL int64_t map_row(int64_t kp) { return kp / 8 + 2; }
+
+/* The shifts' map of a packed e4m3 weight (nblocks blocks of kp k pairs): bit p of block nb's
+   row (map_row bytes a block) set where pair p's 32 bytes hold a subnormal or the NaN code.
+   Returns how many pairs are marked. */
+int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
+    const int64_t mb = map_row(kp);
+    int64_t count = 0;
+#pragma omp parallel for num_threads(nthreads) reduction(+ : count) schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        uint8_t *m = map + nb * mb;
+        memset(m, 0, (size_t)mb);
+        for (int64_t p = 0; p < kp; p++) {
+            const uint8_t *q = w + (nb * kp + p) * 32;
+            int bad = 0;
+            for (int i = 0; i < 32; i++) {
+                const int v = q[i] & 0x7f;
+                bad |= (v >= 1 && v <= 7) | (v == 0x7f);
+            }
+            m[p >> 3] |= (uint8_t)(bad << (p & 7));
+            count += bad;
+        }
+    }
+    return count;
+}
+
+/* x's bf16 words times 2^112 into xs (the shifts' activations, above). A word of exponent 0 is
+   a zero to the dot product, so it stays a zero of its sign. Returns 0 where a word cannot be
+   scaled (|x| >= 2^16, or not finite): the call then takes the tables. */
+static int scale_up(const uint16_t *xb, uint16_t *xs, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int e = (xb[i] >> 7) & 0xff;
+        ok &= e + 112 < 255;
+        xs[i] = e ? (uint16_t)(xb[i] + SX_SCALE) : (uint16_t)(xb[i] & 0x8000);
+    }
+    return ok;
+}
+
+/* A weight's k pairs p (W1) and p, p + 1 (W2) as bf16 words, four ways: e4m3 bytes by shifts
+   (sx, above), by VBMI (vbmi), widened (cvt), bf16 words read as they are (ld). Same
+   signatures, so that the tiles below take one as a macro argument; t is read by vbmi only;
+   sp*_W reads a step's marks in the map (sx's alone marks any), tab*_W its conversion then. */
 T512V static INL void w2_vbmi(const struct vtab *t, const void *w, int64_t p, __m512bh *a, __m512bh *b) {
     vbmi_bf16x64(t, (const uint8_t *)w + p * 32, a, b);
 }
@@ -151,6 +245,16 @@ T512 static INL __m512bh w1_ld(const struct vtab *t, const void *w, int64_t p) {
     return (__m512bh)_mm512_loadu_si512((const uint16_t *)w + p * 32);
 }
 T512 static INL struct vtab vtab_none(void) { return (struct vtab){0}; }
+#define NO_TEST(W)                                                                               \
+    static INL int sp2_##W(const uint8_t *m, int64_t p) { (void)m, (void)p; return 0; }           \
+    static INL int sp1_##W(const uint8_t *m, int64_t p) { (void)m, (void)p; return 0; }
+NO_TEST(vbmi) NO_TEST(cvt) NO_TEST(ld)
+#define tab2_vbmi w2_vbmi
+#define tab1_vbmi w1_vbmi
+#define tab2_cvt w2_cvt
+#define tab1_cvt w1_cvt
+#define tab2_ld w2_ld
+#define tab1_ld w1_ld
 
 /* Each weight stream asks for its bytes AHEAD ahead of the step that reads them: the hardware's
    prefetcher alone left one thread at 7.0 GB/s on one row from beyond L2, against 8.2 with this
@@ -158,6 +262,7 @@ T512 static INL struct vtab vtab_none(void) { return (struct vtab){0}; }
    (bf16 words: two cache lines a step). */
 #define AHEAD 512
 #define PAIR_vbmi 32
+#define PAIR_sx 32
 #define PAIR_cvt 32
 #define PAIR_ld 64
 
@@ -168,10 +273,12 @@ static INL void ahead(const void *w, int64_t p, int pair) {
 
 /* MRC rows x NB blocks of 16 columns, two k pairs a step (a VBMI conversion's 64 bytes); each
    sum still takes its k pairs one after another, in order. W: the conversion (w2_* / w1_*),
-   TGT its target, TAB its tables. */
+   TGT its target, TAB its tables. xs: the activations as W's words take them, xr as the tables'
+   words do (the same but for sx); m0, m1: the blocks' rows of the map (sx). */
 #define TILE512(NAME, TGT, MRC, NB, W, TAB)                                                      \
-TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0, const void *w1,  \
-                     const void *s, int sbf, int64_t ldb, float *y, int64_t ldy) {               \
+TGT static void NAME(const uint32_t *xs, const uint32_t *xr, int64_t kp, int64_t gp, const void *w0,   \
+                     const void *w1, const uint8_t *m0, const uint8_t *m1, const void *s, int sbf,      \
+                     int64_t ldb, float *y, int64_t ldy) {                                        \
   const struct vtab t = TAB();                                                                   \
   for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
     const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
@@ -181,23 +288,37 @@ TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0,
     int64_t p = p0;                                                                              \
     for (; p + 1 < p1; p += 2) {                                                                 \
         __m512bh wa[NB], wb[NB];                                                                 \
-        w2_##W(&t, w0, p, &wa[0], &wb[0]);                                                       \
-        if (NB > 1) w2_##W(&t, w1, p, &wa[NB - 1], &wb[NB - 1]);                                 \
+        const uint32_t *xp = xs;                                                                 \
+        if (__builtin_expect(sp2_##W(m0, p) | (NB > 1 ? sp2_##W(m1, p) : 0), 0)) {                 \
+            tab2_##W(&t, w0, p, &wa[0], &wb[0]);                                                 \
+            if (NB > 1) tab2_##W(&t, w1, p, &wa[NB - 1], &wb[NB - 1]);                           \
+            xp = xr;                                                                             \
+        } else {                                                                                 \
+            w2_##W(&t, w0, p, &wa[0], &wb[0]);                                                   \
+            if (NB > 1) w2_##W(&t, w1, p, &wa[NB - 1], &wb[NB - 1]);                             \
+        }                                                                                        \
         ahead(w0, p, PAIR_##W);                                                                  \
         if (NB > 1) ahead(w1, p, PAIR_##W);                                                      \
         for (int i = 0; i < MRC; i++) {                                                          \
-            __m512bh xa = (__m512bh)_mm512_set1_epi32((int)xr[i * kp + p]);                      \
-            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i * kp + p + 1]);                  \
+            __m512bh xa = (__m512bh)_mm512_set1_epi32((int)xp[i * kp + p]);                      \
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[i * kp + p + 1]);                  \
             for (int j = 0; j < NB; j++)                                                         \
                 acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], wa[j], xa), wb[j], xb); \
         }                                                                                        \
     }                                                                                            \
     if (p < p1) {                                                                                \
         __m512bh wv[NB];                                                                         \
-        wv[0] = w1_##W(&t, w0, p);                                                               \
-        if (NB > 1) wv[NB - 1] = w1_##W(&t, w1, p);                                              \
+        const uint32_t *xp = xs;                                                                 \
+        if (__builtin_expect(sp1_##W(m0, p) | (NB > 1 ? sp1_##W(m1, p) : 0), 0)) {                 \
+            wv[0] = tab1_##W(&t, w0, p);                                                         \
+            if (NB > 1) wv[NB - 1] = tab1_##W(&t, w1, p);                                        \
+            xp = xr;                                                                             \
+        } else {                                                                                 \
+            wv[0] = w1_##W(&t, w0, p);                                                           \
+            if (NB > 1) wv[NB - 1] = w1_##W(&t, w1, p);                                          \
+        }                                                                                        \
         for (int i = 0; i < MRC; i++) {                                                          \
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[i * kp + p]);                      \
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[i * kp + p]);                      \
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);     \
         }                                                                                        \
     }                                                                                            \
@@ -207,10 +328,11 @@ TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w0,
 }
 #define TILES512(M) TILE512(c2_##M, T512, M, 2, cvt, vtab_none) TILE512(b2_##M, T512, M, 2, ld, vtab_none) \
     TILE512(c1_##M, T512, M, 1, cvt, vtab_none) TILE512(b1_##M, T512, M, 1, ld, vtab_none)                 \
-    TILE512(v2_##M, T512V, M, 2, vbmi, vtab_load) TILE512(v1_##M, T512V, M, 1, vbmi, vtab_load)
+    TILE512(v2_##M, T512V, M, 2, vbmi, vtab_load) TILE512(v1_##M, T512V, M, 1, vbmi, vtab_load)         \
+    TILE512(s2_##M, T512S, M, 2, sx, vtab_none) TILE512(s1_##M, T512S, M, 1, sx, vtab_none)
 TILES512(1) TILES512(2) TILES512(3) TILES512(4) TILES512(5) TILES512(6) TILES512(7) TILES512(8)
-typedef void (*tile_fn)(const uint32_t *, int64_t, int64_t, const void *, const void *, const void *, int,
-                        int64_t, float *, int64_t);
+typedef void (*tile_fn)(const uint32_t *, const uint32_t *, int64_t, int64_t, const void *, const void *,
+                        const uint8_t *, const uint8_t *, const void *, int, int64_t, float *, int64_t);
 #define MR512 8
 static const tile_fn C2[9] = {0, c2_1, c2_2, c2_3, c2_4, c2_5, c2_6, c2_7, c2_8};
 static const tile_fn B2[9] = {0, b2_1, b2_2, b2_3, b2_4, b2_5, b2_6, b2_7, b2_8};
@@ -218,14 +340,16 @@ static const tile_fn C1[9] = {0, c1_1, c1_2, c1_3, c1_4, c1_5, c1_6, c1_7, c1_8}
 static const tile_fn B1[9] = {0, b1_1, b1_2, b1_3, b1_4, b1_5, b1_6, b1_7, b1_8};
 static const tile_fn V2[9] = {0, v2_1, v2_2, v2_3, v2_4, v2_5, v2_6, v2_7, v2_8};
 static const tile_fn V1[9] = {0, v1_1, v1_2, v1_3, v1_4, v1_5, v1_6, v1_7, v1_8};
+static const tile_fn S2[9] = {0, s2_1, s2_2, s2_3, s2_4, s2_5, s2_6, s2_7, s2_8};
+static const tile_fn S1[9] = {0, s1_1, s1_2, s1_3, s1_4, s1_5, s1_6, s1_7, s1_8};
 
 /* One row through NB blocks of 16 columns (blk bytes apart, their scales sb apart): the
    tiles' arithmetic (one sum a column, k in order, the same close), so a row's bits are the tiles'
    at any step size. Each block is its own chain of dot products, so NB of them keep that many
    in flight: one chain waits on the instruction's latency, not on the conversion or the memory. */
 #define ROW512(NAME, TGT, NB, W, TAB)                                                             \
-TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w, int64_t blk, const void *s, \
-                     int sbf, int64_t sb, float *y) {                                             \
+TGT static void NAME(const uint32_t *xs, const uint32_t *xr, int64_t kp, int64_t gp, const void *w, int64_t blk, \
+                     const uint8_t *m, const void *s, int sbf, int64_t sb, float *y) {           \
   const struct vtab t = TAB();                                                                   \
   for (int64_t p0 = 0, g = 0; p0 < kp; p0 += gp, g++) {                                          \
     const int64_t p1 = p0 + gp < kp ? p0 + gp : kp;                                              \
@@ -233,19 +357,26 @@ TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w, 
     for (int j = 0; j < NB; j++) acc[j] = _mm512_setzero_ps();                                   \
     int64_t p = p0;                                                                              \
     for (; p + 1 < p1; p += 2) {                                                                 \
-        const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)xr[p]);                             \
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[p + 1]);                         \
+        int tab = 0;                                                                             \
+        for (int j = 0; j < NB; j++) tab |= sp2_##W(m + j * map_row(kp), p);              \
+        const uint32_t *xp = tab ? xr : xs;                                                      \
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)xp[p]);                             \
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p + 1]);                         \
         for (int j = 0; j < NB; j++) {                                                           \
             __m512bh a, b;                                                                       \
-            w2_##W(&t, (const char *)w + j * blk, p, &a, &b);                                     \
+            if (__builtin_expect(tab, 0)) tab2_##W(&t, (const char *)w + j * blk, p, &a, &b);    \
+            else w2_##W(&t, (const char *)w + j * blk, p, &a, &b);                               \
             ahead((const char *)w + j * blk, p, PAIR_##W);                                       \
             acc[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[j], a, xa), b, xb);                   \
         }                                                                                        \
     }                                                                                            \
     if (p < p1) {                                                                                \
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[p]);                             \
+        int tab = 0;                                                                             \
+        for (int j = 0; j < NB; j++) tab |= sp1_##W(m + j * map_row(kp), p);              \
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)(tab ? xr : xs)[p]);                \
         for (int j = 0; j < NB; j++)                                                             \
-            acc[j] = _mm512_dpbf16_ps(acc[j], w1_##W(&t, (const char *)w + j * blk, p), xv);      \
+            acc[j] = _mm512_dpbf16_ps(acc[j], tab ? tab1_##W(&t, (const char *)w + j * blk, p)   \
+                                                  : w1_##W(&t, (const char *)w + j * blk, p), xv); \
     }                                                                                            \
     for (int j = 0; j < NB; j++)                                                                 \
         close512(y + j * 16, acc[j], s ? SAT(s, sbf, j * sb) : NULL, sbf, g * 16, g);            \
@@ -254,9 +385,11 @@ TGT static void NAME(const uint32_t *xr, int64_t kp, int64_t gp, const void *w, 
 #define ROWS512(X, TGT, W, TAB) ROW512(row1_##X, TGT, 1, W, TAB) ROW512(row2_##X, TGT, 2, W, TAB) \
     ROW512(row4_##X, TGT, 4, W, TAB)
 ROWS512(c, T512, cvt, vtab_none) ROWS512(b, T512, ld, vtab_none) ROWS512(v, T512V, vbmi, vtab_load)
-typedef void (*row_fn)(const uint32_t *, int64_t, int64_t, const void *, int64_t, const void *, int, int64_t, float *);
+ROWS512(s, T512S, sx, vtab_none)
+typedef void (*row_fn)(const uint32_t *, const uint32_t *, int64_t, int64_t, const void *, int64_t, const uint8_t *,
+                       const void *, int, int64_t, float *);
 static const row_fn ROWC[3] = {row1_c, row2_c, row4_c}, ROWB[3] = {row1_b, row2_b, row4_b},
-                    ROWV[3] = {row1_v, row2_v, row4_v};
+                    ROWV[3] = {row1_v, row2_v, row4_v}, ROWS[3] = {row1_s, row2_s, row4_s};
 
 /* A 16-column block's kp k pairs of e4m3 bytes as bf16 words into buf (the wide steps' panel). */
 T512 static void widen_c512(const uint8_t *w, int64_t kp, uint16_t *buf) {
@@ -274,11 +407,13 @@ T512V static void widen_v512(const uint8_t *w, int64_t kp, uint16_t *buf) {
     if (p < kp) _mm512_storeu_si512(buf + p * 32, (__m512i)vbmi_bf16x32(&t, w + p * 32));
 }
 
-/* Tests run the widening above on a VBMI machine too: on = 1 forces it, 0 restores the CPU's
-   choice. Returns 1 where the VBMI conversion is in use after the call. */
-int fp8_linear_force_novbmi(int on) {
-    __atomic_store_n(&vbmi_on, on ? 0 : vbmi_cpu(), __ATOMIC_RELAXED);
-    return __atomic_load_n(&vbmi_on, __ATOMIC_RELAXED);
+/* Tests run the narrower conversions on a machine that has the wider: c (0 widening, 1 tables,
+   2 shifts) forces the narrower of c and the CPU's best, c < 0 restores the CPU's choice.
+   Returns the conversion in use after the call. */
+int fp8_linear_force_conversion(int c) {
+    const int cpu = conv_cpu();
+    __atomic_store_n(&conv_on, c < 0 || c > cpu ? cpu : c, __ATOMIC_RELAXED);
+    return __atomic_load_n(&conv_on, __ATOMIC_RELAXED);
 }
 
 T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
@@ -298,22 +433,26 @@ T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
    ROW512, the tiles' arithmetic, so that its sums are added in the same order whatever the
    step's rows (the deterministic mode's batch invariance). */
 T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w, int bf16, const void *scale,
-                            int sbf, int64_t N, int64_t gk, float *y, int nthreads) {
+                            int sbf, int64_t N, int64_t gk, float *y, const uint8_t *map, int nthreads) {
     const int64_t kp = K / 2, gp = gk / 2, blk = kp * 32, nblocks = N / 16, sb = (K + gk - 1) / gk * 16;
     const int64_t wsize = bf16 ? 2 : 1;
-    uint16_t *xb = malloc((size_t)(M * K) * 2);
+    uint16_t *xb = malloc((size_t)(M * K) * 2 * 2), *xsb = xb + M * K;
     to_bf16(x, xb, M * K);
-    const uint32_t *xr = (const uint32_t *)xb;
-    const int vbmi = !bf16 && __atomic_load_n(&vbmi_on, __ATOMIC_RELAXED);
+    int conv = bf16 ? -1 : __atomic_load_n(&conv_on, __ATOMIC_RELAXED);
+    /* the shifts need the weight's map; more than MR512 rows read a panel the tables widened,
+       with the activations as they are */
+    if (conv == 2 && (!map || M > MR512 || !scale_up(xb, xsb, M * K))) conv = 1;
+    const int64_t mb = conv == 2 ? map_row(kp) : 0;
+    const uint32_t *xr = (const uint32_t *)xb, *xs = conv == 2 ? (const uint32_t *)xsb : xr;
     if (M == 1) {  /* each thread a contiguous share of the blocks, 4 at a time, then 2, then 1 */
-        const row_fn *row = bf16 ? ROWB : vbmi ? ROWV : ROWC;
+        const row_fn *row = bf16 ? ROWB : conv == 2 ? ROWS : conv == 1 ? ROWV : ROWC;
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
             const int64_t b1 = nblocks * (id + 1) / nt;
             for (int64_t nb = nblocks * id / nt; nb < b1;) {
                 const int r = b1 - nb >= 4 ? 2 : b1 - nb >= 2 ? 1 : 0;
-                row[r](xr, kp, gp, (const uint8_t *)w + nb * blk * wsize, blk * wsize,
+                row[r](xs, xr, kp, gp, (const uint8_t *)w + nb * blk * wsize, blk * wsize, mb ? map + nb * mb : NULL,
                        scale ? SAT(scale, sbf, nb * sb) : NULL, sbf, sb, y + nb * 16);
                 nb += 1 << r;
             }
@@ -331,15 +470,17 @@ T512 static void linear_512(const float *x, int64_t M, int64_t K, const void *w,
             const uint8_t *w0 = (const uint8_t *)w + nb * blk * wsize, *w1 = w0 + blk * wsize;
             const void *a = w0, *b = w1;
             if (buf) {
-                (vbmi ? widen_v512 : widen_c512)(w0, kp, buf);
-                if (two) (vbmi ? widen_v512 : widen_c512)(w1, kp, buf + blk);
+                (conv >= 1 ? widen_v512 : widen_c512)(w0, kp, buf);
+                if (two) (conv >= 1 ? widen_v512 : widen_c512)(w1, kp, buf + blk);
                 a = buf;
                 b = buf + blk;
             }
-            const tile_fn *t = buf || bf16 ? (two ? B2 : B1) : vbmi ? (two ? V2 : V1) : (two ? C2 : C1);
+            const tile_fn *t = buf || bf16 ? (two ? B2 : B1) : conv == 2 ? (two ? S2 : S1)
+                                                           : conv == 1 ? (two ? V2 : V1) : (two ? C2 : C1);
             for (int64_t m0 = 0; m0 < M; m0 += MR512) {
                 int mr = M - m0 < MR512 ? (int)(M - m0) : MR512;
-                t[mr](xr + m0 * kp, kp, gp, a, b, scale ? SAT(scale, sbf, nb * sb) : NULL, sbf, sb, y + m0 * N + nb * 16, N);
+                t[mr](xs + m0 * kp, xr + m0 * kp, kp, gp, a, b, mb ? map + nb * mb : NULL, mb ? map + (nb + 1) * mb : NULL,
+                      scale ? SAT(scale, sbf, nb * sb) : NULL, sbf, sb, y + m0 * N + nb * 16, N);
             }
         }
         free(buf);
@@ -947,13 +1088,14 @@ int fp8_linear_isa(void) {
 }
 
 /* x [M][K] fp32 contiguous, y [M][N] fp32; N % 16 == 0, K % 2 == 0, gk even and > 0 (the
-   caller checks). isa: what fp8_linear_isa allowed, or less. Returns 0, or -1 for an isa not
-   built here or a group size the layout cannot take. */
+   caller checks). isa: what fp8_linear_isa allowed, or less. map: the weight's
+   fp8_special_map, or NULL (the AVX-512 product then converts by the tables). Returns 0, or -1
+   for an isa not built here or a group size the layout cannot take. */
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads) {
+                       int64_t N, int64_t gk, float *y, int isa, int i8, const uint8_t *map, int nthreads) {
     if (gk <= 0 || gk % 2) return -1;
     if (gk > K) gk = K;
-    if (isa == 2 && !i8) linear_512(x, M, K, w, 0, scale, sbf, N, gk, y, nthreads);
+    if (isa == 2 && !i8) linear_512(x, M, K, w, 0, scale, sbf, N, gk, y, map, nthreads);
     else if (isa >= 1) linear_256(x, M, K, w, scale, sbf, N, gk, y, i8, nthreads);
     else return -1;
     return 0;
@@ -1006,7 +1148,7 @@ int fp8_widen(const uint8_t *w, int64_t K, const void *scale, int sbf, int64_t g
 int bf16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int nthreads) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return -1;
-    linear_512(x, M, K, w, 1, NULL, 0, N, K, y, nthreads);
+    linear_512(x, M, K, w, 1, NULL, 0, N, K, y, NULL, nthreads);
     return 0;
 }
 /* One MoE layer's experts (moe_256's contract); k <= 64. The AVX2 tiles run on an AVX-512
@@ -1024,10 +1166,15 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 #else
 int fp8_linear_isa(void) { return 0; }
 int fp8_linear_amx(void) { return 0; }
-int fp8_linear_force_novbmi(int on) { (void)on; return 0; }
+int fp8_linear_force_conversion(int c) { (void)c; return 0; }
+int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
+    (void)w; (void)nblocks; (void)kp; (void)map; (void)nthreads;
+    return -1;
+}
 int fp8_linear_grouped(const float *x, int64_t M, int64_t K, const uint8_t *w, const void *scale, int sbf,
-                       int64_t N, int64_t gk, float *y, int isa, int i8, int nthreads) {
+                       int64_t N, int64_t gk, float *y, int isa, int i8, const uint8_t *map, int nthreads) {
     (void)x; (void)M; (void)K; (void)w; (void)scale; (void)sbf; (void)N; (void)gk; (void)y; (void)isa; (void)i8;
+    (void)map;
     (void)nthreads;
     return -1;
 }
