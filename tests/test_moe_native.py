@@ -122,6 +122,31 @@ def test_the_avx512_row_tiles_give_the_avx2_bits():
             assert torch.equal(got, _kernel_at(1, x, cpu, ids, w, H, inter, E)), (H, T)
 
 
+@pytest.mark.skipif(native.fp8_linear_isa() < 2, reason="the AVX-512 form of the experts' row tiles")
+def test_the_scaled_conversion_keeps_every_bit():
+    """The 16-lane tiles read e4m3 as fp32 times 2^-120 and take the activations times 2^112:
+    against the AVX2 tiles (the fp16 conversion, activations as they are) bit for bit with
+    subnormal, zero and NaN codes in the experts, bf16-denormal-small and zero activations,
+    and activations past 2^16 in the gate's input (x) or the down product's (its input made
+    from them), where a phase takes the fp16 conversion whole."""
+    E, H, inter = 8, 96, 48
+    w13, s13, w2, s2, _, _ = _experts(E, H, inter, seed=9, fp8=True)
+    cpu = CpuExperts.packed_from(w13, s13, w2, s2)
+    g = torch.Generator().manual_seed(9)
+    for t in (cpu.packed[0], cpu.packed[2]):
+        flat = t.view(-1)
+        at = torch.randint(0, flat.numel(), (200,), generator=g)
+        codes = torch.tensor([0x00, 0x80, 0x01, 0x87, 0x05, 0x7F, 0xFF, 0x83], dtype=torch.uint8)
+        flat[at] = codes[torch.arange(200) % len(codes)]
+    for T in (1, 3, 17):
+        ids, w = _routing(T, E, 2, seed=T)
+        for scale in (1.0, 2000.0, 1e5):
+            x = torch.randn(T, H, generator=g) * scale
+            x[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])
+            got, want = _kernel_at(2, x, cpu, ids, w, H, inter, E), _kernel_at(1, x, cpu, ids, w, H, inter, E)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (T, scale)
+
+
 @pytest.mark.parametrize("kind", ["softmax_topk", "topk_softmax"])
 @pytest.mark.parametrize("T,E,H,k", [(1, 32, 1024, 4), (39, 128, 96, 8), (5, 7, 48, 7), (3, 1024, 16, 1)])
 def test_the_router_in_c_takes_the_experts_torch_takes(kind, T, E, H, k):

@@ -840,7 +840,23 @@ T512F static INL void e4m3_f32x32_512(const uint8_t *p, __m512 *lo, __m512 *hi) 
     *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));  /* columns 8-15 */
 }
 
-#define TILE512F(NAME, MRC)                                                                       \
+/* The same bytes as fp32 times 2^-112 more (the experts' one-row and converting tiles, where
+   their activations come times 2^112: the same products inside each FMA, so the same bits, at
+   1.3x the bytes a second without the fp16 conversions): a byte sign-extended to 32 bits and
+   shifted left by 20 holds its sign at bit 31, its exponent at 23-26 and its mantissa at 20-22,
+   and an and keeps those: the fp32 whose exponent field is e4m3's own, a subnormal an fp32
+   denormal (exact), NaN's code 1.875 * 2^-112 as the fp16 trick reads it 480 / 256. */
+#define F32S_TAKE ((int)0x87f00000)
+T512F static INL void e4m3_f32s_512(const uint8_t *p, __m512 *lo, __m512 *hi) {
+    const __m512i take = _mm512_set1_epi32(F32S_TAKE);
+    *lo = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)), 20), take));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))), 20), take));
+}
+#define e4m3_f16_512 e4m3_f32x32_512
+
+#define TILE512F(NAME, MRC, CONV)                                                                 \
 T512F static void NAME(const float *x, int64_t K, int64_t gp, const void *w, const void *s, int sbf,    \
                        int64_t lds, float *y, int64_t ldy) {                                     \
   const __m512i i0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);           \
@@ -852,7 +868,7 @@ T512F static void NAME(const float *x, int64_t K, int64_t gp, const void *w, con
     for (int i = 0; i < MRC; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                   \
     for (int64_t p = p0; p < p1; p++) {                                                          \
         __m512 w0, w1;                                                                           \
-        e4m3_f32x32_512((const uint8_t *)w + p * 32, &w0, &w1);                                  \
+        e4m3_##CONV##_512((const uint8_t *)w + p * 32, &w0, &w1);                                \
         ahead(w, p, 32);                                                                         \
         for (int i = 0; i < MRC; i++) {                                                          \
             const __m512 xv = _mm512_castpd_ps(_mm512_broadcastsd_pd(                            \
@@ -878,41 +894,55 @@ T512F static void NAME(const float *x, int64_t K, int64_t gp, const void *w, con
       for (int j = 0; j < 16; j++) y[i * ldy + j] = t[2 * j] + t[2 * j + 1];                     \
   }                                                                                              \
 }
-TILE512F(v1_512, 1) TILE512F(v2_512, 2) TILE512F(v3_512, 3) TILE512F(v4_512, 4) TILE512F(v5_512, 5)
-TILE512F(v6_512, 6) TILE512F(v7_512, 7) TILE512F(v8_512, 8)
+#define TILES512F(M) TILE512F(v##M##_512, M, f16) TILE512F(s##M##_512, M, f32s)
+TILES512F(1) TILES512F(2) TILES512F(3) TILES512F(4) TILES512F(5) TILES512F(6) TILES512F(7) TILES512F(8)
 typedef void (*tile512f_fn)(const float *, int64_t, int64_t, const void *, const void *, int, int64_t, float *, int64_t);
-static const tile512f_fn V512F[9] = {0, v1_512, v2_512, v3_512, v4_512, v5_512, v6_512, v7_512, v8_512};
+static const tile512f_fn V512F[2][9] = {{0, v1_512, v2_512, v3_512, v4_512, v5_512, v6_512, v7_512, v8_512},
+                                        {0, s1_512, s2_512, s3_512, s4_512, s5_512, s6_512, s7_512, s8_512}};
 
 /* One row through two 16-column blocks (wa and wb, each with its channel scales, one group: an
    expert's gate and up blocks, or two down blocks) with v1_512's arithmetic for each: the same
    FMAs in the same order a column, so the same bits. Its two blocks are four independent sums,
    where v1_512's two wait on the FMA's latency: an expert's one-row product was bound by that,
    not by its bytes. */
-T512F static void v1x2_512(const float *x, int64_t K, const uint8_t *wa, const float *sa, float *ya,
-                           const uint8_t *wb, const float *sb, float *yb) {
-    const __m512i i0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(8));
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-    for (int64_t p = 0; p < K / 2; p++) {
-        __m512 u0, u1, v0, v1;
-        e4m3_f32x32_512(wa + p * 32, &u0, &u1);
-        e4m3_f32x32_512(wb + p * 32, &v0, &v1);
-        ahead(wa, p, 32);
-        ahead(wb, p, 32);
-        const __m512 xv = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(x + 2 * p))));
-        a0 = _mm512_fmadd_ps(u0, xv, a0), a1 = _mm512_fmadd_ps(u1, xv, a1);
-        b0 = _mm512_fmadd_ps(v0, xv, b0), b1 = _mm512_fmadd_ps(v1, xv, b1);
-    }
-    const __m512 s[2][2] = {{_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sa)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sa))},
-                            {_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sb)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sb))}};
-    const __m512 acc[2][2] = {{a0, a1}, {b0, b1}};
-    float *ys[2] = {ya, yb};
-    for (int h = 0; h < 2; h++) {
-        float t[32];
-        _mm512_storeu_ps(t, _mm512_mul_ps(acc[h][0], s[h][0]));
-        _mm512_storeu_ps(t + 16, _mm512_mul_ps(acc[h][1], s[h][1]));
-        for (int j = 0; j < 16; j++) ys[h][j] = t[2 * j] + t[2 * j + 1];
-    }
+#define V1X2_512(NAME, CONV)                                                                      \
+T512F static void NAME(const float *x, int64_t K, const uint8_t *wa, const float *sa, float *ya,         \
+                       const uint8_t *wb, const float *sb, float *yb) {                                  \
+    const __m512i i0 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);          \
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(8));                                \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                                   \
+    for (int64_t p = 0; p < K / 2; p++) {                                                         \
+        __m512 u0, u1, v0, v1;                                                                    \
+        e4m3_##CONV##_512(wa + p * 32, &u0, &u1);                                                 \
+        e4m3_##CONV##_512(wb + p * 32, &v0, &v1);                                                 \
+        ahead(wa, p, 32);                                                                         \
+        ahead(wb, p, 32);                                                                         \
+        const __m512 xv = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)(x + 2 * p)))); \
+        a0 = _mm512_fmadd_ps(u0, xv, a0), a1 = _mm512_fmadd_ps(u1, xv, a1);                       \
+        b0 = _mm512_fmadd_ps(v0, xv, b0), b1 = _mm512_fmadd_ps(v1, xv, b1);                       \
+    }                                                                                             \
+    const __m512 s[2][2] = {{_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sa)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sa))}, \
+                            {_mm512_permutexvar_ps(i0, _mm512_loadu_ps(sb)), _mm512_permutexvar_ps(i1, _mm512_loadu_ps(sb))}}; \
+    const __m512 acc[2][2] = {{a0, a1}, {b0, b1}};                                                \
+    float *ys[2] = {ya, yb};                                                                      \
+    for (int h = 0; h < 2; h++) {                                                                 \
+        float t[32];                                                                              \
+        _mm512_storeu_ps(t, _mm512_mul_ps(acc[h][0], s[h][0]));                                   \
+        _mm512_storeu_ps(t + 16, _mm512_mul_ps(acc[h][1], s[h][1]));                              \
+        for (int j = 0; j < 16; j++) ys[h][j] = t[2 * j] + t[2 * j + 1];                          \
+    }                                                                                             \
+}
+V1X2_512(v1x2_512, f16) V1X2_512(s1x2_512, f32s)
+typedef void (*v1x2_fn)(const float *, int64_t, const uint8_t *, const float *, float *, const uint8_t *,
+                        const float *, float *);
+static const v1x2_fn V1X2[2] = {v1x2_512, s1x2_512};
+
+/* Whether n activations scale by 2^112 exactly (e4m3_f32s_512's weights take them so: the
+   caller scales them once): finite and below 2^16. */
+static int moe_scalable(const float *x, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= fabsf(x[i]) < 65536.0f;
+    return ok;
 }
 
 /* rows [n][K] through one 16-column block wb of a packed [N/16][K/2][16][2] weight -> y
@@ -923,10 +953,10 @@ T512F static void v1x2_512(const float *x, int64_t K, const uint8_t *wa, const f
    floats) and run 3-row tiles over it. Each tile has the others' arithmetic a column: the same
    bits whatever the rows. */
 T256 static void block256(const float *x, int64_t n, int64_t K, const uint8_t *wb, const float *s, float *y,
-                          int64_t ldy, float *buf, int wide) {
+                          int64_t ldy, float *buf, int wide, int sh) {
     if (wide) {
         for (int64_t m0 = 0; m0 < n; m0 += 8)
-            V512F[n - m0 < 8 ? n - m0 : 8](x + m0 * K, K, K / 2, wb, s, 0, 0, y + m0 * ldy, ldy);
+            V512F[sh][n - m0 < 8 ? n - m0 : 8](x + m0 * K, K, K / 2, wb, s, 0, 0, y + m0 * ldy, ldy);
         return;
     }
     if (n <= 2) {
@@ -985,6 +1015,15 @@ static void sum_slots(const float *ys, const int64_t *pos, int64_t t, int64_t k,
    by (active expert, 16-column block) twice: gate and up blocks c and I/16 + c with the
    activation on the 16 columns they make, then down with its bias and the routing weight, so
    a step whose experts have 1-2 rows each still has (experts x blocks) items to share. */
+/* A token's row into the experts' gathered rows, times up (1, or 2^112 for e4m3_f32s_512's). */
+static void gather_row(float *dst, const float *src, int64_t H, float up) {
+    if (up == 1.0f) {
+        memcpy(dst, src, (size_t)H * 4);
+        return;
+    }
+    for (int64_t h = 0; h < H; h++) dst[h] = src[h] * up;
+}
+
 T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const int64_t *ids,
                          const float *weights, const uint8_t *w_gu, const float *s_gu, const float *b_gu,
                          const uint8_t *w_dn, const float *s_dn, const float *b_dn, int act, float alpha,
@@ -993,7 +1032,7 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
     int64_t *off = calloc((size_t)E + 1, sizeof(int64_t)), *pos = malloc((size_t)S * sizeof(int64_t));
     int64_t *tok = malloc((size_t)S * sizeof(int64_t)), *active = malloc((size_t)E * sizeof(int64_t));
     float *ws = malloc((size_t)S * 4), *xs = malloc((size_t)(S * H) * 4), *a = malloc((size_t)(S * I) * 4);
-    float *ys = malloc((size_t)(S * H) * 4);
+    float *ys = malloc((size_t)(S * H) * 4), *a2 = malloc((size_t)(S * I) * 4), *x1 = NULL;
     for (int64_t s = 0; s < S; s++) off[ids[s] + 1]++;
     int64_t na = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -1010,26 +1049,35 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
     /* A decode step's gather and sum are a few KiB: done here by one thread, they spare the team
        two of its four barriers, which cost most when another process holds a core. */
     const int small = S * H <= SMALL_MOE;
+    /* the experts' 16-lane products take the activations times 2^112 where they all scale
+       (e4m3_f32s_512); the down products' inputs are checked as the gate makes them */
+    const int sh_gu = wide && moe_scalable(x, T * H);
+    int big_a = 0;
+    const float up = sh_gu ? 0x1p112f : 1.0f;  /* the gathered rows' factor */
+    if (sh_gu && T == 1) {
+        x1 = malloc((size_t)H * 4);
+        for (int64_t h = 0; h < H; h++) x1[h] = x[h] * 0x1p112f;
+    }
     if (small && T > 1)
-        for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
+        for (int64_t p = 0; p < S; p++) gather_row(xs + p * H, x + tok[p] * H, H, up);
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = aligned_alloc(64, (size_t)((H > I ? H : I) * 16 * 2) * 4);
         float *tmp = malloc((size_t)(T * 32) * 4);  /* an expert has at most T rows */
         if (!small) {
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < S; p++) memcpy(xs + p * H, x + tok[p] * H, (size_t)H * 4);
+            for (int64_t p = 0; p < S; p++) gather_row(xs + p * H, x + tok[p] * H, H, up);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < na * ib; item++) {
             const int64_t e = active[item / ib], c = item % ib, r0 = off[e], n = off[e + 1] - r0;
             const uint8_t *w = w_gu + e * 2 * I * H;
-            const float *s = s_gu + e * 2 * I, *xe = T == 1 ? x : xs + r0 * H;
+            const float *s = s_gu + e * 2 * I, *xe = T == 1 ? (x1 ? x1 : x) : xs + r0 * H;
             if (n == 1 && wide) {
-                v1x2_512(xe, H, w + c * 16 * H, s + c * 16, tmp, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16);
+                V1X2[sh_gu](xe, H, w + c * 16 * H, s + c * 16, tmp, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16);
             } else {
-                block256(xe, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf, wide);
-                block256(xe, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16, wide);
+                block256(xe, n, H, w + c * 16 * H, s + c * 16, tmp, 32, buf, wide, sh_gu);
+                block256(xe, n, H, w + (ib + c) * 16 * H, s + I + c * 16, tmp + 16, 32, buf + H * 16, wide, sh_gu);
             }
             if (b_gu) {
                 const float *bg = b_gu + e * 2 * I + c * 16, *bu = bg + I;
@@ -1045,21 +1093,27 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
                 } else {
                     for (int j = 0; j < 16; j++) ar[j] = gated(tr[j], tr[16 + j], act, alpha, limit);
                 }
+                if (!moe_scalable(ar, 16)) __atomic_store_n(&big_a, 1, __ATOMIC_RELAXED);
+                float *a2r = a2 + (r0 + r) * I + c * 16;
+                for (int j = 0; j < 16; j++) a2r[j] = ar[j] * 0x1p112f;
             }
         }
-        /* down: two blocks an item where H has an even count of them (v1x2_512 for one row) */
+        /* down: two blocks an item where H has an even count of them (v1x2_512 for one row); the
+           loop above ended at a barrier, so every thread reads the same big_a */
         const int64_t per = hb % 2 ? 1 : 2, hi = hb / per;
+        const int sh_dn = wide && !__atomic_load_n(&big_a, __ATOMIC_RELAXED);
+        const float *ad = sh_dn ? a2 : a;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < na * hi; item++) {
             const int64_t e = active[item / hi], c0 = item % hi * per, r0 = off[e], n = off[e + 1] - r0;
             const uint8_t *we = w_dn + e * H * I;
             const float *se = s_dn + e * H;
             if (n == 1 && wide && per == 2)
-                v1x2_512(a + r0 * I, I, we + c0 * 16 * I, se + c0 * 16, ys + r0 * H + c0 * 16, we + (c0 + 1) * 16 * I,
-                         se + (c0 + 1) * 16, ys + r0 * H + (c0 + 1) * 16);
+                V1X2[sh_dn](ad + r0 * I, I, we + c0 * 16 * I, se + c0 * 16, ys + r0 * H + c0 * 16,
+                            we + (c0 + 1) * 16 * I, se + (c0 + 1) * 16, ys + r0 * H + (c0 + 1) * 16);
             else
                 for (int64_t c = c0; c < c0 + per; c++)
-                    block256(a + r0 * I, n, I, we + c * 16 * I, se + c * 16, ys + r0 * H + c * 16, H, buf, wide);
+                    block256(ad + r0 * I, n, I, we + c * 16 * I, se + c * 16, ys + r0 * H + c * 16, H, buf, wide, sh_dn);
             for (int64_t c = c0; c < c0 + per; c++) {
                 float *y = ys + r0 * H + c * 16;
                 const float *bd = b_dn ? b_dn + e * H + c * 16 : NULL;
@@ -1076,7 +1130,7 @@ T256 static void moe_256(const float *x, int64_t T, int64_t H, int64_t I, int64_
     }
     if (small)
         for (int64_t t = 0; t < T; t++) sum_slots(ys, pos, t, k, H, out);
-    free(off), free(pos), free(tok), free(active), free(ws), free(xs), free(a), free(ys);
+    free(off), free(pos), free(tok), free(active), free(ws), free(xs), free(a), free(ys), free(a2), free(x1);
 }
 
 /* 2: AVX-512 BF16, 1: AVX2 + F16C + FMA, 0: neither (the caller keeps torch's formats). */
