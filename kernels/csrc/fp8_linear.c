@@ -183,7 +183,7 @@ static INL int64_t map_row(int64_t kp) { return kp / 8 + 2; }
 /* The shifts' map of a packed e4m3 weight (nblocks blocks of kp k pairs): bit p of block nb's
    row (map_row bytes a block) set where pair p's 32 bytes hold a subnormal or the NaN code.
    Returns how many pairs are marked. */
-int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
+CLONES int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
     const int64_t mb = map_row(kp);
     int64_t count = 0;
 #pragma omp parallel for num_threads(nthreads) reduction(+ : count) schedule(static)
@@ -192,10 +192,10 @@ int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *
         memset(m, 0, (size_t)mb);
         for (int64_t p = 0; p < kp; p++) {
             const uint8_t *q = w + (nb * kp + p) * 32;
-            int bad = 0;
-            for (int i = 0; i < 32; i++) {
-                const int v = q[i] & 0x7f;
-                bad |= (v >= 1 && v <= 7) | (v == 0x7f);
+            uint8_t bad = 0;
+            for (int i = 0; i < 32; i++) {  /* magnitude 1-7 (v - 1 wraps 0 past 7) or 0x7f */
+                const uint8_t v = q[i] & 0x7f;
+                bad |= (uint8_t)((uint8_t)(v - 1) < 7) | (uint8_t)(v == 0x7f);
             }
             m[p >> 3] |= (uint8_t)(bad << (p & 7));
             count += bad;
@@ -1221,7 +1221,7 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 int fp8_linear_isa(void) { return 0; }
 int fp8_linear_amx(void) { return 0; }
 int fp8_linear_force_conversion(int c) { (void)c; return 0; }
-int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
+CLONES int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
     (void)w; (void)nblocks; (void)kp; (void)map; (void)nthreads;
     return -1;
 }
