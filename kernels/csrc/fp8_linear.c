@@ -75,16 +75,14 @@ T512 static INL void close512(float *y, __m512 acc, const void *s, int sbf, int6
 static uint8_t vbmi_tab[4][64];  /* low bytes 0-63, 64-127; high bytes 0-63, 64-127; by magnitude */
 static uint8_t vbmi_mix[2][64];  /* the interleave: word i of half h is (low, high) byte 32h + i */
 /* The conversion the AVX-512 BF16 products use: 0 the widening above, 1 these tables, 2 shifts
-   with these tables for the rare chunk that needs them (below); the CPU's best unless a test
+   with these tables for the k pairs a weight's map marks (below); the CPU's best unless a test
    forced a narrower one. */
 static int conv_on;
 
 static int conv_cpu(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512vbmi") || !__builtin_cpu_supports("avx512bf16")
-        || !__builtin_cpu_supports("avx512bw"))
-        return 0;
-    return __builtin_cpu_supports("gfni") ? 2 : 1;
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")
+                   && __builtin_cpu_supports("avx512bw") ? 2 : 0;
 }
 
 __attribute__((constructor)) static void vbmi_init(void) {
@@ -130,7 +128,7 @@ T512V static INL __m512bh vbmi_bf16x32(const struct vtab *t, const uint8_t *q) {
 }
 
 /* By shifts, without the tables' four permutes a 64 bytes (the bound of a product of few rows:
-   converting and multiplying one row from the cache ran 1.35x the bytes a second): a byte
+   converting and multiplying one row from the cache ran 1.2-1.3x the bytes a second): a byte
    sign-extended to 16 bits and shifted left by 4 holds its sign at bit 15, its exponent at bits
    7-10 and its mantissa at 4-6, a bf16's places, and one and keeps those. The word is the
    tables' word times 2^-112 (bf16's exponent field holds e4m3's own: a bias of 7 for bf16's 127,
@@ -140,7 +138,7 @@ T512V static INL __m512bh vbmi_bf16x32(const struct vtab *t, const uint8_t *q) {
    either is marked in the weight's map (fp8_special_map, made once at load), and a step whose
    pairs are marked takes the tables and the activations as they are. A weight's map costs a
    bit a 32 bytes; a GGUF's integer codes convert to no subnormal at all. */
-#define T512S __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,f16c,fma")))
+#define T512S T512V  /* the shifts need no VBMI themselves, but their marked pairs take its tables */
 #define SX_TAKE 0x87f0       /* sign, exponent, mantissa: the bits kept from the shifted byte */
 #define SX_SCALE (112 << 7)  /* 2^112 on a bf16's exponent field */
 
