@@ -114,6 +114,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8_linear_force_conversion.argtypes, lib.fp8_linear_force_conversion.restype = [i32], i32  # tests
     lib.fp8_linear_grouped.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i32, i32, p, i32]
     lib.fp8_special_map.argtypes, lib.fp8_special_map.restype = [p, i64, i64, p, i32], i64
+    lib.fp8_linear_shifts.argtypes, lib.fp8_linear_shifts.restype = [], i32
     lib.fp8_linear_grouped.restype = i32
     lib.fp8_linear_tiles.argtypes = [p, i64, i64, p, p, i32, i64, i64, p, i64, p, i32, i32, i32]
     lib.fp8_linear_tiles.restype = i32
@@ -298,11 +299,13 @@ def fp8_linear_call(packed: torch.Tensor, scale256: torch.Tensor, isa: int, i8: 
 def special_map(packed: torch.Tensor) -> torch.Tensor | None:
     """The map of a packed e4m3 weight's k pairs that hold a subnormal or NaN code (a bit a pair,
     [N/16, K/16 + 2] bytes): with it the AVX-512 product converts every other pair by shifts
-    (kernels/csrc/fp8_linear.c). None where the library is not built."""
+    (kernels/csrc/fp8_linear.c). None where the library is not built or the CPU does not convert
+    by shifts (AVX-512 BF16 and VBMI; an ISA capped below it, ATEN_CPU_CAPABILITY): no pass over
+    the weights at load where no product reads the map."""
     nb, kp = packed.shape[:2]
     assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[2:] == (16, 2), packed.shape
     lib = library()
-    if lib is None:
+    if lib is None or fp8_linear_isa() < 2 or not lib.fp8_linear_shifts():
         return None
     out = torch.empty((nb, kp // 8 + 2), dtype=torch.uint8)
     marked = lib.fp8_special_map(packed.data_ptr(), nb, kp, out.data_ptr(), torch.get_num_threads())

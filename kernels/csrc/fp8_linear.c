@@ -414,6 +414,10 @@ int fp8_linear_force_conversion(int c) {
     return __atomic_load_n(&conv_on, __ATOMIC_RELAXED);
 }
 
+/* 1 where this CPU converts by shifts (and so reads a weight's fp8_special_map), whatever a test
+   forced: elsewhere a map is not worth its pass over the weights at load. */
+int fp8_linear_shifts(void) { return conv_cpu() == 2; }
+
 T512 static void to_bf16(const float *x, uint16_t *xb, int64_t n) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32)
@@ -1219,6 +1223,7 @@ int fp8_moe(const float *x, int64_t T, int64_t H, int64_t I, int64_t E, int64_t 
 int fp8_linear_isa(void) { return 0; }
 int fp8_linear_amx(void) { return 0; }
 int fp8_linear_force_conversion(int c) { (void)c; return 0; }
+int fp8_linear_shifts(void) { return 0; }
 CLONES int64_t fp8_special_map(const uint8_t *w, int64_t nblocks, int64_t kp, uint8_t *map, int nthreads) {
     (void)w; (void)nblocks; (void)kp; (void)map; (void)nthreads;
     return -1;
